@@ -1,0 +1,54 @@
+"""The error hierarchy. Every error kvxferd raises on purpose derives from KvxferdError.
+
+Messages say what was wrong and how to fix it; the CLI prints them without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class KvxferdError(Exception):
+    """Root of every error kvxferd raises deliberately."""
+
+
+class ConfigError(KvxferdError):
+    """A configuration file or value is invalid. `problems` holds one line per problem."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+class StartupError(KvxferdError):
+    """The daemon cannot start (resolution rule broken, backend missing, port busy...)."""
+
+
+class BackendUnavailableError(StartupError):
+    """The transport library of a backend is not installed or does not load."""
+
+
+class ProtocolError(KvxferdError):
+    """A message from a peer or an engine is malformed, truncated or of the wrong version."""
+
+
+class HandshakeError(KvxferdError):
+    """The peer handshake failed (authentication, timeout, connection)."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer was refused because its settings cannot work with ours."""
+
+
+class DuplicateRequestError(KvxferdError):
+    """A request id is already active on this daemon."""
+
+
+class TransferError(KvxferdError):
+    """A data-plane operation failed."""
+
+
+class TransferTimeoutError(TransferError):
+    """A transfer did not finish before its deadline."""
+
+
+class PeerLostError(TransferError):
+    """The peer daemon went away (connection closed, heartbeats missed, new incarnation)."""
