@@ -30,6 +30,10 @@ class ProtocolError(KvxferdError):
     """A message from a peer or an engine is malformed, truncated or of the wrong version."""
 
 
+class MalformedMessageError(ProtocolError):
+    """One message did not decode; the stream itself is intact and can go on."""
+
+
 class HandshakeError(KvxferdError):
     """The peer handshake failed (authentication, timeout, connection)."""
 
@@ -52,3 +56,11 @@ class TransferTimeoutError(TransferError):
 
 class PeerLostError(TransferError):
     """The peer daemon went away (connection closed, heartbeats missed, new incarnation)."""
+
+
+class RequestError(KvxferdError):
+    """An engine call was refused; `code` is the API error code sent back to the engine."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,126 @@
+"""Engine <-> daemon messages on the local Unix socket. Typed, versioned, by field name.
+
+Every engine call carries a `call_id` answered by exactly one Reply; outcomes
+arrive unsolicited as Outcome messages, one per request.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from kvxferd.peers.framing import FrameCodec
+
+
+class _Msg(msgspec.Struct, tag_field="type"):
+    pass
+
+
+class EngineHello(_Msg, tag="hello"):
+    version: int
+    engine: str
+
+
+class DaemonHello(_Msg, tag="hello_ok"):
+    version: int
+    daemon: str
+    role: str
+    tokens_per_block: int
+
+
+class RegisterPool(_Msg, tag="register_pool"):
+    call_id: int
+    pool_id: str
+    shm_name: str
+    nbytes: int
+    layout: dict[str, object]
+
+
+class DeregisterPool(_Msg, tag="deregister_pool"):
+    call_id: int
+    pool_id: str
+
+
+class Recv(_Msg, tag="recv"):
+    call_id: int
+    request_id: str
+    pool_id: str
+    blocks: list[int]
+    peer: str
+    num_tokens: int | None = None
+
+
+class Send(_Msg, tag="send"):
+    call_id: int
+    request_id: str
+    pool_id: str
+    blocks: list[int]
+    token_start: int
+    token_end: int
+    last: bool = True
+
+
+class Cancel(_Msg, tag="cancel"):
+    call_id: int
+    request_id: str
+
+
+class Release(_Msg, tag="release"):
+    call_id: int
+    request_id: str
+
+
+class Query(_Msg, tag="query"):
+    call_id: int
+    request_id: str
+
+
+class Reply(_Msg, tag="reply"):
+    """`ok` False carries an error code and a message naming what was wrong.
+
+    `result` is call-specific: for cancel "cancelled", "busy" or "finished";
+    for query the request's state name.
+    """
+
+    call_id: int
+    ok: bool
+    error: str = ""
+    message: str = ""
+    result: str = ""
+
+
+class OutcomeMsg(_Msg, tag="outcome"):
+    request_id: str
+    side: str
+    status: str
+    reason: str
+    fault: str
+    message: str
+    nbytes: int
+    elapsed_ms: float
+
+
+EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
+    EngineHello, RegisterPool, DeregisterPool, Recv, Send, Cancel, Release, Query
+]
+DaemonMessage = Union[DaemonHello, Reply, OutcomeMsg]  # noqa: UP007
+
+ENGINE_CODEC: FrameCodec[EngineMessage] = FrameCodec(EngineMessage, "engine API")  # type: ignore[arg-type]
+DAEMON_CODEC: FrameCodec[DaemonMessage] = FrameCodec(DaemonMessage, "daemon API")  # type: ignore[arg-type]
+
+
+class ApiError:
+    """Error codes in Reply.error."""
+
+    BAD_REQUEST = "bad_request"
+    DUPLICATE_REQUEST = "duplicate_request"
+    UNKNOWN_REQUEST = "unknown_request"
+    UNKNOWN_POOL = "unknown_pool"
+    POOL_EXISTS = "pool_exists"
+    POOL_BUSY = "pool_busy"
+    REGISTRATION_FAILED = "registration_failed"
+    WRONG_ROLE = "wrong_role"
+    STILL_ACTIVE = "still_active"
+    DRAINING = "draining"
+    VERSION = "version"

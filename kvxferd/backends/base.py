@@ -1,0 +1,66 @@
+"""The data-plane adapter contract shared by every backend.
+
+A backend is the only code that imports its transport library. Adapters are
+synchronous and NOT thread-safe; the daemon drives each one from a single
+worker thread (kvxferd.transceiver.dataplane) so that a slow library call never
+blocks the event loop and the library never sees two threads at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+# (N, 2) int64 arrays of absolute (address, length) pairs.
+Segments = npt.NDArray[np.int64]
+
+
+class XferStatus(IntEnum):
+    """What a posted transfer is doing; translated from the library's own states."""
+
+    IN_PROGRESS = 0
+    DONE = 1
+    ERROR = 2
+
+
+@dataclass
+class XferHandle:
+    """A posted transfer. `native` is the library's handle; `released` is set once
+    the library confirmed that no byte of this transfer can still move."""
+
+    native: object
+    peer_agent: str
+    nbytes: int
+    descriptors: int
+    released: bool = False
+
+
+class Backend(Protocol):
+    name: str
+    agent_name: str
+
+    def register(self, address: int, nbytes: int) -> object: ...
+
+    def deregister(self, registration: object) -> None: ...
+
+    def metadata(self) -> bytes: ...
+
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    def remove_peer(self, agent_name: str) -> None: ...
+
+    def connect(self, agent_name: str) -> None: ...
+
+    def post_write(
+        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+    ) -> tuple[XferHandle, XferStatus]: ...
+
+    def poll(self, handle: XferHandle) -> XferStatus: ...
+
+    def release(self, handle: XferHandle) -> None: ...
+
+    def close(self) -> None: ...

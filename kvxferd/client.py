@@ -1,0 +1,349 @@
+"""kvxferd.client: what an inference engine imports to talk to its daemon.
+
+Two forms over the same Unix-socket protocol:
+
+* `AsyncClient` for engines running an asyncio loop;
+* `Client`, the blocking form, which runs a private loop in a background thread.
+
+Calls raise `CallError` (with the daemon's error `code`) when the daemon refuses
+them; nothing a call did is then left half-done. Every accepted recv or send
+produces exactly one `Outcome`, available through `wait` or `poll`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvxferd import PROTOCOL_VERSION
+from kvxferd.api.messages import (
+    DAEMON_CODEC,
+    ENGINE_CODEC,
+    Cancel,
+    DaemonHello,
+    DeregisterPool,
+    EngineHello,
+    OutcomeMsg,
+    Query,
+    Recv,
+    RegisterPool,
+    Release,
+    Reply,
+    Send,
+)
+from kvxferd.errors import KvxferdError, ProtocolError
+from kvxferd.memory.layout import KvLayout
+from kvxferd.transceiver.state import Outcome
+
+__all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome"]
+
+T = TypeVar("T")
+
+
+class CallError(KvxferdError):
+    """The daemon refused a call; `code` says why (see kvxferd.api.messages.ApiError)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonGoneError(KvxferdError):
+    """The connection to the daemon closed."""
+
+
+class AsyncClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[str]] = {}
+        self._outcomes: dict[tuple[str, str], Outcome] = {}
+        self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
+        self._reader_task: asyncio.Task[None] | None = None
+        self._closed_reason = ""
+        self.daemon = ""
+        self.role = ""
+        self.tokens_per_block = 0
+        self.errors: list[str] = []  # errors the daemon sent without a call (call_id -1)
+
+    @classmethod
+    async def connect(
+        cls, socket_path: str, engine: str = "engine", timeout_s: float = 10.0
+    ) -> AsyncClient:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(socket_path), timeout_s
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise DaemonGoneError(
+                f"cannot reach the kvxferd daemon at {socket_path}: {exc or 'timed out'}"
+            ) from exc
+        client = cls(reader, writer)
+        writer.write(ENGINE_CODEC.encode(EngineHello(version=PROTOCOL_VERSION, engine=engine)))
+        await writer.drain()
+        hello = await asyncio.wait_for(DAEMON_CODEC.read(reader), timeout_s)
+        if isinstance(hello, Reply) and not hello.ok:
+            writer.close()
+            raise CallError(hello.error, hello.message)
+        if not isinstance(hello, DaemonHello):
+            writer.close()
+            raise ProtocolError(f"daemon at {socket_path} did not answer the hello")
+        client.daemon, client.role = hello.daemon, hello.role
+        client.tokens_per_block = hello.tokens_per_block
+        client._reader_task = asyncio.create_task(client._read_loop())
+        return client
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await DAEMON_CODEC.read(self._reader)
+                if msg is None:
+                    break
+                if isinstance(msg, Reply):
+                    fut = self._pending.pop(msg.call_id, None)
+                    if fut is None:
+                        self.errors.append(f"{msg.error}: {msg.message}")
+                    elif not fut.done():
+                        if msg.ok:
+                            fut.set_result(msg.result)
+                        else:
+                            fut.set_exception(CallError(msg.error, msg.message))
+                elif isinstance(msg, OutcomeMsg):
+                    self._on_outcome(msg)
+            self._closed_reason = "the daemon closed the connection"
+        except (ProtocolError, ConnectionError, OSError) as exc:
+            self._closed_reason = f"connection to the daemon failed: {exc}"
+        finally:
+            if not self._closed_reason:
+                self._closed_reason = "client closed"
+            self._fail_all()
+
+    def _on_outcome(self, msg: OutcomeMsg) -> None:
+        outcome = Outcome(
+            request_id=msg.request_id,
+            side=msg.side,
+            status=msg.status,
+            reason=msg.reason,
+            fault=msg.fault,
+            message=msg.message,
+            nbytes=msg.nbytes,
+            elapsed_ms=msg.elapsed_ms,
+        )
+        self._outcomes[(msg.request_id, msg.side)] = outcome
+        for fut in self._waiters.pop(msg.request_id, []):
+            if not fut.done():
+                fut.set_result(outcome)
+
+    def _fail_all(self) -> None:
+        err = DaemonGoneError(self._closed_reason)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        for futs in self._waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
+        self._waiters.clear()
+
+    async def _call(self, msg: Any) -> str:
+        if self._reader_task is None or self._reader_task.done():
+            raise DaemonGoneError(self._closed_reason or "not connected")
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pending[msg.call_id] = fut
+        try:
+            self._writer.write(ENGINE_CODEC.encode(msg))
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(msg.call_id, None)
+            raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
+        return await fut
+
+    # ------------------------------------------------------------- the calls
+
+    async def register_pool(self, pool_id: str, shm_name: str, layout: KvLayout) -> None:
+        """Share a pool (POSIX shm `shm_name`) with the daemon, which maps and registers it."""
+        await self._call(
+            RegisterPool(
+                call_id=next(self._ids),
+                pool_id=pool_id,
+                shm_name=shm_name,
+                nbytes=layout.pool_bytes,
+                layout=dict(layout.to_wire()),
+            )
+        )
+
+    async def deregister_pool(self, pool_id: str) -> None:
+        await self._call(DeregisterPool(call_id=next(self._ids), pool_id=pool_id))
+
+    async def recv(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        peer: str,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Generation side: post a receive of `request_id` into `blocks`, from `peer`
+        (a static peer name of the daemon's config, or the context daemon's HOST:PORT)."""
+        await self._call(
+            Recv(
+                call_id=next(self._ids),
+                request_id=request_id,
+                pool_id=pool_id,
+                blocks=[int(b) for b in blocks],
+                peer=peer,
+                num_tokens=num_tokens,
+            )
+        )
+
+    async def send(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        token_end: int,
+        token_start: int = 0,
+        last: bool = True,
+    ) -> None:
+        """Context side: the KV of tokens [token_start, token_end) is ready. `blocks`
+        are all blocks of the request up to token_end; `last` marks the final chunk."""
+        await self._call(
+            Send(
+                call_id=next(self._ids),
+                request_id=request_id,
+                pool_id=pool_id,
+                blocks=[int(b) for b in blocks],
+                token_start=token_start,
+                token_end=token_end,
+                last=last,
+            )
+        )
+
+    async def cancel(self, request_id: str) -> str:
+        """"cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished"."""
+        return await self._call(Cancel(call_id=next(self._ids), request_id=request_id))
+
+    async def release(self, request_id: str) -> None:
+        """Forget a finished request, so that its id may be used again."""
+        await self._call(Release(call_id=next(self._ids), request_id=request_id))
+        for side in ("send", "recv"):
+            self._outcomes.pop((request_id, side), None)
+
+    async def query(self, request_id: str) -> str:
+        return await self._call(Query(call_id=next(self._ids), request_id=request_id))
+
+    def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
+        for s in (side,) if side else ("recv", "send"):
+            outcome = self._outcomes.get((request_id, s))
+            if outcome is not None:
+                return outcome
+        return None
+
+    async def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
+        """The outcome of `request_id`, waiting for it if needed."""
+        outcome = self.poll(request_id)
+        if outcome is not None:
+            return outcome
+        if self._reader_task is None or self._reader_task.done():
+            raise DaemonGoneError(self._closed_reason or "not connected")
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, []).append(fut)
+        return await asyncio.wait_for(fut, timeout_s)
+
+    async def close(self) -> None:
+        self._writer.close()
+        if self._reader_task is not None:
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+
+
+class Client:
+    """Blocking client: the same calls as AsyncClient, run on a private loop thread."""
+
+    def __init__(self, socket_path: str, engine: str = "engine", timeout_s: float = 10.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvxferd-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._client = self._run(AsyncClient.connect(socket_path, engine, timeout_s))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.daemon = self._client.daemon
+        self.role = self._client.role
+        self.tokens_per_block = self._client.tokens_per_block
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError("no answer from the kvxferd daemon in time") from None
+
+    def register_pool(self, pool_id: str, shm_name: str, layout: KvLayout) -> None:
+        self._run(self._client.register_pool(pool_id, shm_name, layout))
+
+    def deregister_pool(self, pool_id: str) -> None:
+        self._run(self._client.deregister_pool(pool_id))
+
+    def recv(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        peer: str,
+        num_tokens: int | None = None,
+    ) -> None:
+        self._run(self._client.recv(request_id, pool_id, blocks, peer, num_tokens))
+
+    def send(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        token_end: int,
+        token_start: int = 0,
+        last: bool = True,
+    ) -> None:
+        self._run(self._client.send(request_id, pool_id, blocks, token_end, token_start, last))
+
+    def cancel(self, request_id: str) -> str:
+        return self._run(self._client.cancel(request_id))
+
+    def release(self, request_id: str) -> None:
+        self._run(self._client.release(request_id))
+
+    def query(self, request_id: str) -> str:
+        return self._run(self._client.query(request_id))
+
+    def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
+        return self._client.poll(request_id, side)
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
+        return self._run(self._client.wait(request_id, timeout_s))
+
+    def close(self) -> None:
+        try:
+            self._run(self._client.close(), 5.0)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

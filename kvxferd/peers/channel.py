@@ -1,0 +1,133 @@
+"""One established, authenticated connection to a peer daemon.
+
+Owns the socket after the handshake: a reader loop that hands each message to
+the daemon, a heartbeat task that declares the peer lost when nothing was heard
+for `heartbeat_timeout_ms`, and an ordered writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from kvxferd.errors import ProtocolError
+from kvxferd.peers.handshake import PeerIdentity
+from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, PoolInfo, Pong
+
+log = logging.getLogger("kvxferd.peers")
+
+
+class PeerConnection:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: PeerIdentity,
+        info: Info,
+        agent_name: str,
+        label: str,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.peer = peer
+        self.agent_name = agent_name  # the peer's NIXL agent as loaded into ours
+        self.label = label
+        self.pools: dict[str, PoolInfo] = {p.pool_id: p for p in info.pools}
+        self.info = info
+        self._interval = heartbeat_interval_s
+        self._timeout = heartbeat_timeout_s
+        self._last_heard = time.monotonic()
+        self._seq = 0
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def key(self) -> str:
+        return f"{self.peer.name}/{self.peer.incarnation}"
+
+    def start(
+        self,
+        on_message: Callable[[PeerConnection, PeerMessage], Awaitable[None]],
+        on_closed: Callable[[PeerConnection], Awaitable[None]],
+    ) -> None:
+        self._tasks = [
+            asyncio.create_task(self._read_loop(on_message), name=f"peer-read-{self.key}"),
+            asyncio.create_task(self._heartbeat(), name=f"peer-heartbeat-{self.key}"),
+        ]
+        watcher = asyncio.create_task(self._watch(on_closed), name=f"peer-watch-{self.key}")
+        self._tasks.append(watcher)
+
+    async def send(self, msg: object) -> bool:
+        """Queue a message; False when the connection is already closed."""
+        if self.closed.is_set():
+            return False
+        try:
+            self.writer.write(PEER_CODEC.encode(msg))
+            await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self.close(f"write failed: {exc}")
+            return False
+        return True
+
+    def close(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    async def _read_loop(
+        self, on_message: Callable[[PeerConnection, PeerMessage], Awaitable[None]]
+    ) -> None:
+        try:
+            while True:
+                msg = await PEER_CODEC.read(self.reader)
+                if msg is None:
+                    self.close("connection closed by peer")
+                    return
+                self._last_heard = time.monotonic()
+                if isinstance(msg, Ping):
+                    await self.send(Pong(seq=msg.seq))
+                elif not isinstance(msg, Pong):
+                    await on_message(self, msg)
+        except ProtocolError as exc:
+            log.error("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, exc)
+            self.close(f"protocol error: {exc}")
+        except (ConnectionError, OSError) as exc:
+            self.close(f"connection error: {exc}")
+        except asyncio.CancelledError:
+            self.close("shutting down")
+            raise
+
+    async def _heartbeat(self) -> None:
+        while not self.closed.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.closed.wait(), self._interval)
+            if self.closed.is_set():
+                return
+            silent = time.monotonic() - self._last_heard
+            if silent > self._timeout:
+                log.warning(
+                    "peer %s (%s) silent for %.1f s, declaring it lost",
+                    self.key,
+                    self.label,
+                    silent,
+                )
+                self.close(f"no heartbeat for {silent:.1f} s")
+                return
+            self._seq += 1
+            await self.send(Ping(seq=self._seq))
+
+    async def _watch(self, on_closed: Callable[[PeerConnection], Awaitable[None]]) -> None:
+        await self.closed.wait()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        await on_closed(self)

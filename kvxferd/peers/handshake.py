@@ -1,0 +1,192 @@
+"""The authenticated peer handshake.
+
+    client (generation side)            server (context side)
+    Hello(version, id, nonce_c)   -->
+                                  <--   Challenge(version, id, nonce_s, proof_s)
+    [client verifies proof_s]
+    Auth(proof_c)                 -->
+                                        [server verifies proof_c]
+                                  <--   Info(server agent metadata, pools, settings)
+    [client checks compatibility]
+    Info(client ...)              -->
+                                        [server checks compatibility]
+                                  <--   Ready
+
+Both proofs are HMAC-SHA256 over both nonces and both identities, keyed by the
+shared secret, so each side proves knowledge of the secret before the other
+reveals any agent metadata or memory layout. Any refusal is sent as Refused
+(reason code + message naming the mismatch) and raised on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvxferd import PROTOCOL_VERSION
+from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.peers.messages import (
+    PEER_CODEC,
+    Auth,
+    Challenge,
+    Hello,
+    Info,
+    PeerMessage,
+    Ready,
+    Refused,
+)
+
+NONCE_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    incarnation: str
+    role: str
+    secret: bytes
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    name: str
+    incarnation: str
+    role: str
+
+
+# Returns None when the peer's Info is acceptable, else (reason code, message).
+InfoCheck = Callable[[PeerIdentity, Info], "tuple[str, str] | None"]
+
+
+def _proof(secret: bytes, label: bytes, first: bytes, second: bytes, names: str) -> bytes:
+    msg = b"kvxferd-handshake|" + label + b"|" + first + b"|" + second + b"|" + names.encode()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+async def _send(writer: asyncio.StreamWriter, msg: object) -> None:
+    writer.write(PEER_CODEC.encode(msg))
+    await writer.drain()
+
+
+async def _recv(reader: asyncio.StreamReader, peer: str) -> PeerMessage:
+    msg = await PEER_CODEC.read(reader)
+    if msg is None:
+        raise HandshakeError(f"{peer} closed the connection during the handshake")
+    if isinstance(msg, Refused):
+        raise IncompatiblePeerError(f"refused by {peer}: {msg.reason}: {msg.message}")
+    return msg
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str, message: str) -> None:
+    try:
+        await _send(writer, Refused(reason=reason, message=message))
+    except (ConnectionError, OSError):
+        pass
+
+
+M = TypeVar("M")
+
+
+def _expect(msg: PeerMessage, kind: type[M], peer: str) -> M:
+    if not isinstance(msg, kind):
+        raise ProtocolError(
+            f"{peer} sent {type(msg).__name__} during the handshake, expected {kind.__name__}"
+        )
+    return msg
+
+
+async def client_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    me: Identity,
+    make_info: Callable[[], Info],
+    check: InfoCheck,
+    peer_label: str,
+) -> tuple[PeerIdentity, Info]:
+    nonce_c = os.urandom(NONCE_BYTES)
+    await _send(
+        writer,
+        Hello(
+            version=PROTOCOL_VERSION,
+            name=me.name,
+            incarnation=me.incarnation,
+            role=me.role,
+            nonce=nonce_c,
+        ),
+    )
+    msg = await _recv(reader, peer_label)
+    msg = _expect(msg, Challenge, peer_label)
+    if msg.version != PROTOCOL_VERSION:
+        text = f"protocol version {msg.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
+        await _refuse(writer, "version", text)
+        raise IncompatiblePeerError(text)
+    names = f"{me.name}>{msg.name}"
+    expected = _proof(me.secret, b"server", nonce_c, msg.nonce, names)
+    if not hmac.compare_digest(expected, msg.proof):
+        text = f"{peer_label} ({msg.name}) could not prove the shared secret"
+        await _refuse(writer, "auth", "the server's proof of the shared secret is wrong")
+        raise HandshakeError(text)
+    peer = PeerIdentity(name=msg.name, incarnation=msg.incarnation, role=msg.role)
+    await _send(writer, Auth(proof=_proof(me.secret, b"client", msg.nonce, nonce_c, names)))
+    info = await _recv(reader, peer_label)
+    info = _expect(info, Info, peer_label)
+    refusal = check(peer, info)
+    if refusal is not None:
+        await _refuse(writer, *refusal)
+        raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
+    await _send(writer, make_info())
+    ready = await _recv(reader, peer_label)
+    _expect(ready, Ready, peer_label)
+    return peer, info
+
+
+async def server_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    me: Identity,
+    make_info: Callable[[], Info],
+    check: InfoCheck,
+    peer_label: str,
+) -> tuple[PeerIdentity, Info]:
+    hello = await _recv(reader, peer_label)
+    hello = _expect(hello, Hello, peer_label)
+    if hello.version != PROTOCOL_VERSION:
+        text = f"protocol version {hello.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
+        await _refuse(writer, "version", text)
+        raise IncompatiblePeerError(text)
+    if len(hello.nonce) != NONCE_BYTES:
+        raise ProtocolError(f"{peer_label} sent a {len(hello.nonce)}-byte nonce")
+    nonce_s = os.urandom(NONCE_BYTES)
+    names = f"{hello.name}>{me.name}"
+    await _send(
+        writer,
+        Challenge(
+            version=PROTOCOL_VERSION,
+            name=me.name,
+            incarnation=me.incarnation,
+            role=me.role,
+            nonce=nonce_s,
+            proof=_proof(me.secret, b"server", hello.nonce, nonce_s, names),
+        ),
+    )
+    auth = await _recv(reader, peer_label)
+    auth = _expect(auth, Auth, peer_label)
+    expected = _proof(me.secret, b"client", nonce_s, hello.nonce, names)
+    if not hmac.compare_digest(expected, auth.proof):
+        await _refuse(writer, "auth", "wrong shared secret")
+        raise HandshakeError(f"{hello.name} at {peer_label} could not prove the shared secret")
+    peer = PeerIdentity(name=hello.name, incarnation=hello.incarnation, role=hello.role)
+    await _send(writer, make_info())
+    info = await _recv(reader, peer_label)
+    info = _expect(info, Info, peer_label)
+    refusal = check(peer, info)
+    if refusal is not None:
+        await _refuse(writer, *refusal)
+        raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
+    await _send(writer, Ready())
+    return peer, info

@@ -1,0 +1,244 @@
+"""Peer connections: listening, dialing, handshakes, and the registry of live peers.
+
+A slow or failing handshake with one peer never blocks others: each address has
+its own dial in flight, shared by every request waiting for that peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.handshake import (
+    Identity,
+    InfoCheck,
+    PeerIdentity,
+    client_handshake,
+    server_handshake,
+)
+from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate
+from kvxferd.transceiver.dataplane import DataPlane
+
+log = logging.getLogger("kvxferd.peers")
+
+OnMessage = Callable[[PeerConnection, PeerMessage], Awaitable[None]]
+OnClosed = Callable[[PeerConnection], Awaitable[None]]
+
+
+def split_hostport(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise KvxferdError(f"peer address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class PeerTimings:
+    handshake_s: float
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class PeerManager:
+    def __init__(
+        self,
+        me: Identity,
+        dataplane: DataPlane,
+        make_info: Callable[[], Info],
+        check_info: InfoCheck,
+        timings: PeerTimings,
+        static_peers: dict[str, str],
+        on_message: OnMessage,
+        on_closed: OnClosed,
+    ) -> None:
+        self.me = me
+        self._dp = dataplane
+        self._make_info = make_info
+        self._check_info = check_info
+        self.timings = timings
+        self.static_peers = static_peers
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self.connections: dict[str, PeerConnection] = {}  # by peer key name/incarnation
+        self._by_address: dict[str, PeerConnection] = {}
+        self._dialing: dict[str, asyncio.Task[PeerConnection]] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self.handshake_failures: dict[str, int] = {}
+        self.listen_address = ""
+
+    # ------------------------------------------------------------- listening
+
+    async def listen(self, host: str, port: int) -> str:
+        try:
+            self._server = await asyncio.start_server(self._accept, host, port)
+        except OSError as exc:
+            raise StartupError(f"cannot listen for peers on {host}:{port}: {exc}") from exc
+        sock = self._server.sockets[0].getsockname()
+        self.listen_address = f"{sock[0]}:{sock[1]}"
+        return self.listen_address
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        label = f"{peername[0]}:{peername[1]}" if peername else "unknown"
+        task = asyncio.current_task()
+        if task is not None:
+            self._handshakes.add(task)  # type: ignore[arg-type]
+        try:
+            peer, info = await asyncio.wait_for(
+                server_handshake(
+                    reader, writer, self.me, self._make_info, self._check_info, label
+                ),
+                self.timings.handshake_s,
+            )
+            await self._established(reader, writer, peer, info, label)
+        except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
+            self._count_failure(exc)
+            log.warning("handshake from %s failed: %s", label, exc or "timed out")
+            writer.close()
+        finally:
+            if task is not None:
+                self._handshakes.discard(task)  # type: ignore[arg-type]
+
+    # --------------------------------------------------------------- dialing
+
+    def resolve_address(self, peer: str) -> str:
+        address = self.static_peers.get(peer, peer)
+        split_hostport(address)
+        return address
+
+    async def connect(self, peer: str) -> PeerConnection:
+        """The live connection to `peer` (a static peer name or HOST:PORT), dialing if needed."""
+        address = self.resolve_address(peer)
+        conn = self._by_address.get(address)
+        if conn is not None and not conn.closed.is_set():
+            return conn
+        dial = self._dialing.get(address)
+        if dial is None:
+            dial = asyncio.create_task(self._dial(address), name=f"dial-{address}")
+            self._dialing[address] = dial
+            dial.add_done_callback(lambda _t, a=address: self._dialing.pop(a, None))
+        # Shielded: one waiter giving up must not abort the dial others share.
+        return await asyncio.shield(dial)
+
+    async def _dial(self, address: str) -> PeerConnection:
+        host, port = split_hostport(address)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), self.timings.handshake_s
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._count_failure(exc)
+            raise HandshakeError(f"cannot connect to peer {address}: {exc or 'timed out'}") from exc
+        try:
+            peer, info = await asyncio.wait_for(
+                client_handshake(
+                    reader, writer, self.me, self._make_info, self._check_info, address
+                ),
+                self.timings.handshake_s,
+            )
+        except asyncio.TimeoutError as exc:
+            writer.close()
+            self._count_failure(exc)
+            raise HandshakeError(f"handshake with {address} timed out") from exc
+        except (KvxferdError, OSError) as exc:
+            writer.close()
+            self._count_failure(exc)
+            log.warning("handshake with %s failed: %s", address, exc)
+            raise
+        conn = await self._established(reader, writer, peer, info, address)
+        self._by_address[address] = conn
+        return conn
+
+    # ----------------------------------------------------------- established
+
+    async def _established(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: PeerIdentity,
+        info: Info,
+        label: str,
+    ) -> PeerConnection:
+        # A restarted peer (same name, new incarnation) replaces its old connection.
+        for old in list(self.connections.values()):
+            if old.peer.name == peer.name and old.peer.incarnation != peer.incarnation:
+                log.info(
+                    "peer %s restarted (incarnation %s -> %s); dropping the stale one",
+                    peer.name,
+                    old.peer.incarnation,
+                    peer.incarnation,
+                )
+                old.close("peer restarted with a new incarnation")
+        try:
+            agent = await self._dp.call(self._dp.backend.add_peer, info.agent_metadata)
+        except KvxferdError as exc:
+            writer.close()
+            raise HandshakeError(f"cannot load the agent metadata of {peer.name}: {exc}") from exc
+        conn = PeerConnection(
+            reader,
+            writer,
+            peer,
+            info,
+            agent,
+            label,
+            self.timings.heartbeat_interval_s,
+            self.timings.heartbeat_timeout_s,
+        )
+        self.connections[conn.key] = conn
+        conn.start(self._on_message, self._closed)
+        log.info(
+            "peer %s (incarnation %s, role %s) connected via %s, agent %s",
+            peer.name,
+            peer.incarnation,
+            peer.role,
+            label,
+            agent,
+        )
+        return conn
+
+    async def _closed(self, conn: PeerConnection) -> None:
+        log.warning("peer %s (%s) disconnected: %s", conn.key, conn.label, conn.close_reason)
+        try:
+            await self._on_closed(conn)  # sessions quiesce first ...
+        finally:
+            # ... then the peer's agent is evicted.
+            if self.connections.get(conn.key) is conn:
+                del self.connections[conn.key]
+            for address, c in list(self._by_address.items()):
+                if c is conn:
+                    del self._by_address[address]
+            if not any(c.agent_name == conn.agent_name for c in self.connections.values()):
+                with contextlib.suppress(KvxferdError):
+                    await self._dp.call(self._dp.backend.remove_peer, conn.agent_name)
+
+    def _count_failure(self, exc: BaseException) -> None:
+        kind = type(exc).__name__
+        if isinstance(exc, ProtocolError):
+            kind = "protocol"
+        self.handshake_failures[kind] = self.handshake_failures.get(kind, 0) + 1
+
+    async def broadcast_pools(self, update: PoolsUpdate) -> None:
+        for conn in list(self.connections.values()):
+            await conn.send(update)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._handshakes):
+            task.cancel()
+        for conn in list(self.connections.values()):
+            conn.close("daemon shutting down")
+        # Let each connection's close handling (session quiescence, agent eviction) run.
+        for _ in range(100):
+            if not self.connections:
+                break
+            await asyncio.sleep(0.01)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)

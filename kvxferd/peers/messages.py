@@ -1,0 +1,170 @@
+"""Peer-to-peer control messages (TCP). Typed, versioned, decoded by field name.
+
+Every message that can fail a request carries the request id, the receiver's
+session token (`rx_token`, so a late message for an earlier request with the
+same id is recognised and dropped) and a reason code.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from kvxferd.peers.framing import FrameCodec
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+# --- handshake -------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    """Client opens: who it is and a fresh nonce the server must prove a MAC over."""
+
+    version: int
+    name: str
+    incarnation: str
+    role: str
+    nonce: bytes
+
+
+class Challenge(_Msg, tag="challenge"):
+    """Server answers with its identity, its own nonce and its proof of the secret."""
+
+    version: int
+    name: str
+    incarnation: str
+    role: str
+    nonce: bytes
+    proof: bytes
+
+
+class Auth(_Msg, tag="auth"):
+    """Client's proof of the secret over the server's nonce."""
+
+    proof: bytes
+
+
+class PoolInfo(msgspec.Struct):
+    pool_id: str
+    layout: dict[str, object]
+    base: int
+    nbytes: int
+
+
+class Info(_Msg, tag="info"):
+    """Sent only after both sides proved the secret: memory metadata and settings."""
+
+    agent_name: str
+    agent_metadata: bytes
+    pools: list[PoolInfo]
+    fingerprint: str
+    compat: dict[str, object]
+    transceiver: dict[str, object]
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    context_parallel_size: int
+
+
+class Ready(_Msg, tag="ready"):
+    pass
+
+
+class Refused(_Msg, tag="refused"):
+    """The handshake is refused; `reason` is a code, `message` names the mismatch."""
+
+    reason: str
+    message: str
+
+
+# --- steady state ----------------------------------------------------------
+
+
+class PoolsUpdate(_Msg, tag="pools"):
+    pools: list[PoolInfo]
+
+
+class RequestData(_Msg, tag="request_data"):
+    """Generation -> context: write this request's KV into these blocks."""
+
+    request_id: str
+    rx_token: int
+    pool_id: str
+    blocks: list[int]
+    num_tokens: int | None = None
+
+
+class Result(_Msg, tag="result"):
+    """Context -> generation: a slice was written (status "ok") or failed (a reason code)."""
+
+    request_id: str
+    rx_token: int
+    status: str
+    nbytes: int = 0
+    last: bool = True
+    message: str = ""
+
+
+class Abort(_Msg, tag="abort"):
+    """Either side: this request failed here; stop working on it.
+
+    From the generation side it also asks for quiescence: the context side
+    answers AbortAck once no write for `rx_token` can still land.
+    """
+
+    request_id: str
+    rx_token: int
+    reason: str
+    message: str = ""
+
+
+class AbortAck(_Msg, tag="abort_ack"):
+    request_id: str
+    rx_token: int
+
+
+class CancelRequest(_Msg, tag="cancel"):
+    """Generation -> context: the engine cancels; stop unless a write is in flight."""
+
+    request_id: str
+    rx_token: int
+
+
+class CancelAnswer(_Msg, tag="cancel_answer"):
+    """`cancelled` True: nothing was or will be written; False: busy, retry later."""
+
+    request_id: str
+    rx_token: int
+    cancelled: bool
+
+
+class Ping(_Msg, tag="ping"):
+    seq: int
+
+
+class Pong(_Msg, tag="pong"):
+    seq: int
+
+
+PeerMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
+    Hello,
+    Challenge,
+    Auth,
+    Info,
+    Ready,
+    Refused,
+    PoolsUpdate,
+    RequestData,
+    Result,
+    Abort,
+    AbortAck,
+    CancelRequest,
+    CancelAnswer,
+    Ping,
+    Pong,
+]
+
+PEER_CODEC: FrameCodec[PeerMessage] = FrameCodec(PeerMessage, "peer")  # type: ignore[arg-type]

@@ -1,0 +1,52 @@
+"""Runs a daemon on uvloop with signal handling.
+
+The first SIGTERM or SIGINT asks for a graceful drain; a second one forces the
+exit. After a clean drain the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+log = logging.getLogger("kvxferd.daemon")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; keep working if a platform lacks it
+        return asyncio.run(main())
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main())
+    uvloop.install()
+    return asyncio.run(main())
+
+
+def install_shutdown_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.error("second %s: forcing exit", name)
+            os._exit(1)
+        log.info("%s received: draining", name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)

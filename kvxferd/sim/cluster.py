@@ -1,0 +1,272 @@
+"""Real daemons and reference engines as separate processes on loopback.
+
+Used by `kvxferd demo`, `kvxferd bench` and the tests: writes a config per
+daemon, starts `kvxferd run` processes (peer and HTTP ports chosen by the
+kernel and read back from the daemon's log), and runs reference engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvxferd.errors import KvxferdError
+
+_LISTEN_RE = re.compile(r"listening for peers on (\S+)")
+_HTTP_RE = re.compile(r"HTTP \(health, status\) on (\S+)")
+
+DEFAULT_GEOMETRY: dict[str, Any] = {
+    "num_layers": 8,
+    "num_kv_heads": 4,
+    "head_dim": 64,
+    "tokens_per_block": 32,
+    "dtype": "float16",
+    "layout": "block-major",
+}
+
+
+class ClusterError(KvxferdError):
+    pass
+
+
+@dataclass
+class DaemonProc:
+    name: str
+    role: str
+    config_path: Path
+    api_socket: str
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    peer_address: str = ""
+    http_address: str = ""
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (graceful drain) and wait; SIGKILL if it overstays."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(10)
+
+
+@dataclass
+class LocalCluster:
+    workdir: Path
+    secret: bytes | None = b"kvxferd-local-cluster-secret"
+    geometry: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_GEOMETRY))
+    transceiver: dict[str, Any] = field(default_factory=dict)
+    daemon_defaults: dict[str, Any] = field(default_factory=dict)
+    daemons: list[DaemonProc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def write_config(
+        self,
+        name: str,
+        role: str,
+        *,
+        transceiver: dict[str, Any] | None = None,
+        daemon: dict[str, Any] | None = None,
+        engine: dict[str, Any] | None = None,
+        secret: bytes | None | str = "default",
+    ) -> tuple[Path, str]:
+        api_socket = str(self.workdir / f"{name}.sock")
+        daemon_section: dict[str, Any] = {
+            "name": name,
+            "api_socket": api_socket,
+            "peer_listen": "127.0.0.1:0",
+            "http": "127.0.0.1:0",
+            "heartbeat_interval_ms": 500,
+            "heartbeat_timeout_ms": 3000,
+            "drain_timeout_ms": 10000,
+        }
+        the_secret = self.secret if secret == "default" else secret
+        if the_secret is not None:
+            secret_path = self.workdir / f"{name}.secret"
+            secret_path.write_bytes(the_secret if isinstance(the_secret, bytes) else b"")
+            secret_path.chmod(0o600)
+            daemon_section["shared_secret_file"] = str(secret_path)
+        daemon_section.update(self.daemon_defaults)
+        daemon_section.update(daemon or {})
+        engine_section: dict[str, Any] = {"role": role, "kv_layout": dict(self.geometry)}
+        engine_section.update(engine or {})
+        ctc: dict[str, Any] = {"backend": "NIXL", "transceiver_runtime": "PYTHON"}
+        ctc.update(self.transceiver)
+        ctc.update(transceiver or {})
+        doc = {"cache_transceiver_config": ctc, "engine": engine_section, "daemon": daemon_section}
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path, daemon_section["api_socket"]
+
+    def start_daemon(
+        self, name: str, role: str, *, wait: bool = True, timeout_s: float = 60.0, **kw: Any
+    ) -> DaemonProc:
+        config_path, api_socket = self.write_config(name, role, **kw)
+        log_path = self.workdir / f"{name}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvxferd.cli", "run", "--config", str(config_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log_file.close()
+        d = DaemonProc(name, role, config_path, api_socket, log_path, proc)
+        self.daemons.append(d)
+        if wait:
+            self.wait_ready(d, timeout_s)
+        return d
+
+    def wait_ready(self, d: DaemonProc, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        # Only the log written since this (re)start counts.
+        while time.monotonic() < deadline:
+            text = d.log_text()
+            ready_at = text.rfind(" ready")
+            if ready_at >= 0:
+                head = text[:ready_at]
+                listen = _LISTEN_RE.findall(head)
+                http = _HTTP_RE.findall(head)
+                d.peer_address = listen[-1] if listen else ""
+                d.http_address = http[-1] if http else ""
+                if d.peer_address:
+                    return
+            if not d.alive():
+                raise ClusterError(
+                    f"daemon {d.name} exited with {d.proc.returncode} before it was ready:\n"
+                    + text[-3000:]
+                )
+            time.sleep(0.05)
+        raise ClusterError(f"daemon {d.name} not ready after {timeout_s} s:\n{d.log_text()[-3000:]}")
+
+    def engine_command(self, d: DaemonProc, role: str, **opts: Any) -> list[str]:
+        cmd = [sys.executable, "-m", "kvxferd.sim.engine", "--role", role, "--socket", d.api_socket]
+        geometry = {
+            "layers": self.geometry["num_layers"],
+            "kv_heads": self.geometry["num_kv_heads"],
+            "head_dim": self.geometry["head_dim"],
+            "tokens_per_block": self.geometry["tokens_per_block"],
+            "dtype": self.geometry["dtype"],
+            "layout": self.geometry["layout"],
+        }
+        for key, value in {**geometry, **opts}.items():
+            if value is None or value is False:
+                continue
+            flag = "--" + key.replace("_", "-")
+            cmd += [flag] if value is True else [flag, str(value)]
+        return cmd
+
+    def start_engine(self, d: DaemonProc, role: str, **opts: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.engine_command(d, role, **opts),
+            stdout=subprocess.PIPE,
+            stderr=None if opts.get("progress") else subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+
+    @staticmethod
+    def engine_report(proc: subprocess.Popen[bytes], timeout_s: float = 600.0) -> dict[str, Any]:
+        out, err = proc.communicate(timeout=timeout_s)
+        if proc.returncode != 0:
+            raise ClusterError(
+                f"reference engine exited with {proc.returncode}:\n"
+                + (err or b"").decode(errors="replace")[-3000:]
+            )
+        report: dict[str, Any] = json.loads(out.decode())
+        return report
+
+    def stop_all(self, timeout_s: float = 30.0) -> dict[str, int]:
+        codes = {}
+        for d in self.daemons:
+            codes[d.name] = d.stop(timeout_s)
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for d in self.daemons:
+            if d.alive():
+                d.kill()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarise(ctx_report: dict[str, Any], gen_report: dict[str, Any]) -> dict[str, Any]:
+    """Joins both engines' records by request id into the demo/bench summary."""
+    sends = {r["request_id"]: r for r in ctx_report["records"]}
+    recvs = {r["request_id"]: r for r in gen_report["records"]}
+    ids = sorted(set(sends) | set(recvs))
+    verified = [i for i in ids if recvs.get(i, {}).get("verified")]
+    failed = [
+        i
+        for i in ids
+        if recvs.get(i, {}).get("status") != "done" or sends.get(i, {}).get("status") != "done"
+    ]
+    latencies = [
+        (recvs[i]["t_end_ns"] - sends[i]["t_start_ns"]) / 1e6 for i in verified if i in sends
+    ]
+    nbytes = sum(recvs[i]["nbytes"] for i in verified)
+    starts = [r["t_start_ns"] for r in sends.values() if r["t_start_ns"]]
+    ends = [r["t_end_ns"] for r in recvs.values() if r["t_end_ns"]]
+    span_s = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
+    failures: dict[str, int] = {}
+    for i in failed:
+        key = recvs.get(i, {}).get("reason") or sends.get(i, {}).get("reason") or "unknown"
+        failures[key] = failures.get(key, 0) + 1
+    return {
+        "requests": len(ids),
+        "verified": len(verified),
+        "failed": len(failed),
+        "unverified": len(ids) - len(verified) - len(failed),
+        "bytes": nbytes,
+        "seconds": round(span_s, 4),
+        "gbps": round(nbytes / span_s / 1e9, 4) if span_s > 0 else 0.0,
+        "p50_ms": round(percentile(latencies, 50), 3),
+        "p99_ms": round(percentile(latencies, 99), 3),
+        "failures": failures,
+        "first_mismatch": next(
+            (recvs[i]["verify_error"] for i in ids if recvs.get(i, {}).get("verify_error")), ""
+        ),
+    }
+
+
+def default_workdir(prefix: str) -> Path:
+    base = Path(os.environ.get("TMPDIR", "/tmp"))
+    return Path(
+        subprocess.check_output(["mktemp", "-d", str(base / f"{prefix}.XXXXXX")]).decode().strip()
+    )

@@ -1,0 +1,396 @@
+"""Generation side of the PYTHON runtime: admit a posted receive, ask the context
+daemon for the KV (RequestData), and complete when the last slice is reported.
+
+Timeouts (the seed): kv_transfer_timeout_ms applies per receive task, from
+admission. When a request ends here while the context side may still be
+writing (timeout, cancel, engine gone, shutdown), the peer is told (Abort) and
+the blocks stay on loan until it confirms quiescence (AbortAck) or the
+connection is gone; only then is the outcome reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvxferd.errors import HandshakeError, IncompatiblePeerError, KvxferdError, RequestError
+from kvxferd.memory.layout import LayoutError
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.messages import (
+    Abort,
+    AbortAck,
+    CancelAnswer,
+    CancelRequest,
+    RequestData,
+    Result,
+)
+from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.admission import AdmissionWindow
+from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, make_outcome
+from kvxferd.transceiver.state import Reason, SessionState, Status
+
+log = logging.getLogger("kvxferd.receiver")
+
+Connect = Callable[[str], Awaitable[PeerConnection]]
+
+# Phases in which the task holds no promise towards the peer and may simply be cancelled.
+_CANCELLABLE = ("admission", "connecting")
+
+
+@dataclass
+class ReceiverTimeouts:
+    timeout_s: float
+    # Bound on waiting for the context side's answer to a cancel or an abort;
+    # past it the connection is closed, which stops the peer's writes.
+    answer_s: float
+
+
+class Receiver:
+    def __init__(
+        self, timeouts: ReceiverTimeouts, admission: AdmissionWindow, connect: Connect
+    ) -> None:
+        self.timeouts = timeouts
+        self.admission = admission
+        self._connect = connect
+        self.sessions: dict[str, RxSession] = {}
+        self.accepting = True
+        self._phase: dict[str, str] = {}
+        self._cancel_answers: dict[tuple[str, int], asyncio.Future[bool]] = {}
+
+    # ------------------------------------------------------------ engine calls
+
+    def recv(
+        self,
+        engine: EngineLink,
+        request_id: str,
+        pool: LocalPool,
+        blocks: list[int],
+        peer_address: str,
+        num_tokens: int | None,
+    ) -> None:
+        if not self.accepting:
+            raise RequestError("draining", "the daemon is draining; no new requests")
+        if request_id in self.sessions:
+            raise RequestError(
+                "duplicate_request",
+                f"request {request_id!r} is already active or finished on this daemon; "
+                "release it before reusing the id",
+            )
+        if not blocks:
+            raise RequestError("bad_request", "a receive needs at least one block")
+        try:
+            pool.layout.check_blocks(blocks)
+        except LayoutError as exc:
+            raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
+        if num_tokens is not None:
+            tpb = pool.layout.tokens_per_block
+            if not (len(blocks) - 1) * tpb < num_tokens <= len(blocks) * tpb:
+                raise RequestError(
+                    "bad_request",
+                    f"{num_tokens} tokens do not fill {len(blocks)} blocks of {tpb} tokens",
+                )
+        s = RxSession(
+            request_id=request_id,
+            engine=engine,
+            pool=pool,
+            blocks=list(blocks),
+            num_tokens=num_tokens,
+            peer_address=peer_address,
+            rx_token=secrets.randbits(63),
+        )
+        self.sessions[request_id] = s
+        pool.users.add(f"rx:{request_id}")
+        self._phase[request_id] = "admission"
+        s.task = asyncio.create_task(self._run(s), name=f"rx-{request_id}")
+
+    async def cancel(self, request_id: str) -> str:
+        s = self.sessions.get(request_id)
+        if s is None:
+            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
+        if s.finished or s.terminal is not None:
+            return "finished" if s.finished else "busy"
+        phase = self._phase.get(request_id, "")
+        if phase in _CANCELLABLE and s.task is not None:
+            s.request_end(
+                Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+            )
+            s.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(s.task)
+            return "cancelled"
+        conn = s.conn
+        if conn is None:
+            return "busy"
+        key = (request_id, s.rx_token)
+        answer = asyncio.get_running_loop().create_future()
+        self._cancel_answers[key] = answer
+        try:
+            if not await conn.send(CancelRequest(request_id=request_id, rx_token=s.rx_token)):
+                return "busy"
+            try:
+                cancelled = await asyncio.wait_for(answer, self.timeouts.answer_s)
+            except asyncio.TimeoutError:
+                return "busy"
+        finally:
+            self._cancel_answers.pop(key, None)
+        if not cancelled:
+            return "busy"
+        if s.request_end(
+            Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+        ):
+            s.peer_told = True
+        if s.task is not None:
+            await asyncio.shield(s.task)
+        return "cancelled" if s.terminal and s.terminal.status == Status.CANCELLED else "finished"
+
+    def release(self, request_id: str) -> None:
+        s = self.sessions.get(request_id)
+        if s is None:
+            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
+        if not s.finished:
+            raise RequestError(
+                "still_active",
+                f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
+            )
+        del self.sessions[request_id]
+
+    # ----------------------------------------------------------- peer messages
+
+    def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> RxSession | None:
+        s = self.sessions.get(request_id)
+        if s is None or s.conn is not conn or s.rx_token != rx_token:
+            return None  # late or foreign: never revives a finished request
+        return s
+
+    async def on_result(self, conn: PeerConnection, msg: Result) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        if s is None or s.terminal is not None:
+            return
+        if msg.status == Reason.OK:
+            s.nbytes += msg.nbytes
+            if msg.last:
+                s.result = (msg.status, s.nbytes, msg.message)
+                s.wake.set()
+            else:
+                s.advance(SessionState.TRANSFERRING)
+        else:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_FAILED, msg.message))
+            s.peer_told = True
+
+    async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        if s is None:
+            return
+        if msg.reason == Reason.SENDER_DEADLINE:
+            term = Terminal.peer(Status.FAILED, Reason.PEER_TIMED_OUT, msg.message)
+        elif msg.reason in (Reason.CANCELLED, Reason.PEER_CANCELLED):
+            term = Terminal.peer(Status.CANCELLED, Reason.PEER_CANCELLED, msg.message)
+        else:
+            term = Terminal.peer(
+                Status.FAILED, Reason.PEER_FAILED, f"context side: {msg.reason}: {msg.message}"
+            )
+        # The context side sends Abort only once its write is quiescent.
+        s.request_end(term)
+        s.peer_told = True
+        s.wake.set()
+
+    async def on_abort_ack(self, conn: PeerConnection, msg: AbortAck) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        if s is not None:
+            s.abort_acked = True
+            s.wake.set()
+
+    async def on_cancel_answer(self, conn: PeerConnection, msg: CancelAnswer) -> None:
+        answer = self._cancel_answers.get((msg.request_id, msg.rx_token))
+        if answer is not None and not answer.done():
+            answer.set_result(msg.cancelled)
+
+    async def on_peer_closed(self, conn: PeerConnection) -> None:
+        tasks = []
+        for s in self.sessions.values():
+            if s.conn is conn and not s.finished:
+                s.request_end(
+                    Terminal.peer(Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}")
+                )
+                s.peer_told = True  # nobody left to tell; a gone connection writes nothing
+                s.wake.set()
+                if s.task is not None:
+                    tasks.append(s.task)
+        for answer in self._cancel_answers.values():
+            if not answer.done():
+                answer.set_result(False)
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def abort_engine(self, engine: EngineLink, reason: str, message: str) -> None:
+        mine = [s for s in self.sessions.values() if s.engine is engine]
+        for s in mine:
+            self._end_now(s, Terminal.local(Status.FAILED, reason, message))
+        tasks = [s.task for s in mine if s.task is not None]
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+        for s in mine:
+            self.sessions.pop(s.request_id, None)
+
+    async def drain(self, deadline: float) -> None:
+        self.accepting = False
+        active = [s.task for s in self.sessions.values() if s.task is not None and not s.finished]
+        if active:
+            await asyncio.wait(active, timeout=max(0.0, deadline - time.monotonic()))
+        for s in list(self.sessions.values()):
+            if not s.finished:
+                self._end_now(
+                    s, Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
+                )
+        rest = [s.task for s in self.sessions.values() if s.task is not None]
+        if rest:
+            await asyncio.gather(*(asyncio.shield(t) for t in rest), return_exceptions=True)
+
+    def active_count(self) -> int:
+        return sum(1 for s in self.sessions.values() if not s.finished)
+
+    def _end_now(self, s: RxSession, term: Terminal) -> None:
+        s.request_end(term)
+        if self._phase.get(s.request_id) in _CANCELLABLE and s.task is not None:
+            s.task.cancel()
+
+    # --------------------------------------------------------------- the work
+
+    async def _run(self, s: RxSession) -> None:
+        admitted = False
+        try:
+            await self.admission.acquire(len(s.blocks))
+            admitted = True
+            deadline = time.monotonic() + self.timeouts.timeout_s
+            self._phase[s.request_id] = "connecting"
+            conn = await self._connect_peer(s)
+            if conn is None:
+                return
+            s.conn = conn
+            # No await between this check and the write below: a cancel either
+            # sees "connecting" (and no request is ever sent) or "sent".
+            if s.terminal is not None:
+                return
+            self._phase[s.request_id] = "sent"
+            s.request_sent = True
+            s.advance(SessionState.READY)
+            await conn.send(
+                RequestData(
+                    request_id=s.request_id,
+                    rx_token=s.rx_token,
+                    pool_id=s.pool.pool_id if s.pool else "",
+                    blocks=s.blocks,
+                    num_tokens=s.num_tokens,
+                )
+            )
+            await self._await_result(s, deadline)
+        except asyncio.CancelledError:
+            if s.terminal is None:
+                raise
+        except Exception as exc:  # a bug must fail the request, not the daemon
+            log.exception("request %s: unexpected error", s.request_id)
+            s.request_end(Terminal.local(Status.FAILED, "internal", f"internal error: {exc}"))
+        finally:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._quiesce(s)
+            if admitted:
+                self.admission.release(len(s.blocks))
+            self._finish(s)
+
+    async def _connect_peer(self, s: RxSession) -> PeerConnection | None:
+        try:
+            return await self._connect(s.peer_address)
+        except IncompatiblePeerError as exc:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_REFUSED, str(exc)))
+        except HandshakeError as exc:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_UNREACHABLE, str(exc)))
+        except (OSError, asyncio.TimeoutError, KvxferdError) as exc:
+            s.request_end(
+                Terminal.peer(
+                    Status.FAILED,
+                    Reason.PEER_UNREACHABLE,
+                    f"cannot reach context peer {s.peer_address!r}: {exc or type(exc).__name__}",
+                )
+            )
+        return None
+
+    async def _await_result(self, s: RxSession, deadline: float) -> None:
+        while s.terminal is None:
+            if s.result is not None:
+                status, nbytes, _ = s.result
+                s.nbytes = nbytes
+                s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
+                s.peer_told = True
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.RECEIVER_TIMEOUT,
+                        "kv_transfer_timeout_ms elapsed before the context side reported the KV",
+                    )
+                )
+                return
+            s.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(s.wake.wait(), remaining)
+
+    async def _quiesce(self, s: RxSession) -> None:
+        """Tell the peer and wait until no write into our blocks can still land."""
+        conn = s.conn
+        if not s.request_sent or s.peer_told or conn is None:
+            return
+        term = s.terminal
+        assert term is not None
+        if await conn.send(
+            Abort(
+                request_id=s.request_id, rx_token=s.rx_token, reason=term.reason, message=term.message
+            )
+        ):
+            give_up = time.monotonic() + self.timeouts.answer_s
+            while not s.abort_acked and not conn.closed.is_set():
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    # The peer neither answers nor dies: cut it off so its writes stop.
+                    log.error(
+                        "request %s: peer %s did not confirm the abort; closing the connection",
+                        s.request_id,
+                        conn.key,
+                    )
+                    conn.close("no answer to an abort")
+                    break
+                s.wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(s.wake.wait(), remaining)
+        s.peer_told = True
+
+    def _finish(self, s: RxSession) -> None:
+        term = s.terminal
+        if term is None:
+            term = Terminal.local(Status.FAILED, "internal", "ended without a terminal state")
+            s.terminal = term
+        self._phase.pop(s.request_id, None)
+        if term.status == Status.DONE:
+            s.advance(SessionState.DONE)
+        else:
+            s.state = SessionState.FAILED
+        if s.pool is not None:
+            s.pool.users.discard(f"rx:{s.request_id}")
+        s.outcome = make_outcome(s, "recv")
+        log.info(
+            "recv %s: %s (%s)%s",
+            s.request_id,
+            term.status,
+            term.reason,
+            f": {term.message}" if term.message else "",
+        )
+        if s.engine is not None:
+            s.engine.deliver(s.outcome)

@@ -1,0 +1,486 @@
+"""Context side of the PYTHON runtime: match the engine's send with the peer's
+RequestData, WRITE the blocks with one descriptor per contiguous run, poll the
+write in bounded slices, then report.
+
+Timeouts (the seed): one absolute deadline of kv_transfer_timeout_ms from the
+first send of a request, never reset; the write is waited in slices of
+kv_transfer_sender_future_timeout_ms, and between slices cancellation, peer
+health and the deadline are checked. A write that completes after the deadline
+is reported as timed out, never as success. A session's source blocks are
+handed back only after the backend confirmed that the write cannot move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.backends.base import XferStatus
+from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
+from kvxferd.memory.layout import KvLayout, LayoutError, pair_segments
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.messages import (
+    Abort,
+    AbortAck,
+    CancelAnswer,
+    CancelRequest,
+    RequestData,
+    Result,
+)
+from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, make_outcome
+from kvxferd.transceiver.state import Reason, SessionState, Status
+
+log = logging.getLogger("kvxferd.sender")
+
+# Poll back-off inside one wait slice: fast first (small writes finish in
+# microseconds), capped so a long write costs little CPU.
+_POLL_FIRST_S = 0.0001
+_POLL_MAX_S = 0.002
+# How long to keep retrying a release that NIXL refuses before giving up loudly.
+_RELEASE_RETRY_S = 0.01
+
+
+@dataclass
+class SenderTimeouts:
+    timeout_s: float
+    slice_s: float
+
+
+class Sender:
+    def __init__(self, timeouts: SenderTimeouts, dataplane: DataPlane) -> None:
+        self.timeouts = timeouts
+        self._dp = dataplane
+        self.sessions: dict[str, TxSession] = {}
+        self.accepting = True
+
+    # ------------------------------------------------------------ engine calls
+
+    def send(
+        self,
+        engine: EngineLink,
+        request_id: str,
+        pool: LocalPool,
+        blocks: list[int],
+        token_start: int,
+        token_end: int,
+        last: bool,
+    ) -> None:
+        """Accept one send call (a chunk; `last` marks the final one) or raise RequestError."""
+        tpb = pool.layout.tokens_per_block
+        if not 0 <= token_start < token_end:
+            raise RequestError(
+                "bad_request", f"token range [{token_start}, {token_end}) is empty or negative"
+            )
+        needed = math.ceil(token_end / tpb)
+        if len(blocks) != needed:
+            raise RequestError(
+                "bad_request",
+                f"tokens [0, {token_end}) need {needed} blocks of {tpb} tokens, got {len(blocks)}",
+            )
+        try:
+            pool.layout.check_blocks(blocks)
+        except LayoutError as exc:
+            raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
+        s = self._session_for_send(engine, request_id, token_start)
+        s.pool = pool
+        s.blocks = list(blocks)
+        s.token_end = token_end
+        s.last_seen = last
+        pool.users.add(f"tx:{s.request_id}")
+        if s.task is None:
+            s.deadline = time.monotonic() + self.timeouts.timeout_s
+            s.task = asyncio.create_task(self._run(s), name=f"tx-{s.request_id}")
+        s.wake.set()
+
+    def _session_for_send(self, engine: EngineLink, request_id: str, token_start: int) -> TxSession:
+        s = self.sessions.get(request_id)
+        if s is not None and s.engine is not None:
+            if s.engine is not engine or s.finished or s.last_seen:
+                raise RequestError(
+                    "duplicate_request",
+                    f"request {request_id!r} is already active or finished on this daemon; "
+                    "release it before reusing the id",
+                )
+            if token_start != s.token_end:
+                raise RequestError(
+                    "bad_request",
+                    f"chunk of request {request_id!r} starts at token {token_start}, "
+                    f"the previous one ended at {s.token_end}",
+                )
+            return s
+        if token_start != 0:
+            raise RequestError(
+                "bad_request", f"the first chunk of {request_id!r} must start at token 0"
+            )
+        if s is None:
+            if not self.accepting:
+                raise RequestError("draining", "the daemon is draining; no new requests")
+            s = TxSession(request_id=request_id, engine=engine)
+            self.sessions[request_id] = s
+        else:
+            s.engine = engine  # the receiver's request arrived first
+        return s
+
+    async def cancel(self, request_id: str) -> str:
+        s = self.sessions.get(request_id)
+        if s is None or s.engine is None:
+            raise RequestError("unknown_request", f"no send for request {request_id!r}")
+        if s.finished:
+            return "finished"
+        if s.writing:
+            return "busy"
+        s.request_end(Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine"))
+        if s.task is not None:
+            await asyncio.shield(s.task)
+        return "cancelled"
+
+    def release(self, request_id: str) -> None:
+        s = self.sessions.get(request_id)
+        if s is None or s.engine is None:
+            raise RequestError("unknown_request", f"no send for request {request_id!r}")
+        if not s.finished:
+            raise RequestError(
+                "still_active",
+                f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
+            )
+        del self.sessions[request_id]
+
+    # ----------------------------------------------------------- peer messages
+
+    async def on_request_data(self, conn: PeerConnection, msg: RequestData) -> None:
+        s = self.sessions.get(msg.request_id)
+        if s is None:
+            if not self.accepting:
+                await conn.send(
+                    Abort(
+                        request_id=msg.request_id,
+                        rx_token=msg.rx_token,
+                        reason=Reason.SHUTDOWN,
+                        message="context daemon is shutting down",
+                    )
+                )
+                return
+            # Generation-first: remember the request until the engine sends.
+            s = TxSession(request_id=msg.request_id, engine=None)
+            self.sessions[msg.request_id] = s
+        elif s.request is not None or s.finished:
+            await conn.send(
+                Abort(
+                    request_id=msg.request_id,
+                    rx_token=msg.rx_token,
+                    reason=Reason.DUPLICATE_REQUEST,
+                    message=f"request {msg.request_id!r} is already being served or finished",
+                )
+            )
+            return
+        s.request = msg
+        s.conn = conn
+        s.advance(SessionState.READY if s.engine is None else SessionState.WAITING_FOR_PEER)
+        s.wake.set()
+
+    async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        if s is not None:
+            if s.engine is None:
+                del self.sessions[s.request_id]  # never reached the engine
+            else:
+                status = Status.CANCELLED if msg.reason == Reason.CANCELLED else Status.FAILED
+                reason = {
+                    Reason.RECEIVER_TIMEOUT: Reason.PEER_TIMED_OUT,
+                    Reason.CANCELLED: Reason.PEER_CANCELLED,
+                }.get(msg.reason, Reason.PEER_FAILED)
+                s.request_end(
+                    Terminal.peer(status, reason, f"generation side: {msg.reason}: {msg.message}")
+                )
+                s.peer_told = True
+                if s.task is not None:
+                    await asyncio.shield(s.task)
+        # Acknowledge in every case: an unknown token has nothing in flight.
+        await conn.send(AbortAck(request_id=msg.request_id, rx_token=msg.rx_token))
+
+    async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        cancelled = True
+        if s is not None:
+            if s.writing:
+                cancelled = False
+            elif s.engine is None:
+                del self.sessions[s.request_id]
+            elif not s.finished:
+                s.request_end(
+                    Terminal.peer(
+                        Status.CANCELLED, Reason.PEER_CANCELLED, "cancelled by the generation side"
+                    )
+                )
+                s.peer_told = True
+                if s.task is not None:
+                    await asyncio.shield(s.task)
+            else:
+                cancelled = s.terminal is not None and s.terminal.status != Status.DONE
+        await conn.send(
+            CancelAnswer(request_id=msg.request_id, rx_token=msg.rx_token, cancelled=cancelled)
+        )
+
+    async def on_peer_closed(self, conn: PeerConnection) -> None:
+        tasks = []
+        for s in list(self.sessions.values()):
+            if s.conn is not conn:
+                continue
+            if s.engine is None:
+                del self.sessions[s.request_id]
+                continue
+            if s.request_end(
+                Terminal.peer(Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}")
+            ):
+                s.peer_told = True
+            if s.task is not None:
+                tasks.append(s.task)
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+    def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> TxSession | None:
+        s = self.sessions.get(request_id)
+        if s is None or s.conn is not conn or s.request is None:
+            return None
+        return s if s.request.rx_token == rx_token else None
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def abort_engine(self, engine: EngineLink, reason: str, message: str) -> None:
+        """Fail every session of a (disconnected) engine and wait until quiescent."""
+        mine = [s for s in self.sessions.values() if s.engine is engine]
+        for s in mine:
+            s.request_end(Terminal.local(Status.FAILED, reason, message))
+        tasks = [s.task for s in mine if s.task is not None]
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+        for s in mine:
+            self.sessions.pop(s.request_id, None)
+
+    async def drain(self, deadline: float) -> None:
+        self.accepting = False
+        active = [s.task for s in self.sessions.values() if s.task is not None and not s.finished]
+        if active:
+            await asyncio.wait(active, timeout=max(0.0, deadline - time.monotonic()))
+        for s in list(self.sessions.values()):
+            if not s.finished:
+                s.request_end(
+                    Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
+                )
+        rest = [s.task for s in self.sessions.values() if s.task is not None]
+        if rest:
+            await asyncio.gather(*(asyncio.shield(t) for t in rest), return_exceptions=True)
+
+    def active_count(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.engine is not None and not s.finished)
+
+    # --------------------------------------------------------------- the work
+
+    async def _run(self, s: TxSession) -> None:
+        try:
+            await self._wait_until_ready(s)
+            if s.terminal is None:
+                await self._write(s)
+        except Exception as exc:  # a bug must fail the request, not the daemon
+            log.exception("request %s: unexpected error", s.request_id)
+            s.request_end(Terminal.local(Status.FAILED, "internal", f"internal error: {exc}"))
+        finally:
+            await self._finish(s)
+
+    async def _wait_until_ready(self, s: TxSession) -> None:
+        assert s.deadline is not None
+        while s.terminal is None and not (s.last_seen and s.request is not None):
+            remaining = s.deadline - time.monotonic()
+            if remaining <= 0:
+                waiting_for = "the receiver's request" if s.request is None else "the last chunk"
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        f"kv_transfer_timeout_ms elapsed waiting for {waiting_for}",
+                    )
+                )
+                return
+            s.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(s.wake.wait(), remaining)
+
+    def _plan(self, s: TxSession) -> tuple[np.ndarray, np.ndarray] | Terminal:
+        assert s.request is not None and s.conn is not None and s.pool is not None
+        req = s.request
+        info = s.conn.pools.get(req.pool_id)
+        if info is None:
+            return Terminal.peer(
+                Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
+            )
+        try:
+            dst_layout = KvLayout.from_wire(info.layout)
+            if len(req.blocks) != len(s.blocks):
+                return Terminal.local(
+                    Status.FAILED,
+                    Reason.BLOCK_MISMATCH,
+                    f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}",
+                )
+            src, dst = pair_segments(s.pool.layout, s.blocks, dst_layout, req.blocks)
+        except LayoutError as exc:
+            return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+        local = src.copy()
+        local[:, 0] += s.pool.base
+        remote = dst.copy()
+        remote[:, 0] += info.base
+        return local, remote
+
+    async def _write(self, s: TxSession) -> None:
+        assert s.conn is not None and s.deadline is not None
+        plan = self._plan(s)
+        if isinstance(plan, Terminal):
+            s.request_end(plan)
+            return
+        local, remote = plan
+        backend = self._dp.backend
+        s.advance(SessionState.TRANSFERRING)
+        # Marked before posting: from here a cancel answers "busy".
+        s.xfer = None
+        s.posting = True
+        status = XferStatus.ERROR
+        try:
+            try:
+                handle, status = await self._dp.call(
+                    backend.post_write, local, remote, s.conn.agent_name
+                )
+            except PeerLostError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return
+            s.xfer = handle
+            status = await self._wait_write(s, status)
+            if status is XferStatus.ERROR and s.terminal is None:
+                s.request_end(
+                    Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, "backend reported ERR")
+                )
+        finally:
+            await self._quiesce(s)
+            s.posting = False
+        if status is XferStatus.DONE and s.terminal is None:
+            if time.monotonic() > s.deadline:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        "the write completed after kv_transfer_timeout_ms; not reported as success",
+                    )
+                )
+                return
+            s.nbytes = int(local[:, 1].sum())
+            sent = await s.conn.send(
+                Result(
+                    request_id=s.request_id,
+                    rx_token=s.request.rx_token if s.request else 0,
+                    status=Reason.OK,
+                    nbytes=s.nbytes,
+                    last=True,
+                )
+            )
+            if sent:
+                s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
+                s.peer_told = True
+            else:
+                s.request_end(
+                    Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
+                )
+                s.peer_told = True
+
+    async def _wait_write(self, s: TxSession, status: XferStatus) -> XferStatus:
+        """Poll until done, error, or an end requested between/inside slices."""
+        assert s.xfer is not None and s.deadline is not None and s.conn is not None
+        backend = self._dp.backend
+        slice_end = time.monotonic() + self.timeouts.slice_s
+        pause = _POLL_FIRST_S
+        while status is XferStatus.IN_PROGRESS:
+            if s.terminal is not None:
+                return status  # aborted, cancelled or peer lost: caller quiesces
+            now = time.monotonic()
+            if now >= s.deadline:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        "kv_transfer_timeout_ms elapsed while the write was in progress",
+                    )
+                )
+                return status
+            if now >= slice_end:
+                # One sender wait slice elapsed: check the peer before the next one.
+                if s.conn.closed.is_set():
+                    s.request_end(
+                        Terminal.peer(Status.FAILED, Reason.PEER_LOST, s.conn.close_reason)
+                    )
+                    return status
+                slice_end = now + self.timeouts.slice_s
+            s.wake.clear()
+            wait = min(pause, max(0.0, min(slice_end, s.deadline) - now))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(s.wake.wait(), wait)
+            pause = min(pause * 2, _POLL_MAX_S)
+            try:
+                status = await self._dp.call(backend.poll, s.xfer)
+            except PeerLostError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return XferStatus.ERROR
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return XferStatus.ERROR
+        return status
+
+    async def _quiesce(self, s: TxSession) -> None:
+        """Release the write handle; until NIXL confirms, the blocks stay on loan."""
+        handle = s.xfer
+        if handle is None:
+            return
+        backend = self._dp.backend
+        while not handle.released:
+            try:
+                await self._dp.call(backend.release, handle)
+            except KvxferdError as exc:
+                log.warning("request %s: release refused, retrying: %s", s.request_id, exc)
+                await asyncio.sleep(_RELEASE_RETRY_S)
+        s.xfer = None
+
+    async def _finish(self, s: TxSession) -> None:
+        term = s.terminal
+        assert term is not None
+        if term.status == Status.DONE:
+            s.advance(SessionState.DONE)
+        else:
+            s.state = SessionState.FAILED
+            if s.request is not None and s.conn is not None and not s.peer_told:
+                await s.conn.send(
+                    Abort(
+                        request_id=s.request_id,
+                        rx_token=s.request.rx_token,
+                        reason=term.reason,
+                        message=term.message,
+                    )
+                )
+        if s.pool is not None:
+            s.pool.users.discard(f"tx:{s.request_id}")
+        s.outcome = make_outcome(s, "send")
+        log.info(
+            "send %s: %s (%s)%s",
+            s.request_id,
+            term.status,
+            term.reason,
+            f": {term.message}" if term.message else "",
+        )
+        if s.engine is not None:
+            s.engine.deliver(s.outcome)

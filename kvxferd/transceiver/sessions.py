@@ -1,0 +1,119 @@
+"""Per-request state on each side (TxSession on the sender, RxSession on the receiver)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvxferd.backends.base import XferHandle
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.messages import RequestData
+from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
+
+
+class EngineLink(Protocol):
+    """Where a session's single outcome goes (the engine connection)."""
+
+    name: str
+
+    def deliver(self, outcome: Outcome) -> None: ...
+
+
+@dataclass(frozen=True)
+class Terminal:
+    status: str
+    reason: str
+    fault: str
+    message: str
+
+    @staticmethod
+    def local(status: str, reason: str, message: str) -> Terminal:
+        return Terminal(status, reason, Fault.LOCAL, message)
+
+    @staticmethod
+    def peer(status: str, reason: str, message: str) -> Terminal:
+        return Terminal(status, reason, Fault.PEER, message)
+
+
+@dataclass(eq=False)
+class _Session:
+    request_id: str
+    engine: EngineLink | None
+    state: SessionState = SessionState.WAITING_FOR_PEER
+    created: float = field(default_factory=time.monotonic)
+    terminal: Terminal | None = None
+    outcome: Outcome | None = None
+    nbytes: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+    def advance(self, state: SessionState) -> None:
+        # States only move forward; FAILED is sticky.
+        if self.state is SessionState.FAILED or state <= self.state:
+            return
+        self.state = state
+
+    def request_end(self, terminal: Terminal) -> bool:
+        """Record the first terminal decision; later ones are ignored."""
+        if self.terminal is not None:
+            return False
+        self.terminal = terminal
+        self.wake.set()
+        return True
+
+
+@dataclass(eq=False)
+class TxSession(_Session):
+    """Context side: the engine's send(s) and the peer's RequestData meet here."""
+
+    pool: LocalPool | None = None
+    blocks: list[int] = field(default_factory=list)
+    token_end: int = 0
+    last_seen: bool = False
+    deadline: float | None = None  # absolute, from the first send, never reset
+    request: RequestData | None = None
+    conn: PeerConnection | None = None
+    xfer: XferHandle | None = None  # set while a write may still move bytes
+    posting: bool = False  # from just before the post until the write is quiescent
+    peer_told: bool = False  # the peer already knows the outcome (or cannot be told)
+
+    @property
+    def writing(self) -> bool:
+        return self.posting or self.xfer is not None
+
+
+@dataclass(eq=False)
+class RxSession(_Session):
+    """Generation side: one posted receive, its blocks on loan until the outcome."""
+
+    pool: LocalPool | None = None
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int | None = None
+    peer_address: str = ""
+    rx_token: int = 0
+    conn: PeerConnection | None = None
+    request_sent: bool = False
+    admitted: bool = False
+    result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
+    abort_acked: bool = False
+
+
+def make_outcome(session: _Session, side: str) -> Outcome:
+    term = session.terminal or Terminal.local(Status.FAILED, "internal", "no terminal state")
+    return Outcome(
+        request_id=session.request_id,
+        side=side,
+        status=term.status,
+        reason=term.reason,
+        fault=term.fault,
+        message=term.message,
+        nbytes=session.nbytes if term.status == Status.DONE else 0,
+        elapsed_ms=(time.monotonic() - session.created) * 1e3,
+    )

@@ -1,0 +1,65 @@
+"""Session states, outcomes and reason codes shared by both sides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class SessionState(IntEnum):
+    """The monotonic ladder of DESIGN.md. FAILED is sticky; DONE is terminal."""
+
+    FAILED = 0
+    WAITING_FOR_PEER = 1
+    READY = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+
+class Status:
+    """Terminal outcomes reported to the engine."""
+
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+class Reason:
+    """Reason codes carried in outcomes, Abort messages and metric labels."""
+
+    OK = "ok"
+    SENDER_DEADLINE = "sender_deadline"
+    RECEIVER_TIMEOUT = "receiver_timeout"
+    CANCELLED = "cancelled"
+    PEER_CANCELLED = "peer_cancelled"
+    PEER_LOST = "peer_lost"
+    PEER_UNREACHABLE = "peer_unreachable"
+    PEER_REFUSED = "peer_refused"
+    PEER_TIMED_OUT = "peer_timed_out"
+    PEER_FAILED = "peer_failed"
+    TRANSFER_ERROR = "transfer_error"
+    BLOCK_MISMATCH = "block_mismatch"
+    UNKNOWN_POOL = "unknown_pool"
+    DUPLICATE_REQUEST = "duplicate_request"
+    ENGINE_DISCONNECTED = "engine_disconnected"
+    SHUTDOWN = "shutdown"
+
+
+class Fault:
+    LOCAL = "local"
+    PEER = "peer"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an engine is told, exactly once, about one of its requests."""
+
+    request_id: str
+    side: str  # "send" or "recv"
+    status: str
+    reason: str
+    fault: str
+    message: str
+    nbytes: int
+    elapsed_ms: float
