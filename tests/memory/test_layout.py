@@ -244,7 +244,7 @@ def expand(src: np.ndarray, dst: np.ndarray, piece: int) -> list[tuple[int, int]
 
 @st.composite
 def pairings(draw: st.DrawFn) -> tuple[KvLayout, list[int], KvLayout, list[int]]:
-    geometry = dict(
+    geometry: dict[str, Any] = dict(
         num_layers=draw(st.integers(1, 3)),
         kv_factor=draw(st.sampled_from([1, 2])),
         num_kv_heads=draw(st.integers(1, 2)),
