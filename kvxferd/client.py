@@ -146,10 +146,10 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
-        for futs in self._waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(err)
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(err)
         self._waiters.clear()
 
     async def _call(self, msg: Any) -> str:
@@ -227,7 +227,7 @@ class AsyncClient:
         )
 
     async def cancel(self, request_id: str) -> str:
-        """"cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished"."""
+        """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished"."""
         return await self._call(Cancel(call_id=next(self._ids), request_id=request_id))
 
     async def release(self, request_id: str) -> None:
@@ -253,9 +253,9 @@ class AsyncClient:
             return outcome
         if self._reader_task is None or self._reader_task.done():
             raise DaemonGoneError(self._closed_reason or "not connected")
-        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(request_id, []).append(fut)
-        return await asyncio.wait_for(fut, timeout_s)
+        waiter: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, []).append(waiter)
+        return await asyncio.wait_for(waiter, timeout_s)
 
     async def close(self) -> None:
         self._writer.close()

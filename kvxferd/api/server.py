@@ -79,9 +79,14 @@ class EngineConnection:
 
 
 class EngineHandler(Protocol):
-    daemon_name: str
-    role: str
-    tokens_per_block: int
+    @property
+    def daemon_name(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def tokens_per_block(self) -> int: ...
 
     async def handle_call(self, engine: EngineConnection, msg: EngineMessage) -> str: ...
 
@@ -129,7 +134,7 @@ class ApiServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._conn_tasks.add(task)  # type: ignore[arg-type]
+            self._conn_tasks.add(task)
         engine: EngineConnection | None = None
         try:
             hello = await ENGINE_CODEC.read(reader)
@@ -187,7 +192,7 @@ class ApiServer:
             with contextlib.suppress(Exception):
                 writer.close()
             if task is not None:
-                self._conn_tasks.discard(task)  # type: ignore[arg-type]
+                self._conn_tasks.discard(task)
 
     async def _dispatch(self, engine: EngineConnection, msg: EngineMessage) -> None:
         if isinstance(msg, Cancel):

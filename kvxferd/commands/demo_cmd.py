@@ -29,7 +29,11 @@ def _demo(args: argparse.Namespace) -> int:
     from kvxferd.sim.cluster import LocalCluster, default_workdir, summarise
 
     workdir = default_workdir("kvxferd-demo")
-    say = (lambda *_a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(text, file=sys.stderr)
+
     max_blocks = -(-args.max_tokens // 32)
     pool_blocks = max_blocks * args.in_flight + 8
     ok = False

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from kvxferd.errors import ProtocolError
 from kvxferd.peers.handshake import PeerIdentity
-from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, PoolInfo, Pong
+from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
 
 log = logging.getLogger("kvxferd.peers")
 

@@ -21,6 +21,7 @@ reveals any agent metadata or memory layout. Any refusal is sent as Refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -83,10 +84,8 @@ async def _recv(reader: asyncio.StreamReader, peer: str) -> PeerMessage:
 
 
 async def _refuse(writer: asyncio.StreamWriter, reason: str, message: str) -> None:
-    try:
+    with contextlib.suppress(ConnectionError, OSError):
         await _send(writer, Refused(reason=reason, message=message))
-    except (ConnectionError, OSError):
-        pass
 
 
 M = TypeVar("M")

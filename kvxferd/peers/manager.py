@@ -88,12 +88,10 @@ class PeerManager:
         label = f"{peername[0]}:{peername[1]}" if peername else "unknown"
         task = asyncio.current_task()
         if task is not None:
-            self._handshakes.add(task)  # type: ignore[arg-type]
+            self._handshakes.add(task)
         try:
             peer, info = await asyncio.wait_for(
-                server_handshake(
-                    reader, writer, self.me, self._make_info, self._check_info, label
-                ),
+                server_handshake(reader, writer, self.me, self._make_info, self._check_info, label),
                 self.timings.handshake_s,
             )
             await self._established(reader, writer, peer, info, label)
@@ -103,7 +101,7 @@ class PeerManager:
             writer.close()
         finally:
             if task is not None:
-                self._handshakes.discard(task)  # type: ignore[arg-type]
+                self._handshakes.discard(task)
 
     # --------------------------------------------------------------- dialing
 
@@ -122,7 +120,7 @@ class PeerManager:
         if dial is None:
             dial = asyncio.create_task(self._dial(address), name=f"dial-{address}")
             self._dialing[address] = dial
-            dial.add_done_callback(lambda _t, a=address: self._dialing.pop(a, None))
+            dial.add_done_callback(lambda _t: self._dialing.pop(address, None))
         # Shielded: one waiter giving up must not abort the dial others share.
         return await asyncio.shield(dial)
 

@@ -14,8 +14,9 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from kvxferd import PROTOCOL_VERSION, __version__
 from kvxferd.api.messages import (
@@ -141,6 +142,7 @@ class Daemon:
         self.http = HttpServer(self) if d.http else None
         self.ready = False
         self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
         self.started_at = time.monotonic()
 
     # ------------------------------------------------------------- lifecycle
@@ -265,8 +267,8 @@ class Daemon:
     def _require_role(self, roles: tuple[str, ...], call: str) -> None:
         if self.role not in roles:
             raise RequestError(
-                ApiError.WRONG_ROLE, f"{call} needs a daemon with role {' or '.join(roles)}; "
-                f"this one is {self.role}"
+                ApiError.WRONG_ROLE,
+                f"{call} needs a daemon with role {' or '.join(roles)}; this one is {self.role}",
             )
 
     def _side_of(self, engine: EngineConnection, request_id: str) -> Sender | Receiver:
@@ -387,15 +389,15 @@ class Daemon:
         elif isinstance(msg, Result):
             await self.receiver.on_result(conn, msg)
         elif isinstance(msg, Abort):
-            if self.receiver._match(conn, msg.request_id, msg.rx_token) is not None:
+            if self.receiver.owns(conn, msg.request_id, msg.rx_token):
                 await self.receiver.on_abort(conn, msg)
             else:
-                await self.sender.on_abort(conn, msg)
+                # Waits for our write to quiesce; the read loop must keep going meanwhile.
+                self._background(self.sender.on_abort(conn, msg))
         elif isinstance(msg, AbortAck):
             await self.receiver.on_abort_ack(conn, msg)
         elif isinstance(msg, CancelRequest):
-            # May wait for a write to quiesce; the read loop must keep going meanwhile.
-            asyncio.create_task(self.sender.on_cancel_request(conn, msg))
+            self._background(self.sender.on_cancel_request(conn, msg))
         elif isinstance(msg, CancelAnswer):
             await self.receiver.on_cancel_answer(conn, msg)
         elif isinstance(msg, PoolsUpdate):
@@ -404,6 +406,11 @@ class Daemon:
             log.warning(
                 "peer %s sent %s outside a handshake; ignored", conn.key, type(msg).__name__
             )
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _on_peer_closed(self, conn: PeerConnection) -> None:
         await asyncio.gather(self.sender.on_peer_closed(conn), self.receiver.on_peer_closed(conn))
@@ -446,6 +453,7 @@ class Daemon:
                 "waiting": self.admission.waiting,
             },
             "engines": len(self.api.engines),
+            "open_transfer_handles": self.sender.open_handles,
             "handshake_failures": dict(self.peers.handshake_failures),
         }
 

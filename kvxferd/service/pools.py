@@ -37,7 +37,7 @@ class LocalPool:
     def info(self) -> PoolInfo:
         return PoolInfo(
             pool_id=self.pool_id,
-            layout=self.layout.to_wire(),
+            layout=dict(self.layout.to_wire()),
             base=self.base,
             nbytes=self.layout.pool_bytes,
         )

@@ -96,7 +96,7 @@ class LocalCluster:
         transceiver: dict[str, Any] | None = None,
         daemon: dict[str, Any] | None = None,
         engine: dict[str, Any] | None = None,
-        secret: bytes | None | str = "default",
+        secret: bytes | str | None = "default",
     ) -> tuple[Path, str]:
         api_socket = str(self.workdir / f"{name}.sock")
         daemon_section: dict[str, Any] = {
@@ -165,7 +165,9 @@ class LocalCluster:
                     + text[-3000:]
                 )
             time.sleep(0.05)
-        raise ClusterError(f"daemon {d.name} not ready after {timeout_s} s:\n{d.log_text()[-3000:]}")
+        raise ClusterError(
+            f"daemon {d.name} not ready after {timeout_s} s:\n{d.log_text()[-3000:]}"
+        )
 
     def engine_command(self, d: DaemonProc, role: str, **opts: Any) -> list[str]:
         cmd = [sys.executable, "-m", "kvxferd.sim.engine", "--role", role, "--socket", d.api_socket]

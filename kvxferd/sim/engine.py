@@ -175,7 +175,9 @@ async def _main(args: argparse.Namespace) -> EngineReport:
     if args.tokens is not None:
         items = fixed_workload(args.seed, args.requests, args.tokens, args.prefix)
     else:
-        items = make_workload(args.seed, args.requests, args.min_tokens, args.max_tokens, args.prefix)
+        items = make_workload(
+            args.seed, args.requests, args.min_tokens, args.max_tokens, args.prefix
+        )
     await engine.open()
     try:
         peer = args.peer if args.role == "generation" else None

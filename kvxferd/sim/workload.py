@@ -21,9 +21,7 @@ def make_workload(
     seed: int, count: int, min_tokens: int, max_tokens: int, prefix: str = "req"
 ) -> list[Item]:
     rng = random.Random(seed)
-    return [
-        Item(f"{prefix}-{seed}-{i}", rng.randint(min_tokens, max_tokens)) for i in range(count)
-    ]
+    return [Item(f"{prefix}-{seed}-{i}", rng.randint(min_tokens, max_tokens)) for i in range(count)]
 
 
 def fixed_workload(seed: int, count: int, tokens: int, prefix: str = "req") -> list[Item]:

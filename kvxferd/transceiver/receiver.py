@@ -161,6 +161,9 @@ class Receiver:
 
     # ----------------------------------------------------------- peer messages
 
+    def owns(self, conn: PeerConnection, request_id: str, rx_token: int) -> bool:
+        return self._match(conn, request_id, rx_token) is not None
+
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> RxSession | None:
         s = self.sessions.get(request_id)
         if s is None or s.conn is not conn or s.rx_token != rx_token:
@@ -215,7 +218,9 @@ class Receiver:
         for s in self.sessions.values():
             if s.conn is conn and not s.finished:
                 s.request_end(
-                    Terminal.peer(Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}")
+                    Terminal.peer(
+                        Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}"
+                    )
                 )
                 s.peer_told = True  # nobody left to tell; a gone connection writes nothing
                 s.wake.set()
@@ -247,7 +252,8 @@ class Receiver:
         for s in list(self.sessions.values()):
             if not s.finished:
                 self._end_now(
-                    s, Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
+                    s,
+                    Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done"),
                 )
         rest = [s.task for s in self.sessions.values() if s.task is not None]
         if rest:
@@ -324,8 +330,7 @@ class Receiver:
     async def _await_result(self, s: RxSession, deadline: float) -> None:
         while s.terminal is None:
             if s.result is not None:
-                status, nbytes, _ = s.result
-                s.nbytes = nbytes
+                s.nbytes = s.result[1]
                 s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
                 s.peer_told = True
                 return
@@ -352,7 +357,10 @@ class Receiver:
         assert term is not None
         if await conn.send(
             Abort(
-                request_id=s.request_id, rx_token=s.rx_token, reason=term.reason, message=term.message
+                request_id=s.request_id,
+                rx_token=s.rx_token,
+                reason=term.reason,
+                message=term.message,
             )
         ):
             give_up = time.monotonic() + self.timeouts.answer_s
@@ -385,11 +393,15 @@ class Receiver:
         if s.pool is not None:
             s.pool.users.discard(f"rx:{s.request_id}")
         s.outcome = make_outcome(s, "recv")
-        log.info(
-            "recv %s: %s (%s)%s",
+        # Successes at DEBUG: at thousands of requests a second, one line each
+        # would drown the log; every failure is logged with its reason.
+        log.log(
+            logging.DEBUG if term.status == Status.DONE else logging.WARNING,
+            "recv %s: %s (%s, %s fault)%s",
             s.request_id,
             term.status,
             term.reason,
+            term.fault,
             f": {term.message}" if term.message else "",
         )
         if s.engine is not None:

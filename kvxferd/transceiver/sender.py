@@ -60,6 +60,7 @@ class Sender:
         self._dp = dataplane
         self.sessions: dict[str, TxSession] = {}
         self.accepting = True
+        self.open_handles = 0  # posted writes not yet confirmed quiescent
 
     # ------------------------------------------------------------ engine calls
 
@@ -363,6 +364,7 @@ class Sender:
                 s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
                 return
             s.xfer = handle
+            self.open_handles += 1
             status = await self._wait_write(s, status)
             if status is XferStatus.ERROR and s.terminal is None:
                 s.request_end(
@@ -455,6 +457,7 @@ class Sender:
                 log.warning("request %s: release refused, retrying: %s", s.request_id, exc)
                 await asyncio.sleep(_RELEASE_RETRY_S)
         s.xfer = None
+        self.open_handles -= 1
 
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal
@@ -475,11 +478,15 @@ class Sender:
         if s.pool is not None:
             s.pool.users.discard(f"tx:{s.request_id}")
         s.outcome = make_outcome(s, "send")
-        log.info(
-            "send %s: %s (%s)%s",
+        # Successes at DEBUG: at thousands of requests a second, one line each
+        # would drown the log; every failure is logged with its reason.
+        log.log(
+            logging.DEBUG if term.status == Status.DONE else logging.WARNING,
+            "send %s: %s (%s, %s fault)%s",
             s.request_id,
             term.status,
             term.reason,
+            term.fault,
             f": {term.message}" if term.message else "",
         )
         if s.engine is not None:

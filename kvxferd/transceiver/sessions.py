@@ -49,6 +49,7 @@ class _Session:
     nbytes: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    peer_told: bool = False  # the peer already knows the outcome (or cannot be told)
 
     @property
     def finished(self) -> bool:
@@ -82,7 +83,6 @@ class TxSession(_Session):
     conn: PeerConnection | None = None
     xfer: XferHandle | None = None  # set while a write may still move bytes
     posting: bool = False  # from just before the post until the write is quiescent
-    peer_told: bool = False  # the peer already knows the outcome (or cannot be told)
 
     @property
     def writing(self) -> bool:

@@ -1,0 +1,275 @@
+"""The `engine:` and `daemon:` sections of a kvxferd configuration file.
+
+`engine:` holds static facts about the inference server this daemon serves (what
+resolution needs to decide runtime, bounce and pipelining); `daemon:` holds the
+daemon's own addresses, timeouts and identity. Every field has a default, so both
+sections may be left out of a file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from kvxferd.errors import ConfigError
+
+# Strict: YAML already yields typed values, so "60000" (a string) or `true` for an
+# integer field is almost certainly a mistake and is reported, not coerced.
+SECTION_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+
+Dtype = Literal["float16", "bfloat16", "float32", "float8", "int8"]
+_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "int8": 1}
+
+
+def parse_hostport(value: str, *, min_port: int = 0) -> tuple[str, int]:
+    """Split "host:port" ("[v6addr]:port" for IPv6) and check both parts.
+
+    Raises ValueError with an operator-facing message; pydantic turns it into a
+    validation error at the field's path.
+    """
+    allowed = f"host:port with a port from {min_port} to 65535, e.g. 127.0.0.1:47400"
+    if value.startswith("["):
+        close = value.find("]:")
+        if close < 0:
+            raise ValueError(f"must be {allowed} (got {value!r})")
+        host, port_text = value[1:close], value[close + 2 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(
+                f"{host!r} in brackets is not an IPv6 address (got {value!r})"
+            ) from None
+    else:
+        host, sep, port_text = value.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"must be {allowed} (got {value!r})")
+        if ":" in host:
+            raise ValueError(f"write an IPv6 address in brackets, e.g. [::1]:47400 (got {value!r})")
+        if not _HOSTNAME.match(host):
+            raise ValueError(f"{host!r} is not a valid host name or address (got {value!r})")
+    if not port_text.isdigit() or not min_port <= int(port_text) <= 65535:
+        raise ValueError(f"must be {allowed} (got {value!r})")
+    return host, int(port_text)
+
+
+def _listen_address(value: str) -> str:
+    parse_hostport(value, min_port=0)  # port 0: let the OS pick (useful in tests)
+    return value
+
+
+def _peer_address(value: str) -> str:
+    parse_hostport(value, min_port=1)  # nobody can be reached on port 0
+    return value
+
+
+ListenAddress = Annotated[str, AfterValidator(_listen_address)]
+PeerAddress = Annotated[str, AfterValidator(_peer_address)]
+PeerName = Annotated[str, Field(pattern=NAME_PATTERN)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class KvLayoutSpec(BaseModel):
+    """Shape of one engine rank's KV pool, as the engine lays it out in memory."""
+
+    model_config = SECTION_CONFIG
+
+    num_layers: int = Field(default=32, gt=0, description="Transformer layers held in the pool.")
+    num_kv_heads: int = Field(
+        default=8, gt=0, description="KV heads per layer on this rank (after tensor parallelism)."
+    )
+    head_dim: int = Field(default=128, gt=0, description="Elements per head.")
+    tokens_per_block: int = Field(
+        default=32,
+        gt=0,
+        description="Tokens per KV block. max_tokens_in_buffer must be a multiple of it, "
+        "and the admission window is counted in these blocks.",
+    )
+    dtype: Dtype = Field(default="float16", description="Element type of the KV cache.")
+    layout: Literal["block-major", "layer-major"] = Field(
+        default="block-major",
+        description="block-major: all layers of a block are contiguous (one segment per "
+        "block); layer-major: each layer is its own region (one segment per block and layer).",
+    )
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of `dtype`."""
+        return _ITEMSIZE[self.dtype]
+
+
+class EngineSection(BaseModel):
+    """Static facts about the inference server (engine) this daemon serves."""
+
+    model_config = SECTION_CONFIG
+
+    role: Literal["context", "generation", "both"] = Field(
+        default="both",
+        description="context: prefill server (sends KV); generation: decode server "
+        "(receives KV); both: one engine that does either.",
+    )
+    tensor_parallel_size: int = Field(default=1, gt=0, description="Tensor-parallel ranks.")
+    pipeline_parallel_size: int = Field(
+        default=1, gt=0, description="Pipeline-parallel ranks; pipelined transfer needs 1."
+    )
+    context_parallel_size: int = Field(
+        default=1, gt=0, description="Context-parallel ranks; pipelined transfer needs 1."
+    )
+    enable_chunked_prefill: bool = Field(
+        default=False,
+        description="Whether the engine prefills long prompts in chunks; pipelined transfer "
+        "needs it (each finished chunk is sent while later chunks compute).",
+    )
+    scheduling: Literal["generation-first", "context-first"] = Field(
+        default="generation-first",
+        description="generation-first: the generation server allocates destination blocks "
+        "before prefill starts (needed by pipelined transfer); context-first: prefill runs "
+        "before the generation server is involved.",
+    )
+    block_reuse: str = Field(
+        default="disabled",
+        min_length=1,
+        description="KV block reuse policy of the engine: 'disabled', 'all_reusable' or any "
+        "other policy name. Pipelined transfer needs 'disabled' or 'all_reusable'.",
+        json_schema_extra={"allowed": "a policy name such as 'disabled' or 'all_reusable'"},
+    )
+    max_beam_width: int = Field(
+        default=1, gt=0, description="Largest beam width served; pipelined transfer needs 1."
+    )
+    cache_kind: Literal["standard", "mla", "mamba-hybrid"] = Field(
+        default="standard",
+        description="standard: K and V per layer; mla: one latent per layer (kv_factor 1); "
+        "mamba-hybrid: attention plus recurrent state (no pipelined transfer).",
+    )
+    preferred_transceiver_runtime: Literal["CPP", "PYTHON"] | None = Field(
+        default=None,
+        description="The model's declared preferred transceiver runtime, adopted when "
+        "cache_transceiver_config.transceiver_runtime is 'auto'; null: none declared.",
+    )
+    kv_layout: KvLayoutSpec = Field(
+        default_factory=KvLayoutSpec, description="Layout of the engine's KV pool."
+    )
+    max_seq_len: int | None = Field(
+        default=None, gt=0, description="Longest sequence the engine serves; null: unknown."
+    )
+
+    @property
+    def kv_factor(self) -> int:
+        """Tensors per layer in the cache: 1 for MLA (one latent), else 2 (K and V)."""
+        return 1 if self.cache_kind == "mla" else 2
+
+
+class DaemonSection(BaseModel):
+    """The daemon's own identity, addresses and timers."""
+
+    model_config = SECTION_CONFIG
+
+    name: str = Field(
+        default="kvxferd",
+        pattern=NAME_PATTERN,
+        description="Daemon name, used in logs, in the handshake and in the default API "
+        "socket path. Letters, digits, '_', '.', '-'.",
+    )
+    api_socket: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Unix socket on which the engine reaches this daemon; null: "
+        "/tmp/kvxferd-<name>.sock.",
+    )
+    peer_listen: ListenAddress = Field(
+        default="127.0.0.1:47400",
+        description="host:port of the peer control channel (TCP) other daemons connect to; "
+        "port 0 lets the system choose.",
+    )
+    peers: dict[PeerName, PeerAddress] = Field(
+        default_factory=dict,
+        description="Static peers: daemon name -> host:port of its peer_listen address.",
+    )
+    http: ListenAddress | None = Field(
+        default="127.0.0.1:9400",
+        description="host:port serving /metrics, /healthz, /readyz and the JSON status; "
+        "null disables the HTTP server.",
+    )
+    drain_timeout_ms: int = Field(
+        default=30000,
+        gt=0,
+        description="On SIGTERM, how long in-flight transfers may finish before the daemon "
+        "fails them and exits.",
+    )
+    heartbeat_interval_ms: int = Field(
+        default=1000, gt=0, description="How often the daemon sends a heartbeat to each peer."
+    )
+    heartbeat_timeout_ms: int = Field(
+        default=5000,
+        gt=0,
+        validate_default=True,  # the default must also exceed a configured interval
+        description="A peer silent for this long is declared lost; must exceed "
+        "heartbeat_interval_ms.",
+    )
+    handshake_timeout_ms: int = Field(
+        default=5000, gt=0, description="Longest wait for a peer handshake to complete."
+    )
+    shared_secret_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="File holding the secret peers authenticate with (trailing whitespace "
+        "stripped). A relative path is taken relative to the configuration file. "
+        "null: peers are not authenticated.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Least severe log level emitted."
+    )
+
+    @field_validator("heartbeat_timeout_ms")
+    @classmethod
+    def _timeout_exceeds_interval(cls, value: int, info: ValidationInfo) -> int:
+        interval = info.data.get("heartbeat_interval_ms")
+        if interval is not None and value <= interval:
+            raise ValueError(
+                f"must be greater than heartbeat_interval_ms ({interval}), "
+                f"or every peer would be declared lost between two heartbeats (got {value})"
+            )
+        return value
+
+    def api_socket_path(self) -> str:
+        """The engine API socket: `api_socket`, or /tmp/kvxferd-<name>.sock when unset."""
+        return self.api_socket if self.api_socket is not None else f"/tmp/kvxferd-{self.name}.sock"
+
+    def peer_listen_hostport(self) -> tuple[str, int]:
+        """`peer_listen` split into (host, port); IPv6 hosts come without brackets."""
+        return parse_hostport(self.peer_listen)
+
+    def http_hostport(self) -> tuple[str, int] | None:
+        """`http` split into (host, port), or None when the HTTP server is disabled."""
+        return None if self.http is None else parse_hostport(self.http)
+
+    def peer_hostports(self) -> dict[str, tuple[str, int]]:
+        """Static peers as name -> (host, port)."""
+        return {name: parse_hostport(addr, min_port=1) for name, addr in self.peers.items()}
+
+    def read_shared_secret(self) -> bytes | None:
+        """The peer secret with trailing whitespace removed, or None when no file is set.
+
+        Raises ConfigError naming the file when it cannot be read or holds nothing.
+        """
+        if self.shared_secret_file is None:
+            return None
+        path = Path(self.shared_secret_file)
+        try:
+            secret = path.read_bytes().rstrip()
+        except OSError as exc:
+            problem = f"daemon.shared_secret_file: cannot read {str(path)!r}: {exc.strerror or exc}"
+            raise ConfigError(problem, problems=[problem]) from None
+        if not secret:
+            problem = (
+                f"daemon.shared_secret_file: {str(path)!r} is empty; "
+                "put the shared secret in it, or remove the setting to run without one"
+            )
+            raise ConfigError(problem, problems=[problem])
+        return secret
