@@ -9,6 +9,7 @@ is given, so the same wording serves files and peer advertisements.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import types
 import typing
@@ -47,18 +48,16 @@ def show(value: object) -> str:
 
 def describe(value: object) -> str:
     """A value plus its kind, for type errors: "'60000' (a string)"."""
-    kind = {bool: "a boolean", str: "a string", float: "a number with a fraction"}.get(type(value))
+    kinds = {bool: "a boolean", str: "a string", float: "a number with a fraction"}
+    if isinstance(value, datetime.date):
+        return f"{value.isoformat()}, a date"
+    kind = kinds.get(type(value))
     return f"{show(value)}, {kind}" if kind else show(value)
 
 
 def dotted(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + part
-    return out
+    # No setting of kvxferd is a list: an integer in a location is a mapping key.
+    return ".".join(str(part) for part in loc)
 
 
 # ---------------------------------------------------------------- annotations
@@ -190,6 +189,11 @@ def _unknown_key(root: type[BaseModel], loc: Loc, to_file: ToFile) -> str:
     return f"{head}; allowed here: {', '.join(valid)}" if valid else head
 
 
+def _not_a_string_key(key: object) -> str:
+    why = " (YAML reads yes, no, on and off as booleans)" if isinstance(key, bool) else ""
+    return f"the key {show(key)} is not a string{why}; quote it"
+
+
 def _message(err: ErrorDetails, root: type[BaseModel], to_file: ToFile) -> str:
     kind, loc, value = err["type"], tuple(err["loc"]), err.get("input")
     ctx = err.get("ctx") or {}
@@ -218,9 +222,14 @@ def _message(err: ErrorDetails, root: type[BaseModel], to_file: ToFile) -> str:
         return "must not be empty"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", err["msg"]))
+    if kind == "invalid_key":
+        return _not_a_string_key(value)
     if kind == "missing":
         return "is required"
-    want = allowed(field) if loc and loc[-1] != "[key]" else "a string"
+    want = allowed(field)
+    if want == "a string" and isinstance(value, int | float | datetime.date):
+        # YAML turns 10:20 into 620, 2024-01-01 into a date, yes into true.
+        return f"must be a string (got {describe(value)}); quote it to keep it as text"
     if want:
         return f"must be {want} (got {describe(value)})"
     return f"{err['msg']} (got {describe(value)})"
@@ -246,7 +255,10 @@ def format_validation_error(
         message = _message(err, root, mapper)
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]
-            message = f"name {message}"
+            if err["type"] == "string_type":
+                message = _not_a_string_key(loc[-1])
+            else:
+                message = f"name {message}"
         file_loc = mapper(loc)
         path = dotted(file_loc) if file_loc is not None else f"{dotted(loc)} (kvxferd setting)"
         line = line_of(file_loc) if (line_of and file_loc is not None) else None

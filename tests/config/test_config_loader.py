@@ -282,3 +282,27 @@ def test_wrong_nesting_gets_a_hint(text: str, hint: str) -> None:
     [problem] = problems(text)
     assert hint in problem
     assert "unknown" in problem
+
+
+# ------------------------------------------------------------- YAML's own surprises
+
+
+def test_unquoted_host_port_read_as_number_gets_quote_hint() -> None:
+    [problem] = problems("daemon:\n  peer_listen: 10:20\n")  # YAML 1.1: base-60 integer
+    assert "daemon.peer_listen: must be a string (got 620); quote it" in problem
+
+
+def test_date_for_string_gets_quote_hint() -> None:
+    [problem] = problems("daemon: {name: 2024-01-01}\n")
+    assert "got 2024-01-01, a date); quote it" in problem
+
+
+@pytest.mark.parametrize(("text", "shown"), [("1: x\n", "the key 1"), ("on: 1\n", "the key true")])
+def test_non_string_key(text: str, shown: str) -> None:
+    [problem] = problems(text)
+    assert f"{shown} is not a string" in problem and "quote it" in problem
+
+
+def test_non_string_peer_name() -> None:
+    [problem] = problems("daemon:\n  peers:\n    7: 'h:1'\n")
+    assert "daemon.peers.7: the key 7 is not a string; quote it" in problem
