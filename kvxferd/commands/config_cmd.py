@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +81,16 @@ def _warnings_to_stderr() -> Iterator[None]:
         log.removeHandler(handler)
 
 
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that went away (`| head`) is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def _summary(cfg: KvxferdConfig, settings: ResolvedSettings) -> str:
     window = settings.admission_window_blocks
     return (
@@ -130,11 +141,11 @@ def _validate_pair(path: str) -> str:
 def run_validate(args: argparse.Namespace) -> int:
     with _warnings_to_stderr():
         if args.role is None and _is_disagg(args.file):
-            print(_validate_pair(args.file))
+            _emit(_validate_pair(args.file))
             return 0
         cfg = load_config(args.file, role=args.role)
         settings = resolve(cfg)
-    print(f"{args.file}: valid; {_summary(cfg, settings)}")
+    _emit(f"{args.file}: valid; {_summary(cfg, settings)}")
     return 0
 
 
@@ -145,7 +156,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.json:
         out = settings.to_json_dict()
         out.update(source=cfg.source, role=cfg.engine.role, daemon=cfg.daemon.name)
-        print(json.dumps(out, indent=2))
+        _emit(json.dumps(out, indent=2))
     else:
-        print("\n".join(explain_lines(cfg, settings)))
+        _emit("\n".join(explain_lines(cfg, settings)))
     return 0
