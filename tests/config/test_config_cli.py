@@ -293,3 +293,23 @@ def test_entry_point_subprocess(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith(f"kvxferd: error: {bad}: cache_transceiver_config.backend:")
     assert "did you mean 'NIXL'?" in result.stderr
+
+
+def test_explain_null_timeouts_say_what_null_means(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path,
+        """
+        cache_transceiver_config:
+          transceiver_runtime: CPP
+          kv_transfer_timeout_ms: null
+          kv_transfer_sender_future_timeout_ms: null
+          kv_transfer_poll_interval_ms: null
+        """,
+    )
+    code, out, _ = run(capsys, "config", "explain", path)
+    assert code == 0
+    assert "kv_transfer_timeout_ms = null" in out and "no transfer deadline" in out
+    assert "without slicing" in out
+    assert "only when an in-flight transfer finishes" in out
