@@ -39,6 +39,30 @@ def _load() -> Any:
     return nixl_cu12
 
 
+# NIXL's Python API hard-codes its UCX progress thread's delay to 0, which makes
+# that thread busy-poll a whole core for the life of the agent: two idle daemons
+# then saturate a 2-core host. A delay of a few microseconds keeps the thread's
+# idle cost near zero; transfers are still driven promptly by our own polls.
+PROGRESS_DELAY_US = 10
+
+
+def _make_agent(nixl: Any, agent_name: str, conf: Any, delay_us: int) -> Any:
+    bindings = nixl._api.nixlBind
+    real = bindings.nixlAgent
+
+    def with_delay(name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = delay_us
+        return real(name, agent_config)
+
+    # nixl_agent builds its native config and agent inside __init__ with no hook
+    # for this knob; swap the constructor for exactly that call.
+    bindings.nixlAgent = with_delay
+    try:
+        return nixl.nixl_agent(agent_name, conf)
+    finally:
+        bindings.nixlAgent = real
+
+
 def _translate(exc: Exception, what: str) -> TransferError:
     kind = type(exc).__name__
     if kind in _PEER_LOST_ERRORS:
@@ -57,14 +81,14 @@ class NixlBackend:
 
     name = "NIXL"
 
-    def __init__(self, agent_name: str) -> None:
+    def __init__(self, agent_name: str, progress_delay_us: int = PROGRESS_DELAY_US) -> None:
         nixl = _load()
         self.agent_name = agent_name
         try:
             # No listener thread: metadata travels over kvxferd's own
             # authenticated peer channel, never NIXL's unauthenticated one.
             conf = nixl.nixl_agent_config(enable_listen_thread=False, backends=["UCX"])
-            self._agent = nixl.nixl_agent(agent_name, conf)
+            self._agent = _make_agent(nixl, agent_name, conf, progress_delay_us)
         except Exception as exc:
             raise StartupError(f"NIXL agent {agent_name!r} could not start: {exc}") from exc
         if "UCX" not in self._agent.backends:
