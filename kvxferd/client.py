@@ -37,6 +37,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.errors import KvxferdError, ProtocolError
 from kvxferd.memory.layout import KvLayout
+from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
 __all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome"]
@@ -61,6 +62,7 @@ class AsyncClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._out = CorkedWriter(writer)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[str]] = {}
         self._outcomes: dict[tuple[str, str], Outcome] = {}
@@ -158,8 +160,8 @@ class AsyncClient:
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending[msg.call_id] = fut
         try:
-            self._writer.write(ENGINE_CODEC.encode(msg))
-            await self._writer.drain()
+            self._out.write(ENGINE_CODEC.encode(msg))
+            await self._out.drain()
         except (ConnectionError, OSError) as exc:
             self._pending.pop(msg.call_id, None)
             raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
@@ -258,7 +260,7 @@ class AsyncClient:
         return await asyncio.wait_for(waiter, timeout_s)
 
     async def close(self) -> None:
-        self._writer.close()
+        self._out.close()
         if self._reader_task is not None:
             await asyncio.gather(self._reader_task, return_exceptions=True)
 

@@ -29,6 +29,7 @@ from kvxferd.api.messages import (
     Reply,
 )
 from kvxferd.errors import MalformedMessageError, ProtocolError, RequestError, StartupError
+from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
 log = logging.getLogger("kvxferd.api")
@@ -39,14 +40,14 @@ class EngineConnection:
 
     def __init__(self, writer: asyncio.StreamWriter, name: str) -> None:
         self.name = name
-        self._writer = writer
+        self._out = CorkedWriter(writer)
         self.closed = False
 
     def _write(self, msg: object) -> None:
         if self.closed:
             return
         try:
-            self._writer.write(DAEMON_CODEC.encode(msg))
+            self._out.write(DAEMON_CODEC.encode(msg))
         except (ConnectionError, OSError, RuntimeError):
             self.closed = True
 
@@ -73,9 +74,12 @@ class EngineConnection:
     async def drain(self) -> None:
         if not self.closed:
             try:
-                await self._writer.drain()
+                await self._out.drain()
             except (ConnectionError, OSError):
                 self.closed = True
+
+    def flush(self) -> None:
+        self._out.flush()
 
 
 class EngineHandler(Protocol):
@@ -185,6 +189,7 @@ class ApiServer:
             pass
         finally:
             if engine is not None:
+                engine.flush()
                 engine.closed = True
                 self.engines.discard(engine)
                 log.info("engine %r detached", engine.name)

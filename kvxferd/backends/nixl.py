@@ -152,7 +152,16 @@ class NixlBackend:
         except Exception as exc:
             self.release(handle)
             raise _translate(exc, "transfer post") from exc
-        return handle, _STATUS.get(state, XferStatus.ERROR)
+        status = _STATUS.get(state, XferStatus.ERROR)
+        if status is XferStatus.DONE:
+            # Over shared memory small writes complete inside the post: free the
+            # handle now and save the caller a second trip to this thread. If NIXL
+            # refuses, the handle stays unreleased and the caller retries.
+            try:
+                self.release(handle)
+            except TransferError as exc:
+                log.debug("release after an inline completion refused: %s", exc)
+        return handle, status
 
     def poll(self, handle: XferHandle) -> XferStatus:
         try:

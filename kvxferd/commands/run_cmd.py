@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         install_shutdown_signals(stop)
         daemon = Daemon(cfg, settings)
-        await daemon.serve(stop.wait())
+        await daemon.serve(stop)
         return 0
 
     return run_event_loop(main)

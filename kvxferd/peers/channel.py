@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvxferd.errors import ProtocolError
+from kvxferd.peers.framing import CorkedWriter
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
 
@@ -34,6 +35,7 @@ class PeerConnection:
     ) -> None:
         self.reader = reader
         self.writer = writer
+        self._out = CorkedWriter(writer)
         self.peer = peer
         self.agent_name = agent_name  # the peer's NIXL agent as loaded into ours
         self.label = label
@@ -68,8 +70,8 @@ class PeerConnection:
         if self.closed.is_set():
             return False
         try:
-            self.writer.write(PEER_CODEC.encode(msg))
-            await self.writer.drain()
+            self._out.write(PEER_CODEC.encode(msg))
+            await self._out.drain()
         except (ConnectionError, OSError) as exc:
             self.close(f"write failed: {exc}")
             return False
@@ -81,7 +83,7 @@ class PeerConnection:
         self.close_reason = reason
         self.closed.set()
         with contextlib.suppress(Exception):
-            self.writer.close()
+            self._out.close()
 
     async def _read_loop(
         self, on_message: Callable[[PeerConnection, PeerMessage], Awaitable[None]]

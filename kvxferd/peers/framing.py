@@ -24,6 +24,60 @@ MAX_FRAME_BYTES = 16 << 20
 T = TypeVar("T")
 
 
+class CorkedWriter:
+    """Batches the frames written during one event-loop iteration into one socket write.
+
+    At thousands of requests a second each reply, outcome and peer message would
+    otherwise cost its own send() syscall. Frames keep their order; `flush` runs
+    on the next loop iteration, or at once when the buffer grows large.
+    """
+
+    FLUSH_AT_BYTES = 256 << 10
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._scheduled = False
+        self.failed: BaseException | None = None
+
+    def write(self, frame: bytes) -> None:
+        if self.failed is not None:
+            raise ConnectionResetError(f"connection unusable: {self.failed}")
+        self._buf.append(frame)
+        self._size += len(frame)
+        if self._size >= self.FLUSH_AT_BYTES:
+            self.flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._buf:
+            return
+        data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
+        self._buf.clear()
+        self._size = 0
+        try:
+            self.writer.write(data)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            self.failed = exc
+
+    async def drain(self) -> None:
+        """Back-pressure: wait only when the transport itself is over its high-water mark."""
+        if self.failed is not None:
+            raise ConnectionResetError(f"connection unusable: {self.failed}")
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            self.flush()
+            await self.writer.drain()
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
 class FrameCodec(Generic[T]):
     """Encodes and decodes one message union `T` (a Union of tagged msgspec Structs)."""
 

@@ -174,12 +174,12 @@ class Daemon:
         self.ready = True
         log.info("ready")
 
-    async def serve(self, shutdown: Awaitable[object]) -> None:
-        """Start, run until `shutdown` completes, then stop. Injected trigger: tests
+    async def serve(self, shutdown: asyncio.Event) -> None:
+        """Start, run until `shutdown` is set, then stop. Injected trigger: tests
         drain the daemon without sending real signals."""
         try:
             await self.start()
-            await shutdown
+            await shutdown.wait()
         finally:
             await self.stop()
 

@@ -31,6 +31,7 @@ from kvxferd.peers.messages import (
 )
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
+from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, make_outcome
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
@@ -84,7 +85,7 @@ class Receiver:
         if not blocks:
             raise RequestError("bad_request", "a receive needs at least one block")
         try:
-            pool.layout.check_blocks(blocks)
+            validate_block_ids(pool.layout, blocks)
         except LayoutError as exc:
             raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
         if num_tokens is not None:

@@ -23,18 +23,20 @@ import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
-from kvxferd.memory.layout import KvLayout, LayoutError, pair_segments
+from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
     CancelAnswer,
     CancelRequest,
+    PoolInfo,
     RequestData,
     Result,
 )
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.plan import plan_write, validate_block_ids
 from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, make_outcome
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
@@ -61,6 +63,8 @@ class Sender:
         self.sessions: dict[str, TxSession] = {}
         self.accepting = True
         self.open_handles = 0  # posted writes not yet confirmed quiescent
+        # Parsed layouts of peer pools, keyed by the PoolInfo object they came from.
+        self._peer_layouts: dict[int, tuple[PoolInfo, KvLayout]] = {}
 
     # ------------------------------------------------------------ engine calls
 
@@ -87,7 +91,7 @@ class Sender:
                 f"tokens [0, {token_end}) need {needed} blocks of {tpb} tokens, got {len(blocks)}",
             )
         try:
-            pool.layout.check_blocks(blocks)
+            validate_block_ids(pool.layout, blocks)
         except LayoutError as exc:
             raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
         s = self._session_for_send(engine, request_id, token_start)
@@ -323,21 +327,17 @@ class Sender:
                 Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
             )
         try:
-            dst_layout = KvLayout.from_wire(info.layout)
-            if len(req.blocks) != len(s.blocks):
-                return Terminal.local(
-                    Status.FAILED,
-                    Reason.BLOCK_MISMATCH,
-                    f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}",
-                )
-            src, dst = pair_segments(s.pool.layout, s.blocks, dst_layout, req.blocks)
+            dst_layout = self._peer_layouts.get(id(info))
+            if dst_layout is None or dst_layout[0] is not info:
+                if len(self._peer_layouts) > 256:  # pools are few; stale entries are not
+                    self._peer_layouts.clear()
+                dst_layout = (info, KvLayout.from_wire(info.layout))
+                self._peer_layouts[id(info)] = dst_layout
+            return plan_write(
+                s.pool.layout, s.pool.base, s.blocks, dst_layout[1], info.base, req.blocks
+            )
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
-        local = src.copy()
-        local[:, 0] += s.pool.base
-        remote = dst.copy()
-        remote[:, 0] += info.base
-        return local, remote
 
     async def _write(self, s: TxSession) -> None:
         assert s.conn is not None and s.deadline is not None
