@@ -176,13 +176,25 @@ class Sender:
             # Generation-first: remember the request until the engine sends.
             s = TxSession(request_id=msg.request_id, engine=None)
             self.sessions[msg.request_id] = s
-        elif s.request is not None or s.finished:
+        elif s.finished and s.terminal is not None:
+            # The engine's send already ended (e.g. its deadline passed before the
+            # receiver asked): say why, so the generation side can tell the operator.
+            await conn.send(
+                Abort(
+                    request_id=msg.request_id,
+                    rx_token=msg.rx_token,
+                    reason=s.terminal.reason,
+                    message=f"the context side already ended this request: {s.terminal.message}",
+                )
+            )
+            return
+        elif s.request is not None:
             await conn.send(
                 Abort(
                     request_id=msg.request_id,
                     rx_token=msg.rx_token,
                     reason=Reason.DUPLICATE_REQUEST,
-                    message=f"request {msg.request_id!r} is already being served or finished",
+                    message=f"request {msg.request_id!r} is already requested by another receive",
                 )
             )
             return
@@ -195,7 +207,14 @@ class Sender:
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is not None:
             if s.engine is None:
-                del self.sessions[s.request_id]  # never reached the engine
+                # The engine never sent it; nothing to report to it, but say so here.
+                log.warning(
+                    "request %s: the generation side ended it (%s) before the engine sent: %s",
+                    s.request_id,
+                    msg.reason,
+                    msg.message,
+                )
+                del self.sessions[s.request_id]
             else:
                 status = Status.CANCELLED if msg.reason == Reason.CANCELLED else Status.FAILED
                 reason = {
