@@ -1,0 +1,313 @@
+"""The bench engine: one side of a daemon-path measurement, as its own process.
+
+Run as `python -m kvxferd.bench.engine --role context|generation --socket SOCK --plan FILE
+--notify-fd FD ...` (the bench driver starts two of them, one per daemon). It allocates its KV
+pool in shared memory, registers it with its daemon through kvxferd.client, runs the plan's
+requests and prints one JSON object (its records) on stdout.
+
+Coordination is generation-first, over a pipe the driver creates between the two engines:
+the generation engine zeroes request i's destination blocks and posts `recv` for it, then
+writes "slot request_id" to the pipe; the context engine has already filled request i's
+source blocks (not timed), records t_send just before `send`, and the generation engine
+records t_done when the outcome arrives. Latency = t_done - t_send (time.monotonic_ns is one
+clock for every process of the machine). Every byte is verified after t_done, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvxferd.bench.plan import Item, Plan
+from kvxferd.client import AsyncClient
+from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.shm import ShmRegion
+from kvxferd.service.runner import run_event_loop
+from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
+from kvxferd.transceiver.state import Status
+
+_END = "end"
+
+
+@dataclass
+class GenRecord:
+    request_id: str
+    slot: int
+    tokens: int
+    timed: bool
+    t_post_ns: int = 0
+    t_done_ns: int = 0
+    status: str = ""
+    reason: str = ""
+    message: str = ""
+    nbytes: int = 0
+    verified: bool = False
+    verify_error: str = ""
+
+
+@dataclass
+class CtxRecord:
+    request_id: str
+    t_send_ns: int = 0
+    t_done_ns: int = 0
+    status: str = ""
+    reason: str = ""
+    message: str = ""
+
+
+class _Side:
+    def __init__(self, client: AsyncClient, plan: Plan, region: ShmRegion, pool_id: str) -> None:
+        self.client = client
+        self.plan = plan
+        self.layout: KvLayout = plan.layout()
+        self.region = region
+        self.pool_id = pool_id
+        self.error = ""
+
+    def fail(self, message: str) -> None:
+        if not self.error:
+            self.error = message
+
+
+class GenerationSide(_Side):
+    def __init__(
+        self,
+        client: AsyncClient,
+        plan: Plan,
+        region: ShmRegion,
+        pool_id: str,
+        peer: str,
+        notify_fd: int,
+        progress_fd: int | None,
+        wait_s: float,
+    ) -> None:
+        super().__init__(client, plan, region, pool_id)
+        self.peer = peer
+        self.notify_fd = notify_fd
+        self.progress_fd = progress_fd
+        self.wait_s = wait_s
+        self.records: list[GenRecord] = []
+        self.timed_start_ns = 0
+
+    def _notify(self, line: str) -> None:
+        os.write(self.notify_fd, (line + "\n").encode())
+
+    def _tick(self) -> None:
+        if self.progress_fd is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.write(self.progress_fd, b".")
+
+    async def run(self) -> None:
+        try:
+            for group in self.plan.groups():
+                if self.error:
+                    break
+                deadline = None
+                if group.count is None:
+                    self.timed_start_ns = time.monotonic_ns()
+                    deadline = time.monotonic() + self.plan.seconds
+                elif group.timed and not self.timed_start_ns:
+                    self.timed_start_ns = time.monotonic_ns()
+                await asyncio.gather(
+                    *(self._slot(group.slot_items(s, self.plan.in_flight), deadline)
+                      for s in range(self.plan.in_flight))
+                )  # fmt: skip
+        finally:
+            # The context engine may be gone already (its sequence ended, or it failed).
+            with contextlib.suppress(BrokenPipeError):
+                self._notify(_END)
+
+    async def _slot(self, items: Any, deadline: float | None) -> None:
+        for item in items:
+            if self.error or (deadline is not None and time.monotonic() >= deadline):
+                return
+            await self._one(item)
+
+    async def _one(self, item: Item) -> None:
+        pool = self.region.array
+        blocks = self.plan.dst_for(item)
+        rec = GenRecord(item.request_id, item.slot, item.tokens, item.timed)
+        self.records.append(rec)
+        clear_blocks(pool, self.layout, blocks)
+        rec.t_post_ns = time.monotonic_ns()
+        await self.client.recv(item.request_id, self.pool_id, blocks, self.peer, item.tokens)
+        self._notify(f"{item.slot} {item.request_id}")
+        outcome = await self.client.wait(item.request_id, self.wait_s)
+        rec.t_done_ns = time.monotonic_ns()
+        rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
+        rec.nbytes = outcome.nbytes
+        if outcome.status == Status.DONE:
+            result = verify_blocks(
+                pool, self.layout, blocks, request_seed(item.request_id), item.tokens
+            )
+            rec.verified = result.ok
+            rec.verify_error = result.first_mismatch or ""
+            if not result.ok:
+                self.fail(f"request {item.request_id}: verification failed: {rec.verify_error}")
+        else:
+            self.fail(
+                f"request {item.request_id} (generation side): {outcome.status} "
+                f"({outcome.reason}): {outcome.message}"
+            )
+        await self.client.release(item.request_id)
+        self._tick()
+
+
+class ContextSide(_Side):
+    def __init__(
+        self,
+        client: AsyncClient,
+        plan: Plan,
+        region: ShmRegion,
+        pool_id: str,
+        notify_fd: int,
+        wait_s: float,
+    ) -> None:
+        super().__init__(client, plan, region, pool_id)
+        self.notify_fd = notify_fd
+        self.wait_s = wait_s
+        self.records: list[CtxRecord] = []
+        self.queues: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in range(plan.in_flight)]
+
+    async def _read_notifications(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        pipe = os.fdopen(self.notify_fd, "rb", buffering=0)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        try:
+            while True:
+                line = (await reader.readline()).decode().strip()
+                if not line or line == _END:
+                    break
+                slot, request_id = line.split(" ", 1)
+                self.queues[int(slot)].put_nowait(request_id)
+        finally:
+            transport.close()
+            for q in self.queues:
+                q.put_nowait(_END)
+
+    async def run(self) -> None:
+        reader = asyncio.create_task(self._read_notifications())
+        try:
+            await asyncio.gather(*(self._slot(s) for s in range(self.plan.in_flight)))
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _slot(self, slot: int) -> None:
+        pool = self.region.array
+        for group in self.plan.groups():
+            for item in group.slot_items(slot, self.plan.in_flight):
+                blocks = self.plan.src_for(item)
+                fill_blocks(pool, self.layout, blocks, request_seed(item.request_id))
+                posted = await self.queues[slot].get()
+                if posted == _END:
+                    return
+                if posted != item.request_id:
+                    self.fail(
+                        f"slot {slot}: the generation engine posted {posted}, "
+                        f"expected {item.request_id}"
+                    )
+                    return
+                rec = CtxRecord(item.request_id)
+                self.records.append(rec)
+                rec.t_send_ns = time.monotonic_ns()
+                await self.client.send(item.request_id, self.pool_id, blocks, item.tokens)
+                outcome = await self.client.wait(item.request_id, self.wait_s)
+                rec.t_done_ns = time.monotonic_ns()
+                rec.status, rec.reason, rec.message = (
+                    outcome.status,
+                    outcome.reason,
+                    outcome.message,
+                )
+                if outcome.status != Status.DONE:
+                    self.fail(
+                        f"request {item.request_id} (context side): {outcome.status} "
+                        f"({outcome.reason}): {outcome.message}"
+                    )
+                await self.client.release(item.request_id)
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    plan = Plan.load(args.plan)
+    layout = plan.layout()
+    report: dict[str, Any] = {"role": args.role, "pool_bytes": layout.pool_bytes, "error": ""}
+    client = await AsyncClient.connect(args.socket, engine=f"bench-{args.role}")
+    name = f"kvxferd-bench-{args.role}-{os.getpid()}"
+    region = ShmRegion.create(name, layout.pool_bytes)
+    side: GenerationSide | ContextSide | None = None
+    try:
+        try:
+            await client.register_pool(args.pool_id, name, layout)
+        finally:
+            region.unlink()  # the mappings stay; a crash leaves nothing in /dev/shm
+        if args.role == "generation":
+            side = GenerationSide(
+                client,
+                plan,
+                region,
+                args.pool_id,
+                args.peer,
+                args.notify_fd,
+                args.progress_fd,
+                args.wait_timeout,
+            )
+        else:
+            side = ContextSide(
+                client, plan, region, args.pool_id, args.notify_fd, args.wait_timeout
+            )
+        await side.run()
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            await client.deregister_pool(args.pool_id)
+        await client.close()
+        region.close()
+    if side is not None:
+        report["error"] = report["error"] or side.error
+        report["records"] = [asdict(r) for r in side.records]
+        if isinstance(side, GenerationSide):
+            report["timed_start_ns"] = side.timed_start_ns
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvxferd.bench.engine")
+    p.add_argument("--role", choices=["context", "generation"], required=True)
+    p.add_argument("--socket", required=True, help="the daemon's engine API socket")
+    p.add_argument("--plan", required=True, help="the run's plan (JSON, written by the driver)")
+    p.add_argument("--peer", default="", help="generation: the context daemon's HOST:PORT")
+    p.add_argument("--pool-id", default="bench")
+    p.add_argument("--notify-fd", type=int, required=True, help="pipe between the two engines")
+    p.add_argument("--progress-fd", type=int, default=None, help="one byte per finished request")
+    p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds per outcome")
+    args = p.parse_args(argv)
+    if args.progress_fd is not None:
+        os.set_blocking(args.progress_fd, False)
+    report: dict[str, Any] = {}
+
+    async def run() -> int:
+        report.update(await _main(args))
+        return 0
+
+    run_event_loop(run)
+    json.dump(report, sys.stdout, separators=(",", ":"))
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

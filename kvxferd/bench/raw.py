@@ -1,0 +1,253 @@
+"""The bare NIXL pair: the same bytes with the same segments, no daemon.
+
+Two processes, started by the bench driver:
+
+* `python -m kvxferd.bench.raw target --plan FILE --info-out FILE`: allocates a pool of the
+  plan's layout in shared memory, registers it with a NIXL agent, writes its agent metadata,
+  pool base and shared memory name to --info-out, and waits until its stdin closes.
+* `python -m kvxferd.bench.raw initiator --plan FILE --target-info FILE`: allocates and
+  registers its own pool, loads the target's metadata, connects, and runs the plan's request
+  sequence: per request it pairs the segments with pair_segments() (the same block ids as the
+  daemon run), then times from just before building the transfer (get_xfer_descs +
+  initialize_xfer, through kvxferd.backends.nixl.NixlBackend.post_write, as the daemon does)
+  to NIXL reporting DONE, busy-polling. `in_flight` transfers are outstanding at a time.
+  It prints one JSON object (its records) on stdout.
+
+Content: with one request in flight (sweep mode), every request's source is filled, its
+destination zeroed and, after DONE, verified through the target's shared memory, all untimed.
+With several in flight (or in small mode) that would stall the other transfers of this single
+thread, so each slot is filled and zeroed once per group and verified at the group's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvxferd.backends.base import XferHandle, XferStatus
+from kvxferd.bench.plan import SWEEP, Group, Item, Plan
+from kvxferd.memory.layout import KvLayout, pair_segments
+from kvxferd.memory.shm import ShmRegion
+from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
+
+
+@dataclass
+class RawRecord:
+    request_id: str
+    slot: int
+    tokens: int
+    timed: bool
+    t_start_ns: int = 0
+    t_done_ns: int = 0
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+def _backend(role: str) -> Any:
+    from kvxferd.backends.nixl import NixlBackend
+
+    return NixlBackend(f"bench-raw-{role}-{os.getpid()}")
+
+
+def target(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    layout = plan.layout()
+    backend = _backend("target")
+    name = f"kvxferd-bench-raw-target-{os.getpid()}"
+    region = ShmRegion.create(name, layout.pool_bytes)
+    try:
+        reg = backend.register(region.address, layout.pool_bytes)
+        info = {
+            "agent_name": backend.agent_name,
+            "metadata": base64.b64encode(backend.metadata()).decode(),
+            "base": region.address,
+            "shm_name": name,
+            "nbytes": layout.pool_bytes,
+        }
+        tmp = Path(args.info_out + ".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(args.info_out)
+        sys.stdin.read()  # until the driver closes our stdin
+        backend.deregister(reg)
+    finally:
+        backend.close()
+        region.unlink()
+        region.close()
+    return 0
+
+
+class Initiator:
+    def __init__(self, plan: Plan, target_info: dict[str, Any], progress_fd: int | None) -> None:
+        self.plan = plan
+        self.layout: KvLayout = plan.layout()
+        self.progress_fd = progress_fd
+        self.backend = _backend("initiator")
+        self.region = ShmRegion.create(
+            f"kvxferd-bench-raw-initiator-{os.getpid()}", self.layout.pool_bytes
+        )
+        self.region.unlink()
+        self.reg = self.backend.register(self.region.address, self.layout.pool_bytes)
+        self.peer = self.backend.add_peer(base64.b64decode(target_info["metadata"]))
+        self.backend.connect(self.peer)
+        self.remote_base = int(target_info["base"])
+        self.dst = ShmRegion.attach(target_info["shm_name"], int(target_info["nbytes"]))
+        self.records: list[RawRecord] = []
+        self.verified = 0
+        self.timed_start_ns = 0
+        self.refresh = plan.mode == SWEEP and plan.in_flight == 1
+
+    def close(self) -> None:
+        self.backend.deregister(self.reg)
+        self.backend.close()
+        self.dst.close()
+        self.region.close()
+
+    def _tick(self) -> None:
+        if self.progress_fd is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.write(self.progress_fd, b".")
+
+    def _segments(self, item: Item) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        src, dst = pair_segments(
+            self.layout, self.plan.src_for(item), self.layout, self.plan.dst_for(item)
+        )
+        src[:, 0] += self.region.address
+        dst[:, 0] += self.remote_base
+        return src, dst
+
+    def _verify(self, item: Item, seed: int) -> None:
+        result = verify_blocks(
+            self.dst.array, self.layout, self.plan.dst_for(item), seed, item.tokens
+        )
+        if not result.ok:
+            raise RuntimeError(
+                f"raw NIXL request {item.request_id}: verification failed: {result.first_mismatch}"
+            )
+        self.verified += 1
+
+    def run(self) -> None:
+        for group in self.plan.groups():
+            deadline = None
+            if group.count is None:
+                self.timed_start_ns = time.monotonic_ns()
+                deadline = time.monotonic() + self.plan.seconds
+            elif group.timed and not self.timed_start_ns:
+                self.timed_start_ns = time.monotonic_ns()
+            self._group(group, deadline)
+
+    def _group(self, group: Group, deadline: float | None) -> None:
+        n = self.plan.in_flight
+        queues = [group.slot_items(s, n) for s in range(n)]
+        last: dict[int, Item] = {}
+        slot_seed = {s: request_seed(f"{group.key}-slot{s}") for s in range(n)}
+        if not self.refresh:
+            for s in range(n):
+                probe = Item(f"{group.key}-slot{s}", group.tokens, group.blocks, s, group.timed)
+                fill_blocks(self.region.array, self.layout, self.plan.src_for(probe), slot_seed[s])
+                clear_blocks(self.dst.array, self.layout, self.plan.dst_for(probe))
+        active: dict[int, tuple[Item, XferHandle, int, RawRecord]] = {}
+
+        def launch(slot: int) -> None:
+            while True:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                item = next(queues[slot], None)
+                if item is None:
+                    return
+                if self.refresh:
+                    seed = request_seed(item.request_id)
+                    fill_blocks(self.region.array, self.layout, self.plan.src_for(item), seed)
+                    clear_blocks(self.dst.array, self.layout, self.plan.dst_for(item))
+                local, remote = self._segments(item)
+                rec = RawRecord(item.request_id, slot, item.tokens, item.timed)
+                rec.t_start_ns = time.monotonic_ns()
+                handle, status = self.backend.post_write(local, remote, self.peer)
+                if status is XferStatus.IN_PROGRESS:
+                    active[slot] = (item, handle, rec.t_start_ns, rec)
+                    return
+                rec.t_done_ns = time.monotonic_ns()
+                complete(item, handle, status, rec)
+
+        def complete(item: Item, handle: XferHandle, status: XferStatus, rec: RawRecord) -> None:
+            self.backend.release(handle)
+            if status is not XferStatus.DONE:
+                raise RuntimeError(f"raw NIXL request {item.request_id}: NIXL reported ERR")
+            rec.nbytes, rec.descriptors = handle.nbytes, handle.descriptors
+            self.records.append(rec)
+            last[item.slot] = item
+            if self.refresh:
+                self._verify(item, request_seed(item.request_id))
+            self._tick()
+
+        for s in range(n):
+            launch(s)
+        poll = self.backend.poll
+        while active:
+            for slot in list(active):
+                item, handle, _, rec = active[slot]
+                status = poll(handle)
+                if status is XferStatus.IN_PROGRESS:
+                    continue
+                rec.t_done_ns = time.monotonic_ns()
+                del active[slot]
+                complete(item, handle, status, rec)
+                launch(slot)
+        if not self.refresh:
+            for s, item in last.items():
+                self._verify(item, slot_seed[s])
+
+
+def initiator(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    info = json.loads(Path(args.target_info).read_text())
+    if args.progress_fd is not None:
+        os.set_blocking(args.progress_fd, False)
+    report: dict[str, Any] = {"error": ""}
+    init: Initiator | None = None
+    try:
+        init = Initiator(plan, info, args.progress_fd)
+        init.run()
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
+    finally:
+        if init is not None:
+            report["records"] = [asdict(r) for r in init.records]
+            report["verified"] = init.verified
+            report["timed_start_ns"] = init.timed_start_ns
+            with contextlib.suppress(Exception):
+                init.close()
+    json.dump(report, sys.stdout, separators=(",", ":"))
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvxferd.bench.raw")
+    sub = p.add_subparsers(dest="role", required=True)
+    t = sub.add_parser("target")
+    t.add_argument("--plan", required=True)
+    t.add_argument("--info-out", required=True)
+    t.set_defaults(fn=target)
+    i = sub.add_parser("initiator")
+    i.add_argument("--plan", required=True)
+    i.add_argument("--target-info", required=True)
+    i.add_argument("--progress-fd", type=int, default=None)
+    i.set_defaults(fn=initiator)
+    args = p.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

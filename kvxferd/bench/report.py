@@ -1,0 +1,150 @@
+"""The bench's table (stdout) and plot (--plot FILE.png)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxferd.bench.runner import BenchError
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}" if n < 10 * 2**20 else f"{n / 2**20:.0f}"
+
+
+def header_lines(report: dict[str, Any]) -> list[str]:
+    g = report["geometry"]
+    h = report["host"]
+    lines = [
+        f"kvxferd bench ({report['mode']}), {report['date']}",
+        f"  geometry  {g['layers']} layers x {g['kv_heads']} KV heads x head_dim "
+        f"{g['head_dim']}, {g['tokens_per_block']} tokens/block, {g['dtype']}, {g['layout']} "
+        f"({_mib(g['block_bytes'])} MiB per block), blocks {report['block_order']}",
+    ]
+    if report["mode"] == "small":
+        lines.append(
+            f"  run       one-block requests, {report['in_flight']} in flight, "
+            f"{report['seconds']:g} s per configuration after {report['warmup']} warm-up"
+        )
+    else:
+        lines.append(
+            f"  run       {report['requests']} timed + {report['warmup']} warm-up requests per "
+            f"length, {report['in_flight']} in flight; every byte verified"
+        )
+    lines.append(
+        f"  host      {h['cpu_count']} CPUs ({h['cpu_model'] or 'unknown'}), Python "
+        f"{h['python']}, nixl-cu12 {h['nixl_version']}"
+    )
+    return lines
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]  # fmt: skip
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return [fmt.format(*headers), *(fmt.format(*r) for r in rows)]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = header_lines(report)
+    lines.append("")
+    if report["mode"] == "small":
+        raw = report["raw"]
+        rows = [
+            [
+                r["config"],
+                f"{r['requests']}",
+                f"{r['requests_per_s']:.0f}",
+                f"{r['p50_ms']:.3f}",
+                f"{r['p99_ms']:.3f}",
+                f"{r['raw_requests_per_s']:.0f}",
+                f"{r['raw_p50_ms']:.3f}",
+                f"{r['raw_p99_ms']:.3f}",
+                f"{r['ratio_to_raw']:.2f}",
+            ]
+            for r in report["results"]
+        ]
+        headers = ["config", "requests", "req/s", "p50 ms", "p99 ms", "raw req/s", "raw p50",
+                   "raw p99", "vs raw"]  # fmt: skip
+        lines += _table(headers, rows)
+        lines.append(
+            f"\nraw NIXL: {raw['requests']} one-block transfers in {raw['seconds']:.2f} s "
+            "(post + busy poll in one process)"
+        )
+        return "\n".join(lines)
+    rows = [
+        [
+            r["config"],
+            f"{r['tokens']}",
+            f"{r['blocks']}",
+            _mib(r["bytes"]),
+            f"{r['descriptors']}",
+            f"{r['gbps']:.2f}",
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['raw_gbps']:.2f}",
+            f"{r['raw_p50_ms']:.2f}",
+            f"{r['ratio_to_raw']:.2f}",
+            f"{r['memcpy_gbps']:.2f}",
+            f"{r['ratio_to_memcpy']:.2f}",
+        ]
+        for r in report["results"]
+    ]
+    headers = ["config", "tokens", "blocks", "MiB/req", "segments", "GB/s", "p50 ms", "p99 ms",
+               "raw GB/s", "raw p50", "vs raw", "memcpy GB/s", "vs memcpy"]  # fmt: skip
+    lines += _table(headers, rows)
+    lines.append(
+        "\nGB/s: bytes of the timed requests / busy time (union of send-to-completion "
+        "intervals); raw: bare NIXL pair, same segments; memcpy: one np.copyto, best of 3"
+    )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Bandwidth against request length per configuration, with raw and memcpy (sweep), or
+    requests per second per configuration beside raw (small). Needs matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise BenchError(
+            f"--plot needs matplotlib, which does not import ({exc}); install it with "
+            "`pip install matplotlib` (or kvxferd[plot])"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = report["geometry"]
+    title = (
+        f"kvxferd bench: {g['layers']}L x {g['kv_heads']}H x {g['head_dim']}, "
+        f"{g['tokens_per_block']} tok/block, {g['dtype']}, {g['layout']}, "
+        f"{report['in_flight']} in flight"
+    )
+    fig, ax = plt.subplots(figsize=(8, 5))
+    try:
+        if report["mode"] == "small":
+            names = [r["config"] for r in report["results"]] + ["raw NIXL"]
+            values = [r["requests_per_s"] for r in report["results"]]
+            values.append(report["raw"]["requests_per_s"])
+            ax.bar(names, values, color=["C0"] * (len(names) - 1) + ["C1"])
+            ax.set_ylabel("requests/s (one-block requests)")
+        else:
+            tokens = report["tokens"]
+            for name in report["configs"]:
+                rs = [r for r in report["results"] if r["config"] == name]
+                ax.plot([r["tokens"] for r in rs], [r["gbps"] for r in rs], "o-", label=name)
+            ax.plot(tokens, [r["gbps"] for r in report["raw"]], "s--", label="raw NIXL")
+            ax.plot(tokens, [r["gbps"] for r in report["memcpy"]], ":", color="gray",
+                    label="memcpy")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_xlabel("request length (tokens)")
+            ax.set_ylabel("GB/s")
+            ax.set_ylim(bottom=0)
+            ax.legend()
+            ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(title, fontsize=9)
+        fig.tight_layout()
+        try:
+            fig.savefig(path, format="png")
+        except OSError as exc:
+            raise BenchError(f"cannot write the plot to {path}: {exc}") from exc
+    finally:
+        plt.close(fig)

@@ -1,0 +1,607 @@
+"""Runs a benchmark: memcpy, the raw NIXL pair, then each configuration through real daemons.
+
+Every measurement runs in processes of its own: two `kvxferd run` daemons started by
+LocalCluster plus two bench engines (kvxferd.bench.engine) per configuration, and a raw NIXL
+target and initiator (kvxferd.bench.raw). The driver (this module) only starts them, relays
+their progress, and joins and checks their records; it never touches the data path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvxferd import __version__
+from kvxferd.bench.baseline import memcpy_gbps
+from kvxferd.bench.configs import BenchConfig
+from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
+from kvxferd.bench.progress import Progress
+from kvxferd.bench.stats import Timing, ratio
+from kvxferd.errors import KvxferdError
+
+#: How long a failed child's partner gets to notice before it is killed.
+_GRACE_S = 5.0
+
+
+class BenchError(KvxferdError):
+    """The benchmark could not run or a request failed (exit status 1)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    geometry: Geometry
+    lengths: list[int]
+    requests: int
+    warmup: int
+    in_flight: int
+    configs: list[BenchConfig]
+    small: bool = False
+    seconds: float = 10.0
+    shuffle: bool = True
+    seed: int = 1
+    timeout_s: float = 900.0
+    keep: bool = False
+    command: str = ""
+
+    @property
+    def mode(self) -> str:
+        return SMALL if self.small else SWEEP
+
+
+# -- child processes ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    out_path: Path
+    err_path: Path
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        try:
+            return self.err_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def report(self) -> dict[str, Any]:
+        text = self.out_path.read_text(errors="replace").strip()
+        try:
+            report: dict[str, Any] = json.loads(text.splitlines()[-1]) if text else {}
+        except json.JSONDecodeError as exc:
+            raise BenchError(
+                f"{self.name} printed no report ({exc}):\n{text[-1000:]}\n{self.stderr_tail()}"
+            ) from exc
+        if not report:
+            raise BenchError(f"{self.name} printed no report:\n{self.stderr_tail()}")
+        return report
+
+
+def _spawn(
+    workdir: Path,
+    name: str,
+    argv: list[str],
+    pass_fds: Sequence[int] = (),
+    stdin: int | None = subprocess.DEVNULL,
+) -> _Child:
+    out_path, err_path = workdir / f"{name}.out", workdir / f"{name}.err"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            stdout=out,
+            stderr=err,
+            stdin=stdin,
+            pass_fds=tuple(pass_fds),
+        )
+    return _Child(name, proc, out_path, err_path)
+
+
+def _wait(children: list[_Child], progress_fd: int, prog: Progress, timeout_s: float) -> None:
+    """Wait for every child, relaying the progress bytes; kill the rest if one fails."""
+    deadline = time.monotonic() + timeout_s
+    fd_open = True
+    failed_at: float | None = None
+    try:
+        while True:
+            if fd_open:
+                ready, _, _ = select.select([progress_fd], [], [], 0.1)
+                if ready:
+                    data = os.read(progress_fd, 65536)
+                    if data:
+                        prog.advance(len(data))
+                    else:
+                        fd_open = False
+            else:
+                time.sleep(0.05)
+            prog.tick()
+            codes = [c.proc.poll() for c in children]
+            if all(code is not None for code in codes):
+                break
+            now = time.monotonic()
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > _GRACE_S:
+                break
+            if now > deadline:
+                running = [c.name for c in children if c.proc.poll() is None]
+                names = ", ".join(running)
+                raise BenchError(f"{names} still running after {timeout_s:.0f} s; stopped")
+    finally:
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait(10)
+    for c in children:
+        if c.proc.returncode != 0:
+            raise BenchError(f"{c.name} exited with status {c.proc.returncode}:\n{c.stderr_tail()}")
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+def _check_report(what: str, report: dict[str, Any], logs: str = "") -> None:
+    if report.get("error"):
+        detail = report.get("traceback", "") if "Error:" in report["error"] else ""
+        raise BenchError(f"{what}: {report['error']}" + (f"\n{detail}" if detail else "") + logs)
+
+
+def _raw_run(
+    plan_path: Path, plan: Plan, workdir: Path, prog: Progress, timeout_s: float
+) -> dict[str, Any]:
+    info = workdir / "raw-target.json"
+    target = _spawn(
+        workdir,
+        "raw-target",
+        ["-m", "kvxferd.bench.raw", "target", "--plan", str(plan_path), "--info-out", str(info)],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not info.exists():
+            if target.proc.poll() is not None:
+                raise BenchError(
+                    f"the raw NIXL target exited with {target.proc.returncode}:\n"
+                    + target.stderr_tail()
+                )
+            if time.monotonic() > deadline:
+                raise BenchError("the raw NIXL target did not start within 120 s")
+            time.sleep(0.02)
+        prog_r, prog_w = os.pipe()
+        try:
+            init = _spawn(
+                workdir,
+                "raw-initiator",
+                [
+                    "-m",
+                    "kvxferd.bench.raw",
+                    "initiator",
+                    "--plan",
+                    str(plan_path),
+                    "--target-info",
+                    str(info),
+                    "--progress-fd",
+                    str(prog_w),
+                ],
+                pass_fds=(prog_w,),
+            )
+            os.close(prog_w)
+            prog_w = -1
+            _wait([init], prog_r, prog, timeout_s)
+        finally:
+            os.close(prog_r)
+            if prog_w >= 0:
+                os.close(prog_w)
+        report = init.report()
+        _check_report("raw NIXL", report, "\n" + init.stderr_tail())
+        return report
+    finally:
+        if target.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                target.proc.stdin.close()
+        try:
+            target.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            target.proc.kill()
+            target.proc.wait(10)
+
+
+def _daemon_run(
+    config: BenchConfig,
+    plan_path: Path,
+    plan: Plan,
+    workdir: Path,
+    prog: Progress,
+    timeout_s: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    from kvxferd.sim.cluster import LocalCluster
+
+    cdir = workdir / config.name
+    with LocalCluster(
+        cdir,
+        geometry=plan.geometry.cluster_geometry(),
+        transceiver=dict(config.transceiver),
+    ) as cluster:
+        ctx = cluster.start_daemon("bench-ctx", "context", engine=dict(config.engine))
+        gen = cluster.start_daemon("bench-gen", "generation", engine=dict(config.engine))
+
+        def logs() -> str:
+            return "".join(
+                f"\n--- {d.name} log ({d.log_path}) ---\n{d.log_text()[-2000:]}" for d in (ctx, gen)
+            )
+
+        notify_r, notify_w = os.pipe()
+        prog_r, prog_w = os.pipe()
+        common = ["-m", "kvxferd.bench.engine", "--plan", str(plan_path)]
+        try:
+            ctx_engine = _spawn(
+                cdir,
+                "engine-ctx",
+                [*common, "--role", "context", "--socket", ctx.api_socket,
+                 "--notify-fd", str(notify_r)],
+                pass_fds=(notify_r,),
+            )  # fmt: skip
+            gen_engine = _spawn(
+                cdir,
+                "engine-gen",
+                [*common, "--role", "generation", "--socket", gen.api_socket,
+                 "--peer", ctx.peer_address, "--notify-fd", str(notify_w),
+                 "--progress-fd", str(prog_w)],
+                pass_fds=(notify_w, prog_w),
+            )  # fmt: skip
+        finally:
+            for fd in (notify_r, notify_w, prog_w):
+                os.close(fd)
+        try:
+            try:
+                _wait([ctx_engine, gen_engine], prog_r, prog, timeout_s)
+            except BenchError as exc:
+                raise BenchError(f"{config.name}: {exc}{logs()}") from None
+        finally:
+            os.close(prog_r)
+        gen_report = gen_engine.report()
+        ctx_report = ctx_engine.report()
+        _check_report(f"{config.name}, generation engine", gen_report, logs())
+        _check_report(f"{config.name}, context engine", ctx_report, logs())
+        codes = cluster.stop_all()
+        bad = {name: code for name, code in codes.items() if code != 0}
+        if bad:
+            raise BenchError(f"{config.name}: daemons exited with {bad}{logs()}")
+    return gen_report, ctx_report
+
+
+# -- joining records -----------------------------------------------------------------------------
+
+
+def _daemon_intervals(
+    gen: dict[str, Any], ctx: dict[str, Any], tokens: int | None, expect_bytes: int, name: str
+) -> list[tuple[int, int]]:
+    sends = {r["request_id"]: r for r in ctx.get("records", [])}
+    out = []
+    for r in gen.get("records", []):
+        if not r["timed"] or (tokens is not None and r["tokens"] != tokens):
+            continue
+        rid = r["request_id"]
+        if r["status"] != "done" or not r["verified"]:
+            raise BenchError(f"{name}: request {rid} not verified: {r['status']} {r['reason']}")
+        if r["nbytes"] != expect_bytes:
+            raise BenchError(
+                f"{name}: request {rid}: the daemon reported {r['nbytes']} bytes, "
+                f"{expect_bytes} expected"
+            )
+        send = sends.get(rid)
+        if send is None or send["status"] != "done":
+            raise BenchError(f"{name}: request {rid} has no successful send on the context side")
+        out.append((int(send["t_send_ns"]), int(r["t_done_ns"])))
+    return out
+
+
+def _raw_intervals(raw: dict[str, Any], tokens: int | None) -> list[tuple[int, int]]:
+    return [
+        (int(r["t_start_ns"]), int(r["t_done_ns"]))
+        for r in raw.get("records", [])
+        if r["timed"] and (tokens is None or r["tokens"] == tokens)
+    ]
+
+
+def _descriptors(raw: dict[str, Any], tokens: int) -> int:
+    counts = [r["descriptors"] for r in raw.get("records", []) if r["tokens"] == tokens]
+    return max(counts) if counts else 0
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+def host_info() -> dict[str, Any]:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_gib = 0.0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 0
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu_model": model,
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nixl_version": version("nixl-cu12"),
+        "numpy_version": version("numpy"),
+        "kvxferd_version": __version__,
+        # Other work on the machine skews every number: the 1/5/15-minute load averages
+        # when the run started (and, in the report, when it ended).
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def check_memory(plan: Plan) -> None:
+    """Fail early, with numbers, when two pools (plus a memcpy pair) cannot fit."""
+    pool = plan.layout().pool_bytes
+    need = 2 * pool
+    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if st is not None:
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise BenchError(
+                f"the run needs two KV pools of {pool / 2**20:.0f} MiB in /dev/shm at a time, "
+                f"but only {free / 2**20:.0f} MiB are free there; use fewer --tokens, a lower "
+                "--in-flight or a smaller geometry"
+            )
+    avail = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    if avail is not None and avail < need:
+        raise BenchError(
+            f"the run needs two KV pools of {pool / 2**20:.0f} MiB at a time, but only "
+            f"{avail / 2**20:.0f} MiB of memory are available; use fewer --tokens, a lower "
+            "--in-flight or a smaller geometry"
+        )
+
+
+def _workdir() -> Path:
+    from kvxferd.sim.cluster import default_workdir
+
+    return default_workdir("kvxferd-bench")
+
+
+def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run the benchmark and return its report (the --json object)."""
+    geometry = opts.geometry
+    plan = Plan.build(
+        mode=opts.mode,
+        geometry=geometry,
+        lengths=opts.lengths,
+        requests=opts.requests,
+        warmup=opts.warmup,
+        in_flight=opts.in_flight,
+        seconds=opts.seconds,
+        run_id="r",
+        seed=opts.seed,
+        shuffle=opts.shuffle,
+    )
+    check_memory(plan)
+    workdir = _workdir()
+    plan_path = workdir / "plan.json"
+    plan.save(plan_path)
+    runs = 1 + len(opts.configs)
+    total = runs if opts.small else runs * len(plan.lengths) * (plan.warmup + plan.requests)
+    prog = Progress(total, enabled=progress, stream=stream)
+    ok = False
+    try:
+        report = _header(opts, plan)
+        if opts.small:
+            _run_small(opts, plan, plan_path, workdir, prog, report)
+        else:
+            _run_sweep(opts, plan, plan_path, workdir, prog, report)
+        report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        ok = True
+    except BenchError as exc:
+        raise BenchError(f"{exc}\n(configs, logs and records kept in {workdir})") from None
+    finally:
+        prog.close()
+        if ok and not opts.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if opts.keep:
+        report["workdir"] = str(workdir)
+    return report
+
+
+def _header(opts: Options, plan: Plan) -> dict[str, Any]:
+    g = plan.geometry
+    return {
+        "kvxferd_version": __version__,
+        "mode": plan.mode,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": opts.command,
+        "geometry": {
+            "layers": g.layers,
+            "kv_heads": g.kv_heads,
+            "head_dim": g.head_dim,
+            "tokens_per_block": g.tokens_per_block,
+            "dtype": g.dtype,
+            "layout": g.layout,
+            "block_bytes": g.block_bytes,
+        },
+        "tokens": list(plan.lengths),
+        "requests": plan.requests,
+        "warmup": plan.warmup,
+        "in_flight": plan.in_flight,
+        "seconds": plan.seconds if opts.small else None,
+        "block_order": "shuffled" if opts.shuffle else "sequential",
+        "pool_blocks": plan.pool_blocks,
+        "configs": [c.name for c in opts.configs],
+        "host": host_info(),
+    }
+
+
+def _run_sweep(
+    opts: Options, plan: Plan, plan_path: Path, workdir: Path, prog: Progress,
+    report: dict[str, Any],
+) -> None:  # fmt: skip
+    g = plan.geometry
+    memcpy = {t: memcpy_gbps(g.request_bytes(t)) for t in plan.lengths}
+    report["memcpy"] = [
+        {"tokens": t, "bytes": g.request_bytes(t), "gbps": _sig(v)} for t, v in memcpy.items()
+    ]
+
+    units = len(plan.lengths) * (plan.warmup + plan.requests)
+    prog.start_phase("raw NIXL", units)
+    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s)
+    raw_t: dict[int, Timing] = {}
+    report["raw"] = []
+    for t in plan.lengths:
+        timing = Timing.of(_raw_intervals(raw, t), g.request_bytes(t) * plan.requests)
+        raw_t[t] = timing
+        report["raw"].append(
+            {
+                "tokens": t,
+                "bytes": g.request_bytes(t),
+                "descriptors": _descriptors(raw, t),
+                "gbps": _sig(timing.gbps),
+                "p50_ms": _sig(timing.p50_ms),
+                "p99_ms": _sig(timing.p99_ms),
+            }
+        )
+    report["raw_verified"] = raw.get("verified", 0)
+    prog.end_phase(", ".join(f"{t} tok {raw_t[t].gbps:.2f} GB/s" for t in plan.lengths))
+
+    results: list[dict[str, Any]] = []
+    report["results"] = results
+    for config in opts.configs:
+        prog.start_phase(config.name, units)
+        gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
+        summary = []
+        for t in plan.lengths:
+            nbytes = g.request_bytes(t)
+            intervals = _daemon_intervals(gen, ctx, t, nbytes, config.name)
+            if len(intervals) != plan.requests:
+                raise BenchError(
+                    f"{config.name}: {len(intervals)} timed requests of {t} tokens finished, "
+                    f"{plan.requests} expected"
+                )
+            timing = Timing.of(intervals, nbytes * plan.requests)
+            rt = raw_t[t]
+            results.append(
+                {
+                    "config": config.name,
+                    "tokens": t,
+                    "blocks": g.blocks_for(t),
+                    "bytes": nbytes,
+                    "descriptors": _descriptors(raw, t),
+                    "requests": timing.count,
+                    "verified": timing.count,
+                    "gbps": _sig(timing.gbps),
+                    "p50_ms": _sig(timing.p50_ms),
+                    "p99_ms": _sig(timing.p99_ms),
+                    "mean_ms": _sig(timing.mean_ms),
+                    "raw_gbps": _sig(rt.gbps),
+                    "raw_p50_ms": _sig(rt.p50_ms),
+                    "raw_p99_ms": _sig(rt.p99_ms),
+                    "ratio_to_raw": _sig(ratio(timing.gbps, rt.gbps)),
+                    "memcpy_gbps": _sig(memcpy[t]),
+                    "ratio_to_memcpy": _sig(ratio(timing.gbps, memcpy[t])),
+                }
+            )
+            summary.append(f"{t} tok {timing.gbps:.2f} GB/s")
+        prog.end_phase(", ".join(summary))
+
+
+def _run_small(
+    opts: Options, plan: Plan, plan_path: Path, workdir: Path, prog: Progress,
+    report: dict[str, Any],
+) -> None:  # fmt: skip
+    g = plan.geometry
+    nbytes = g.block_bytes
+    prog.start_phase("raw NIXL, one-block requests", None, seconds=plan.seconds)
+    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s)
+    raw_iv = _raw_intervals(raw, None)
+    raw_timing = Timing.of(raw_iv, nbytes * len(raw_iv))
+    raw_elapsed = _elapsed(raw_iv, int(raw.get("timed_start_ns", 0)))
+    raw_rps = ratio(len(raw_iv), raw_elapsed)
+    report["raw"] = {
+        "requests": len(raw_iv),
+        "seconds": _sig(raw_elapsed),
+        "requests_per_s": _sig(raw_rps),
+        "p50_ms": _sig(raw_timing.p50_ms),
+        "p99_ms": _sig(raw_timing.p99_ms),
+    }
+    report["raw_verified"] = raw.get("verified", 0)
+    prog.end_phase(f"{raw_rps:.0f} requests/s")
+
+    results: list[dict[str, Any]] = []
+    report["results"] = results
+    for config in opts.configs:
+        prog.start_phase(f"{config.name}, one-block requests", None, seconds=plan.seconds)
+        gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
+        intervals = _daemon_intervals(gen, ctx, None, nbytes, config.name)
+        if not intervals:
+            raise BenchError(f"{config.name}: no timed request finished")
+        timing = Timing.of(intervals, nbytes * len(intervals))
+        elapsed = _elapsed(intervals, int(gen.get("timed_start_ns", 0)))
+        rps = ratio(len(intervals), elapsed)
+        results.append(
+            {
+                "config": config.name,
+                "tokens": g.tokens_per_block,
+                "bytes": nbytes,
+                "requests": len(intervals),
+                "verified": len(intervals),
+                "seconds": _sig(elapsed),
+                "requests_per_s": _sig(rps),
+                "p50_ms": _sig(timing.p50_ms),
+                "p99_ms": _sig(timing.p99_ms),
+                "mean_ms": _sig(timing.mean_ms),
+                "raw_requests_per_s": _sig(raw_rps),
+                "raw_p50_ms": _sig(raw_timing.p50_ms),
+                "raw_p99_ms": _sig(raw_timing.p99_ms),
+                "ratio_to_raw": _sig(ratio(rps, raw_rps)),
+            }
+        )
+        prog.end_phase(f"{rps:.0f} requests/s, p50 {timing.p50_ms:.2f} ms")
+    first = results[0]
+    for key in ("requests_per_s", "p50_ms", "p99_ms", "raw_requests_per_s", "raw_p50_ms",
+                "raw_p99_ms", "ratio_to_raw"):  # fmt: skip
+        report[key] = first[key]
+
+
+def _elapsed(intervals: list[tuple[int, int]], start_ns: int) -> float:
+    """Seconds from the start of the timed phase to the last completion."""
+    if not intervals:
+        return 0.0
+    first = start_ns or min(s for s, _ in intervals)
+    return (max(e for _, e in intervals) - first) / 1e9
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    """`x` to `digits` significant digits (JSON stays readable, small values keep precision)."""
+    return float(f"{x:.{digits}g}")

@@ -1,0 +1,210 @@
+"""`kvxferd bench`: the transfer benchmark (daemon path vs bare NIXL vs memcpy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import textwrap
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure KV transfer through the daemons beside bare NIXL and memcpy",
+        description=textwrap.fill(
+            "Moves KV requests between a context and a generation daemon (real processes, "
+            "every byte verified) and, in the same run, the same bytes with the same segments "
+            "through a bare NIXL agent pair (raw) and one memcpy. Reports GB/s (bytes over busy "
+            "time), send-to-completion latency p50/p99, and the ratios to raw and memcpy. "
+            "--small measures per-request overhead instead: one-block requests for --seconds.",
+            78,
+        ),
+        formatter_class=_Formatter,
+    )
+    g = p.add_argument_group("KV geometry (both pools)")
+    g.add_argument("--layers", type=int, default=32, help="transformer layers")
+    g.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
+    g.add_argument("--head-dim", type=int, default=128, help="elements per head")
+    g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block")
+    g.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float16", "bfloat16", "float32", "float8", "int8"],
+        help="KV element type",
+    )
+    g.add_argument(
+        "--layout", choices=["block-major", "layer-major"], default="block-major",
+        help="block-major: a block is one contiguous run; layer-major: one run per layer",
+    )  # fmt: skip
+    r = p.add_argument_group("requests")
+    r.add_argument(
+        "--tokens", default="100,1000,8000", help="request lengths in tokens, comma-separated"
+    )
+    r.add_argument("--requests", type=int, default=5, help="timed requests per length")
+    r.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests per length")
+    r.add_argument("--in-flight", type=int, default=1, help="requests outstanding at a time")
+    r.add_argument(
+        "--configs",
+        default="nixl-python",
+        help="configurations to compare, comma-separated (see the list below)",
+    )
+    r.add_argument(
+        "--block-order",
+        choices=["shuffled", "sequential"],
+        default="shuffled",
+        help="shuffled: a request's blocks are scattered over the pool, as in an engine's "
+        "cache; sequential: consecutive ids (block-major requests coalesce into one segment)",
+    )
+    r.add_argument("--seed", type=int, default=1, help="seed of the block lists")
+    s = p.add_argument_group("per-request overhead")
+    s.add_argument(
+        "--small",
+        action="store_true",
+        help="one-block requests, --in-flight outstanding, for --seconds: requests/s and "
+        "latency, beside raw NIXL doing the same",
+    )
+    s.add_argument("--seconds", type=float, default=10.0, help="--small: seconds per measurement")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    o.add_argument("--plot", metavar="FILE.png", help="draw GB/s against request length")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds allowed per measurement phase"
+    )
+    o.add_argument("--keep", action="store_true", help="keep the work directory (logs, records)")
+    p.epilog = _configs_epilog()
+    p.set_defaults(handler=_bench)
+
+
+def _configs_epilog() -> str:
+    from kvxferd.bench.configs import REGISTRY
+
+    lines = ["configurations (--configs):"]
+    for c in REGISTRY:
+        lines.append(f"  {c.name:<23}{c.description}")
+        if c.missing:
+            lines.append(f"  {'':<23}(not available yet: {c.missing} is not implemented)")
+    lines += [
+        "",
+        "examples:",
+        "  kvxferd bench                                   # 100, 1000, 8000 tokens, default",
+        "                                                  # geometry (4 MiB blocks)",
+        "  kvxferd bench --small --in-flight 32 --seconds 10",
+        "  kvxferd bench --layout layer-major --json --plot bench.png",
+    ]
+    return "\n".join(lines)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _positive_int(name: str, value: int, minimum: int = 1) -> int:
+    if value < minimum:
+        raise _UsageError(f"--{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _lengths(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise _UsageError(f"--tokens: {part!r} is not an integer") from None
+        if value <= 0:
+            raise _UsageError(f"--tokens: request lengths must be positive, got {value}")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise _UsageError("--tokens: give at least one request length")
+    return out
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from kvxferd.bench.configs import resolve
+    from kvxferd.bench.plan import Geometry
+    from kvxferd.bench.runner import Options
+    from kvxferd.memory.layout import LayoutError
+
+    for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "requests", "in_flight"):
+        _positive_int(name.replace("_", "-"), getattr(args, name))
+    _positive_int("warmup", args.warmup, 0)
+    if not args.seconds > 0:
+        raise _UsageError(f"--seconds must be positive, got {args.seconds}")
+    if not args.timeout > 0:
+        raise _UsageError(f"--timeout must be positive, got {args.timeout}")
+    geometry = Geometry(
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        tokens_per_block=args.tokens_per_block,
+        dtype=args.dtype,
+        layout=args.layout,
+    )
+    try:
+        geometry.kv_layout(1)
+    except LayoutError as exc:
+        raise _UsageError(str(exc)) from None
+    configs = resolve(args.configs.split(","))
+    return Options(
+        geometry=geometry,
+        lengths=_lengths(args.tokens),
+        requests=args.requests,
+        warmup=args.warmup,
+        in_flight=args.in_flight,
+        configs=configs,
+        small=args.small,
+        seconds=args.seconds,
+        shuffle=args.block_order == "shuffled",
+        seed=args.seed,
+        timeout_s=args.timeout,
+        keep=args.keep,
+        command="kvxferd " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvxferd.bench.configs import BenchConfigError
+
+    try:
+        opts = _options(args)
+    except (_UsageError, BenchConfigError) as exc:
+        print(f"kvxferd bench: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            print(
+                "kvxferd bench: error: --plot needs matplotlib, which is not installed; "
+                "install it with `pip install matplotlib` (or kvxferd[plot])",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+
+    from kvxferd.bench import report as rep
+    from kvxferd.bench import runner
+
+    result = runner.run(opts, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(rep.format_table(result))
+    if args.plot:
+        rep.plot(result, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
