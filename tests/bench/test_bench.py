@@ -1,0 +1,148 @@
+"""`kvxferd bench` end to end, in tiny configurations: the JSON's shape and sanity, the
+table, --small, --plot, and the usage errors. No timing is asserted: only that values are
+present, positive and consistent with the geometry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the bench runs real daemons over NIXL")
+
+TINY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "32"]
+# 2 layers x 2 (K, V) x 32 tokens x 2 heads x 16 x 2 bytes
+BLOCK_BYTES = 2 * 2 * 32 * 2 * 16 * 2
+
+RESULT_KEYS = {
+    "config", "tokens", "bytes", "gbps", "p50_ms", "p99_ms", "raw_gbps", "ratio_to_raw",
+    "memcpy_gbps", "ratio_to_memcpy", "blocks", "requests", "verified",
+}  # fmt: skip
+SMALL_KEYS = {"requests_per_s", "p50_ms", "p99_ms", "raw_requests_per_s"}
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvxferd.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_header(report: dict[str, Any]) -> None:
+    assert report["geometry"]["block_bytes"] == BLOCK_BYTES
+    assert report["geometry"]["layers"] == 2
+    host = report["host"]
+    assert host["cpu_count"] >= 1
+    assert host["python"].count(".") == 2
+    assert host["nixl_version"] not in ("", "not installed")
+
+
+@pytest.mark.timeout(120)
+def test_sweep_json_shape_and_values(tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    proc = bench(
+        *TINY, "--tokens", "33,100", "--requests", "2", "--warmup", "1", "--json",
+        "--plot", str(plot),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    check_header(report)
+    assert report["mode"] == "sweep"
+    assert report["tokens"] == [33, 100]
+    results = report["results"]
+    assert [(r["config"], r["tokens"]) for r in results] == [
+        ("nixl-python", 33),
+        ("nixl-python", 100),
+    ]
+    for r in results:
+        assert set(r) >= RESULT_KEYS, RESULT_KEYS - set(r)
+        blocks = -(-r["tokens"] // 32)
+        assert r["blocks"] == blocks
+        assert r["bytes"] == blocks * BLOCK_BYTES
+        assert r["requests"] == r["verified"] == 2
+        for key in ("gbps", "raw_gbps", "memcpy_gbps", "ratio_to_raw", "ratio_to_memcpy",
+                    "p50_ms", "p99_ms"):  # fmt: skip
+            assert r[key] > 0, (key, r)
+        assert r["p99_ms"] >= r["p50_ms"]
+        assert r["ratio_to_raw"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=1e-3)
+        assert r["ratio_to_memcpy"] == pytest.approx(r["gbps"] / r["memcpy_gbps"], rel=1e-3)
+    assert [r["tokens"] for r in report["raw"]] == [33, 100]
+    assert report["raw_verified"] >= 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_sweep_table_layer_major_in_flight() -> None:
+    proc = bench(
+        *TINY, "--layout", "layer-major", "--tokens", "40", "--requests", "3", "--warmup", "0",
+        "--in-flight", "2", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "layer-major" in out
+    assert "nixl-python" in out and "vs raw" in out
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_small_json_shape() -> None:
+    proc = bench(*TINY, "--small", "--seconds", "2", "--in-flight", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    check_header(report)
+    assert report["mode"] == "small"
+    assert set(report) >= SMALL_KEYS
+    assert report["requests_per_s"] > 0 and report["raw_requests_per_s"] > 0
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+    (r,) = report["results"]
+    assert r["config"] == "nixl-python"
+    assert r["bytes"] == BLOCK_BYTES
+    assert r["requests"] == r["verified"] > 0
+    assert r["requests_per_s"] == report["requests_per_s"]
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ("ucx-cpp", "configuration 'ucx-cpp' is not available in this build: the staged "
+                    "runtime is not implemented yet"),
+        ("nixl-python,bogus", "unknown configuration 'bogus'; known configurations: "
+                              "nixl-python, nixl-python-bounce"),
+    ],
+)  # fmt: skip
+def test_config_errors_are_usage_errors(configs: str, message: str) -> None:
+    proc = bench(*TINY, "--configs", configs, timeout=30)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokens", "10,x"], "--tokens: 'x' is not an integer"),
+        (["--tokens", "0"], "request lengths must be positive"),
+        (["--in-flight", "0"], "--in-flight must be at least 1"),
+        (["--dtype", "float16", "--layers", "-1"], "--layers must be at least 1"),
+    ],
+)
+def test_bad_values_are_usage_errors(args: list[str], message: str) -> None:
+    proc = bench(*args, timeout=30)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_configurations() -> None:
+    proc = bench("--help", timeout=30)
+    assert proc.returncode == 0
+    for name in ("nixl-python", "nixl-python-bounce", "nixl-python-pipelined", "ucx-cpp",
+                 "mpi-cpp", "mooncake-cpp"):  # fmt: skip
+        assert name in proc.stdout

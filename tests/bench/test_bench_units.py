@@ -1,0 +1,92 @@
+"""The bench's pure parts: busy time, the plan every process shares, the config registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvxferd.bench.configs import REGISTRY, BenchConfigError, known_names, resolve
+from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
+from kvxferd.bench.stats import Timing, busy_ns, percentile
+
+
+def test_busy_time_is_the_union_of_intervals() -> None:
+    assert busy_ns([]) == 0
+    assert busy_ns([(0, 10)]) == 10
+    assert busy_ns([(0, 10), (20, 25)]) == 15  # a gap does not count
+    assert busy_ns([(0, 10), (5, 12), (11, 13)]) == 13  # overlaps count once
+    assert busy_ns([(5, 6), (0, 10)]) == 10  # nested, any order
+
+
+def test_timing_sequential_is_sum_of_latencies() -> None:
+    t = Timing.of([(0, 1_000_000), (5_000_000, 7_000_000)], 3_000_000)
+    assert t.busy_s == pytest.approx(0.003)
+    assert t.gbps == pytest.approx(1.0)
+    assert t.p50_ms == pytest.approx(1.5)
+    assert percentile([], 50) == 0.0
+
+
+def plan(mode: str = SWEEP, in_flight: int = 3) -> Plan:
+    return Plan.build(
+        mode=mode,
+        geometry=Geometry(layers=2, kv_heads=2, head_dim=16),
+        lengths=[33, 100],
+        requests=5,
+        warmup=1,
+        in_flight=in_flight,
+        seconds=1.0,
+        run_id="r",
+        seed=7,
+    )
+
+
+def test_plan_slots_do_not_share_blocks_and_round_trip(tmp_path: Path) -> None:
+    p = plan()
+    per_slot = 4  # 100 tokens at 32 per block
+    assert p.pool_blocks == 3 * per_slot + 8
+    for lists in (p.src_blocks, p.dst_blocks):
+        flat = [b for slot in lists for b in slot]
+        assert len(flat) == len(set(flat)) == 3 * per_slot
+        assert all(0 <= b < p.pool_blocks for b in flat)
+    again = plan()
+    assert again.src_blocks == p.src_blocks  # deterministic
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert Plan.load(path) == p
+
+
+def test_plan_groups_cover_every_request_once() -> None:
+    p = plan()
+    groups = p.groups()
+    assert [(g.tokens, g.phase, g.count) for g in groups] == [
+        (33, "warmup", 1), (33, "timed", 5), (100, "warmup", 1), (100, "timed", 5),
+    ]  # fmt: skip
+    timed = groups[1]
+    items = [i for s in range(3) for i in timed.slot_items(s, 3)]
+    assert sorted(i.request_id for i in items) == sorted(f"{timed.key}-{j}" for j in range(5))
+    assert all(i.blocks == 2 and i.timed for i in items)
+
+
+def test_small_plan_is_one_block_and_open_ended() -> None:
+    p = plan(SMALL, in_flight=2)
+    assert p.lengths == [32]
+    timed = p.groups()[-1]
+    assert timed.count is None and timed.blocks == 1
+    first = [i.request_id for _, i in zip(range(3), timed.slot_items(1, 2), strict=False)]
+    assert first == [f"{timed.key}-1", f"{timed.key}-3", f"{timed.key}-5"]
+
+
+def test_registry_resolution() -> None:
+    pytest.importorskip("nixl_cu12")
+    assert known_names()[:3] == ["nixl-python", "nixl-python-bounce", "nixl-python-pipelined"]
+    assert {"ucx-cpp", "mpi-cpp", "mooncake-cpp"} <= set(known_names())
+    assert [c.name for c in resolve(["nixl-python", " nixl-python "])] == ["nixl-python"]
+    for c in REGISTRY:
+        assert c.transceiver, c.name
+    with pytest.raises(BenchConfigError, match="unknown configuration 'x'; known"):
+        resolve(["x"])
+    with pytest.raises(BenchConfigError, match="not available in this build: the bounce"):
+        resolve(["nixl-python-bounce"])
+    with pytest.raises(BenchConfigError, match="no configuration given"):
+        resolve([""])
