@@ -191,6 +191,7 @@ class AsyncClient:
         blocks: Sequence[int],
         peer: str,
         num_tokens: int | None = None,
+        beam_width: int = 1,
     ) -> None:
         """Generation side: post a receive of `request_id` into `blocks`, from `peer`
         (a static peer name of the daemon's config, or the context daemon's HOST:PORT)."""
@@ -202,6 +203,7 @@ class AsyncClient:
                 blocks=[int(b) for b in blocks],
                 peer=peer,
                 num_tokens=num_tokens,
+                beam_width=beam_width,
             )
         )
 
@@ -213,9 +215,11 @@ class AsyncClient:
         token_end: int,
         token_start: int = 0,
         last: bool = True,
+        beam_width: int = 1,
     ) -> None:
         """Context side: the KV of tokens [token_start, token_end) is ready. `blocks`
-        are all blocks of the request up to token_end; `last` marks the final chunk."""
+        are all blocks of the request up to token_end; `last` marks the final chunk
+        (with pipelined transfer each chunk's complete blocks move right away)."""
         await self._call(
             Send(
                 call_id=next(self._ids),
@@ -225,6 +229,7 @@ class AsyncClient:
                 token_start=token_start,
                 token_end=token_end,
                 last=last,
+                beam_width=beam_width,
             )
         )
 

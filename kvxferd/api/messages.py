@@ -49,6 +49,7 @@ class Recv(_Msg, tag="recv"):
     blocks: list[int]
     peer: str
     num_tokens: int | None = None
+    beam_width: int = 1
 
 
 class Send(_Msg, tag="send"):
@@ -59,6 +60,7 @@ class Send(_Msg, tag="send"):
     token_start: int
     token_end: int
     last: bool = True
+    beam_width: int = 1
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -67,6 +67,9 @@ class Info(_Msg, tag="info"):
     tensor_parallel_size: int
     pipeline_parallel_size: int
     context_parallel_size: int
+    # The receive bounce region (absent: no bounce buffer on that side).
+    bounce_base: int = 0
+    bounce_nbytes: int = 0
 
 
 class Ready(_Msg, tag="ready"):
@@ -95,6 +98,9 @@ class RequestData(_Msg, tag="request_data"):
     pool_id: str
     blocks: list[int]
     num_tokens: int | None = None
+    # A reservation in the receiver's bounce region offered for this request.
+    bounce_offset: int = 0
+    bounce_nbytes: int = 0
 
 
 class Result(_Msg, tag="result"):
@@ -106,6 +112,7 @@ class Result(_Msg, tag="result"):
     nbytes: int = 0
     last: bool = True
     message: str = ""
+    bounced: bool = False  # the bytes are in the receiver's bounce reservation
 
 
 class Abort(_Msg, tag="abort"):

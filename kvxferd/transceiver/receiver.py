@@ -31,6 +31,7 @@ from kvxferd.peers.messages import (
 )
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, make_outcome
 from kvxferd.transceiver.state import Reason, SessionState, Status
@@ -53,9 +54,16 @@ class ReceiverTimeouts:
 
 class Receiver:
     def __init__(
-        self, timeouts: ReceiverTimeouts, admission: AdmissionWindow, connect: Connect
+        self,
+        timeouts: ReceiverTimeouts,
+        admission: AdmissionWindow,
+        connect: Connect,
+        pipelined: bool = False,
+        bounce: BounceBuffers | None = None,
     ) -> None:
         self.timeouts = timeouts
+        self.pipelined = pipelined
+        self.bounce = bounce
         self.admission = admission
         self._connect = connect
         self.sessions: dict[str, RxSession] = {}
@@ -73,7 +81,13 @@ class Receiver:
         blocks: list[int],
         peer_address: str,
         num_tokens: int | None,
+        beam_width: int = 1,
     ) -> None:
+        if self.pipelined and beam_width != 1:
+            raise RequestError(
+                "bad_request",
+                f"request {request_id!r}: pipelined transfer needs beam width 1, got {beam_width}",
+            )
         if not self.accepting:
             raise RequestError("draining", "the daemon is draining; no new requests")
         if request_id in self.sessions:
@@ -179,6 +193,7 @@ class Receiver:
             s.nbytes += msg.nbytes
             if msg.last:
                 s.result = (msg.status, s.nbytes, msg.message)
+                s.bounced = msg.bounced
                 s.wake.set()
             else:
                 s.advance(SessionState.TRANSFERRING)
@@ -285,6 +300,7 @@ class Receiver:
             # sees "connecting" (and no request is ever sent) or "sent".
             if s.terminal is not None:
                 return
+            offer = self._offer_bounce(s, conn)
             self._phase[s.request_id] = "sent"
             s.request_sent = True
             s.advance(SessionState.READY)
@@ -295,6 +311,8 @@ class Receiver:
                     pool_id=s.pool.pool_id if s.pool else "",
                     blocks=s.blocks,
                     num_tokens=s.num_tokens,
+                    bounce_offset=offer.offset if offer else 0,
+                    bounce_nbytes=offer.nbytes if offer else 0,
                 )
             )
             await self._await_result(s, deadline)
@@ -307,9 +325,28 @@ class Receiver:
         finally:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._quiesce(s)
+            if s.bounce_res is not None and self.bounce is not None:
+                self.bounce.recv.release(s.bounce_res)  # quiescent: nothing can land there now
+                s.bounce_res = None
             if admitted:
                 self.admission.release(len(s.blocks))
             self._finish(s)
+
+    def _offer_bounce(self, s: RxSession, conn: PeerConnection) -> Reservation | None:
+        """Reserve room in the receive region when bouncing this request pays off."""
+        if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
+            return None
+        layout = s.pool.layout
+        nbytes = len(s.blocks) * layout.block_bytes
+        if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
+            return None
+        res = self.bounce.recv.reserve(nbytes)
+        if res is None:
+            self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
+            return None
+        self.bounce.reservations_made += 1
+        s.bounce_res = res
+        return Reservation(res.offset, nbytes)
 
     async def _connect_peer(self, s: RxSession) -> PeerConnection | None:
         try:
@@ -332,6 +369,8 @@ class Receiver:
         while s.terminal is None:
             if s.result is not None:
                 s.nbytes = s.result[1]
+                if s.bounced:
+                    await self._scatter(s)
                 s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
                 s.peer_told = True
                 return
@@ -348,6 +387,15 @@ class Receiver:
             s.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(s.wake.wait(), remaining)
+
+    async def _scatter(self, s: RxSession) -> None:
+        """Move the bytes from the bounce reservation into the destination blocks."""
+        if self.bounce is None or s.bounce_res is None or s.pool is None:
+            raise RuntimeError("the peer bounced a request that has no reservation here")
+        nbytes = len(s.blocks) * s.pool.layout.block_bytes
+        await self.bounce.scatter(
+            s.bounce_res, nbytes, s.pool.region.array, s.pool.layout, s.blocks
+        )
 
     async def _quiesce(self, s: RxSession) -> None:
         """Tell the peer and wait until no write into our blocks can still land."""

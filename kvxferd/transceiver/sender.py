@@ -35,6 +35,7 @@ from kvxferd.peers.messages import (
     Result,
 )
 from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.plan import plan_write, validate_block_ids
 from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, make_outcome
@@ -57,9 +58,17 @@ class SenderTimeouts:
 
 
 class Sender:
-    def __init__(self, timeouts: SenderTimeouts, dataplane: DataPlane) -> None:
+    def __init__(
+        self,
+        timeouts: SenderTimeouts,
+        dataplane: DataPlane,
+        pipelined: bool = False,
+        bounce: BounceBuffers | None = None,
+    ) -> None:
         self.timeouts = timeouts
         self._dp = dataplane
+        self.pipelined = pipelined
+        self.bounce = bounce
         self.sessions: dict[str, TxSession] = {}
         self.accepting = True
         self.open_handles = 0  # posted writes not yet confirmed quiescent
@@ -77,9 +86,15 @@ class Sender:
         token_start: int,
         token_end: int,
         last: bool,
+        beam_width: int = 1,
     ) -> None:
         """Accept one send call (a chunk; `last` marks the final one) or raise RequestError."""
         tpb = pool.layout.tokens_per_block
+        if self.pipelined and beam_width != 1:
+            raise RequestError(
+                "bad_request",
+                f"request {request_id!r}: pipelined transfer needs beam width 1, got {beam_width}",
+            )
         if not 0 <= token_start < token_end:
             raise RequestError(
                 "bad_request", f"token range [{token_start}, {token_end}) is empty or negative"
@@ -95,30 +110,48 @@ class Sender:
         except LayoutError as exc:
             raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
         s = self._session_for_send(engine, request_id, token_start)
+        if s.blocks and blocks[: len(s.blocks)] != s.blocks:
+            # Earlier chunks' blocks may already be written: they cannot move.
+            self._reject_chunk(
+                s, "a later chunk changed the blocks of earlier chunks; it must extend them"
+            )
         s.pool = pool
         s.blocks = list(blocks)
         s.token_end = token_end
         s.last_seen = last
         pool.users.add(f"tx:{s.request_id}")
+        now = time.monotonic()
         if s.task is None:
-            s.deadline = time.monotonic() + self.timeouts.timeout_s
+            if not self.pipelined:
+                s.deadline = now + self.timeouts.timeout_s  # from the first send, never reset
             s.task = asyncio.create_task(self._run(s), name=f"tx-{s.request_id}")
+        if self.pipelined and last:
+            s.deadline = now + self.timeouts.timeout_s  # pipelined: from the last chunk
         s.wake.set()
+
+    def _reject_chunk(self, s: TxSession, why: str) -> None:
+        """A chunk that breaks the request's order ends the request (and only it)."""
+        message = f"request {s.request_id!r} rejected: {why}"
+        if s.task is not None and s.terminal is None:
+            s.request_end(Terminal.local(Status.FAILED, Reason.BAD_CHUNK, message))
+        raise RequestError("bad_request", message)
 
     def _session_for_send(self, engine: EngineLink, request_id: str, token_start: int) -> TxSession:
         s = self.sessions.get(request_id)
         if s is not None and s.engine is not None:
-            if s.engine is not engine or s.finished or s.last_seen:
+            if s.engine is not engine or s.finished:
                 raise RequestError(
                     "duplicate_request",
                     f"request {request_id!r} is already active or finished on this daemon; "
                     "release it before reusing the id",
                 )
+            if s.last_seen:
+                self._reject_chunk(s, "a chunk arrived after the one marked last")
             if token_start != s.token_end:
-                raise RequestError(
-                    "bad_request",
-                    f"chunk of request {request_id!r} starts at token {token_start}, "
-                    f"the previous one ended at {s.token_end}",
+                self._reject_chunk(
+                    s,
+                    f"chunk starts at token {token_start} but the previous one ended at "
+                    f"{s.token_end} (chunks must be in order and must not overlap)",
                 )
             return s
         if token_start != 0:
@@ -310,40 +343,68 @@ class Sender:
 
     async def _run(self, s: TxSession) -> None:
         try:
-            await self._wait_until_ready(s)
-            if s.terminal is None:
-                await self._write(s)
+            while s.terminal is None:
+                work = self._next_slice(s)
+                if work is None:
+                    await self._wait_for_work(s)
+                    continue
+                await self._write_slice(s, *work)
+                if work[2] and s.terminal is None:
+                    s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
+                    s.peer_told = True
         except Exception as exc:  # a bug must fail the request, not the daemon
             log.exception("request %s: unexpected error", s.request_id)
             s.request_end(Terminal.local(Status.FAILED, "internal", f"internal error: {exc}"))
         finally:
             await self._finish(s)
 
-    async def _wait_until_ready(self, s: TxSession) -> None:
-        assert s.deadline is not None
-        while s.terminal is None and not (s.last_seen and s.request is not None):
-            remaining = s.deadline - time.monotonic()
-            if remaining <= 0:
-                waiting_for = "the receiver's request" if s.request is None else "the last chunk"
-                s.request_end(
-                    Terminal.local(
-                        Status.TIMED_OUT,
-                        Reason.SENDER_DEADLINE,
-                        f"kv_transfer_timeout_ms elapsed waiting for {waiting_for}",
-                    )
-                )
-                return
-            s.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(s.wake.wait(), remaining)
+    def _next_slice(self, s: TxSession) -> tuple[int, int, bool] | None:
+        """(first block, end block, last) of the next write, or None if nothing is due.
 
-    def _plan(self, s: TxSession) -> tuple[np.ndarray, np.ndarray] | Terminal:
+        Without pipelining the whole request is one slice, due at the last chunk.
+        With it, every chunk's complete blocks are due as soon as the receiver's
+        request is known; the last slice also carries the partial tail block.
+        """
+        if s.request is None or s.pool is None:
+            return None
+        total = len(s.blocks)
+        if not self.pipelined:
+            return (0, total, True) if s.last_seen else None
+        complete = total if s.last_seen else s.token_end // s.pool.layout.tokens_per_block
+        if complete > s.written or s.last_seen:
+            return (s.written, complete, s.last_seen)
+        return None
+
+    async def _wait_for_work(self, s: TxSession) -> None:
+        remaining = None if s.deadline is None else s.deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            waiting_for = "the receiver's request" if s.request is None else "the last chunk"
+            s.request_end(
+                Terminal.local(
+                    Status.TIMED_OUT,
+                    Reason.SENDER_DEADLINE,
+                    f"kv_transfer_timeout_ms elapsed waiting for {waiting_for}",
+                )
+            )
+            return
+        s.wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(s.wake.wait(), remaining)
+
+    def _plan(self, s: TxSession, start: int, end: int) -> tuple[np.ndarray, np.ndarray] | Terminal:
         assert s.request is not None and s.conn is not None and s.pool is not None
         req = s.request
         info = s.conn.pools.get(req.pool_id)
         if info is None:
             return Terminal.peer(
                 Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
+            )
+        last = end == len(s.blocks) and s.last_seen
+        if (last and len(req.blocks) != len(s.blocks)) or len(req.blocks) < end:
+            return Terminal.local(
+                Status.FAILED,
+                Reason.BLOCK_MISMATCH,
+                f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}",
             )
         try:
             dst_layout = self._peer_layouts.get(id(info))
@@ -353,22 +414,97 @@ class Sender:
                 dst_layout = (info, KvLayout.from_wire(info.layout))
                 self._peer_layouts[id(info)] = dst_layout
             return plan_write(
-                s.pool.layout, s.pool.base, s.blocks, dst_layout[1], info.base, req.blocks
+                s.pool.layout,
+                s.pool.base,
+                s.blocks[start:end],
+                dst_layout[1],
+                info.base,
+                req.blocks[start:end],
             )
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
-    async def _write(self, s: TxSession) -> None:
-        assert s.conn is not None and s.deadline is not None
-        plan = self._plan(s)
-        if isinstance(plan, Terminal):
-            s.request_end(plan)
-            return
-        local, remote = plan
+    async def _bounce_plan(
+        self, s: TxSession, local: np.ndarray, remote: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, Reservation | None]:
+        """Gather into a send reservation when the receiver offered one and it pays off."""
+        req, bounce, conn = s.request, self.bounce, s.conn
+        assert req is not None and conn is not None and s.pool is not None
+        nbytes = int(local[:, 1].sum())
+        if (
+            bounce is None
+            or req.bounce_nbytes < nbytes
+            or conn.info.bounce_nbytes == 0
+            or not worth_bouncing(len(local), nbytes)
+        ):
+            return local, remote, None
+        res = bounce.send.reserve(nbytes)
+        if res is None:
+            bounce.fallbacks += 1  # never wait for room: take the per-block path now
+            return local, remote, None
+        bounce.reservations_made += 1
+        await bounce.gather(s.pool.region.array, s.pool.layout, s.blocks, res, nbytes)
+        one_local = np.array([[bounce.send.address + res.offset, nbytes]], dtype=np.int64)
+        one_remote = np.array([[conn.info.bounce_base + req.bounce_offset, nbytes]], dtype=np.int64)
+        return one_local, one_remote, res
+
+    async def _write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
+        assert s.conn is not None and s.request is not None
+        nbytes = 0
+        bounced = False
+        if end > start:
+            plan = self._plan(s, start, end)
+            if isinstance(plan, Terminal):
+                s.request_end(plan)
+                return
+            local, remote = plan
+            reservation = None
+            if start == 0 and last:
+                local, remote, reservation = await self._bounce_plan(s, local, remote)
+            try:
+                status = await self._post_and_wait(s, local, remote)
+            finally:
+                if reservation is not None and self.bounce is not None:
+                    self.bounce.send.release(reservation)  # the write is quiescent now
+            if status is not XferStatus.DONE or s.terminal is not None:
+                return
+            if s.deadline is not None and time.monotonic() > s.deadline:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        "the write completed after kv_transfer_timeout_ms; not reported as success",
+                    )
+                )
+                return
+            nbytes = int(local[:, 1].sum())
+            bounced = reservation is not None
+            s.written = end
+            s.nbytes += nbytes
+        sent = await s.conn.send(
+            Result(
+                request_id=s.request_id,
+                rx_token=s.request.rx_token,
+                status=Reason.OK,
+                nbytes=nbytes,
+                last=last,
+                bounced=bounced,
+            )
+        )
+        if not sent:
+            s.request_end(
+                Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
+            )
+            s.peer_told = True
+
+    async def _post_and_wait(
+        self, s: TxSession, local: np.ndarray, remote: np.ndarray
+    ) -> XferStatus:
+        """Post one WRITE and wait for it; always returns with the write quiescent."""
+        assert s.conn is not None
         backend = self._dp.backend
         s.advance(SessionState.TRANSFERRING)
         # Marked before posting: from here a cancel answers "busy".
-        s.xfer = None
         s.posting = True
         status = XferStatus.ERROR
         try:
@@ -378,10 +514,10 @@ class Sender:
                 )
             except PeerLostError as exc:
                 s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
-                return
+                return XferStatus.ERROR
             except TransferError as exc:
                 s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
-                return
+                return XferStatus.ERROR
             s.xfer = handle
             self.open_handles += 1
             status = await self._wait_write(s, status)
@@ -389,49 +525,23 @@ class Sender:
                 s.request_end(
                     Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, "backend reported ERR")
                 )
+            return status
         finally:
             await self._quiesce(s)
             s.posting = False
-        if status is XferStatus.DONE and s.terminal is None:
-            if time.monotonic() > s.deadline:
-                s.request_end(
-                    Terminal.local(
-                        Status.TIMED_OUT,
-                        Reason.SENDER_DEADLINE,
-                        "the write completed after kv_transfer_timeout_ms; not reported as success",
-                    )
-                )
-                return
-            s.nbytes = int(local[:, 1].sum())
-            sent = await s.conn.send(
-                Result(
-                    request_id=s.request_id,
-                    rx_token=s.request.rx_token if s.request else 0,
-                    status=Reason.OK,
-                    nbytes=s.nbytes,
-                    last=True,
-                )
-            )
-            if sent:
-                s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
-                s.peer_told = True
-            else:
-                s.request_end(
-                    Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
-                )
-                s.peer_told = True
 
     async def _wait_write(self, s: TxSession, status: XferStatus) -> XferStatus:
         """Poll until done, error, or an end requested between/inside slices."""
-        assert s.xfer is not None and s.deadline is not None and s.conn is not None
+        assert s.xfer is not None and s.conn is not None
         backend = self._dp.backend
+        deadline = s.deadline if s.deadline is not None else math.inf
         slice_end = time.monotonic() + self.timeouts.slice_s
         pause = _POLL_FIRST_S
         while status is XferStatus.IN_PROGRESS:
             if s.terminal is not None:
                 return status  # aborted, cancelled or peer lost: caller quiesces
             now = time.monotonic()
-            if now >= s.deadline:
+            if now >= deadline:
                 s.request_end(
                     Terminal.local(
                         Status.TIMED_OUT,
@@ -449,7 +559,7 @@ class Sender:
                     return status
                 slice_end = now + self.timeouts.slice_s
             s.wake.clear()
-            wait = min(pause, max(0.0, min(slice_end, s.deadline) - now))
+            wait = min(pause, max(0.0, min(slice_end, deadline) - now))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(s.wake.wait(), wait)
             pause = min(pause * 2, _POLL_MAX_S)
@@ -469,7 +579,7 @@ class Sender:
         if handle is None:
             return
         backend = self._dp.backend
-        while not handle.released:
+        while not handle.released:  # an inline completion was released in the post
             try:
                 await self._dp.call(backend.release, handle)
             except KvxferdError as exc:

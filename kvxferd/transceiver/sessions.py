@@ -11,6 +11,7 @@ from kvxferd.backends.base import XferHandle
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RequestData
 from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
 
 
@@ -83,6 +84,7 @@ class TxSession(_Session):
     conn: PeerConnection | None = None
     xfer: XferHandle | None = None  # set while a write may still move bytes
     posting: bool = False  # from just before the post until the write is quiescent
+    written: int = 0  # blocks already written (pipelined slices)
 
     @property
     def writing(self) -> bool:
@@ -103,6 +105,8 @@ class RxSession(_Session):
     admitted: bool = False
     result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
     abort_acked: bool = False
+    bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
+    bounced: bool = False  # the last Result said the bytes are in that reservation
 
 
 def make_outcome(session: _Session, side: str) -> Outcome:

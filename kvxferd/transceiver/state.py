@@ -40,6 +40,7 @@ class Reason:
     PEER_FAILED = "peer_failed"
     TRANSFER_ERROR = "transfer_error"
     BLOCK_MISMATCH = "block_mismatch"
+    BAD_CHUNK = "bad_chunk"
     UNKNOWN_POOL = "unknown_pool"
     DUPLICATE_REQUEST = "duplicate_request"
     ENGINE_DISCONNECTED = "engine_disconnected"
