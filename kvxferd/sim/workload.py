@@ -40,6 +40,12 @@ class BlockAllocator:
     def free(self) -> int:
         return len(self._free)
 
+    def shuffle(self, seed: int) -> None:
+        """Scatter future allocations over the pool, as in a long-running engine."""
+        free = list(self._free)
+        random.Random(seed).shuffle(free)
+        self._free = deque(free)
+
     def take(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"pool exhausted: need {count} blocks, {len(self._free)} free")

@@ -3,21 +3,19 @@ reads over HTTP, and deadline-bounded waits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import pytest
-
-from kvxferd.client import AsyncClient
+from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
-from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc, LocalCluster
+from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator
 
@@ -25,7 +23,9 @@ from kvxferd.sim.workload import BlockAllocator
 GEOMETRY = dict(DEFAULT_GEOMETRY)
 
 
-def layout_for(major: str, num_blocks: int = 128, geometry: dict[str, Any] | None = None) -> KvLayout:
+def layout_for(
+    major: str, num_blocks: int = 128, geometry: dict[str, Any] | None = None
+) -> KvLayout:
     g = dict(GEOMETRY if geometry is None else geometry)
     return KvLayout(
         num_layers=g["num_layers"],
@@ -91,10 +91,27 @@ class SimEngine:
     def verify(self, request_id: str, blocks: list[int], tokens: int) -> VerifyResult:
         return verify_blocks(self.pool, self.layout, blocks, request_seed(request_id), tokens)
 
+    def verify_prefix(self, request_id: str, blocks: list[int], tokens: int) -> bool:
+        """True when the first `tokens` tokens (in `blocks`) hold the request's content."""
+        return self.verify(request_id, blocks, tokens).ok
+
+    def pool_blocks(self, blocks: list[int]) -> Any:
+        """The raw bytes of whole blocks (any major), for 'nothing was written here' checks."""
+        if self.layout.major == "block-major":
+            size = self.layout.block_bytes
+            return [self.pool[b * size : (b + 1) * size] for b in blocks]
+        regions = self.layout.num_layers * self.layout.kv_factor
+        view = self.pool[: self.layout.pool_bytes].reshape(regions, self.layout.num_blocks, -1)
+        return view[:, blocks, :]
+
     async def close(self, deregister: bool = True) -> None:
+        """Deregister and disconnect. A refused deregistration (requests still
+        active) does not raise here, so it never hides a test's own failure; the
+        daemon cleans up on disconnect and assert_clean checks what is left."""
         try:
             if deregister:
-                await self.client.deregister_pool(self.pool_id)
+                with contextlib.suppress(CallError):
+                    await self.client.deregister_pool(self.pool_id)
         finally:
             await self.client.close()
             if self.region is not None:
@@ -124,5 +141,3 @@ def assert_clean(daemon: DaemonProc) -> None:
     assert doc["admission"]["in_flight_blocks"] == 0 and doc["admission"]["waiting"] == 0
     if doc["engines"] == 0:
         assert doc["pools"] == []
-
-
