@@ -15,9 +15,12 @@ demo: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
+# scripts/test-deps.sh installs promtool and systemd-analyze if missing (apt-get;
+# never fatal: the tests that need them then skip and say why).
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks
 	$(VENV)/bin/mypy
+	./scripts/test-deps.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
