@@ -42,6 +42,8 @@ class EngineConnection:
         self.name = name
         self._out = CorkedWriter(writer)
         self.closed = False
+        # Sees every outcome exactly once, delivered or not (the daemon's metrics).
+        self.on_outcome: Callable[[Outcome], None] | None = None
 
     def _write(self, msg: object) -> None:
         if self.closed:
@@ -52,6 +54,8 @@ class EngineConnection:
             self.closed = True
 
     def deliver(self, outcome: Outcome) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
         self._write(
             OutcomeMsg(
                 request_id=outcome.request_id,
@@ -105,6 +109,7 @@ class ApiServer:
         self.engines: set[EngineConnection] = set()
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.on_engine_count: Callable[[int], Awaitable[None]] | None = None
+        self.on_outcome: Callable[[Outcome], None] | None = None
 
     async def start(self) -> None:
         if os.path.exists(self.path):
@@ -159,6 +164,7 @@ class ApiServer:
                 await writer.drain()
                 return
             engine = EngineConnection(writer, hello.engine or "engine")
+            engine.on_outcome = self.on_outcome
             self.engines.add(engine)
             writer.write(
                 DAEMON_CODEC.encode(
@@ -186,6 +192,10 @@ class ApiServer:
         except ProtocolError as exc:
             log.warning("engine connection closed: %s", exc)
         except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            # close() at shutdown. Not re-raised: this task is the root of its own
+            # stack, and asyncio's stream callback logs a cancelled one as an error.
             pass
         finally:
             if engine is not None:

@@ -47,6 +47,7 @@ class PeerConnection:
         self._seq = 0
         self.closed = asyncio.Event()
         self.close_reason = ""
+        self.heartbeat_lost = False  # closed because the peer fell silent
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -122,6 +123,7 @@ class PeerConnection:
                     self.label,
                     silent,
                 )
+                self.heartbeat_lost = True
                 self.close(f"no heartbeat for {silent:.1f} s")
                 return
             self._seq += 1

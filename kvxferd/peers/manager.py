@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
 from kvxferd.peers.channel import PeerConnection
@@ -35,6 +36,16 @@ def split_hostport(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise KvxferdError(f"peer address {address!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+class PeerObserver(Protocol):
+    """Told of handshakes and lost peers (the daemon's metrics)."""
+
+    def handshake_ok(self, peer: str) -> None: ...
+
+    def handshake_failed(self, exc: BaseException) -> None: ...
+
+    def peer_closed(self, peer: str, heartbeat_lost: bool) -> None: ...
 
 
 @dataclass
@@ -71,6 +82,7 @@ class PeerManager:
         self._handshakes: set[asyncio.Task[None]] = set()
         self.handshake_failures: dict[str, int] = {}
         self.listen_address = ""
+        self.observer: PeerObserver | None = None
 
     # ------------------------------------------------------------- listening
 
@@ -190,6 +202,8 @@ class PeerManager:
         )
         self.connections[conn.key] = conn
         conn.start(self._on_message, self._closed)
+        if self.observer is not None:
+            self.observer.handshake_ok(peer.name)
         log.info(
             "peer %s (incarnation %s, role %s) connected via %s, agent %s",
             peer.name,
@@ -202,6 +216,8 @@ class PeerManager:
 
     async def _closed(self, conn: PeerConnection) -> None:
         log.warning("peer %s (%s) disconnected: %s", conn.key, conn.label, conn.close_reason)
+        if self.observer is not None:
+            self.observer.peer_closed(conn.peer.name, conn.heartbeat_lost)
         try:
             await self._on_closed(conn)  # sessions quiesce first ...
         finally:
@@ -220,6 +236,8 @@ class PeerManager:
         if isinstance(exc, ProtocolError):
             kind = "protocol"
         self.handshake_failures[kind] = self.handshake_failures.get(kind, 0) + 1
+        if self.observer is not None:
+            self.observer.handshake_failed(exc)
 
     async def broadcast_pools(self, update: PoolsUpdate) -> None:
         for conn in list(self.connections.values()):

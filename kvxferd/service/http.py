@@ -1,8 +1,9 @@
-"""A small HTTP/1.1 endpoint for health and status (loopback by default).
+"""A small HTTP/1.1 endpoint for health, status and metrics (loopback by default).
 
-/healthz: the process and its event loop answer. /readyz: 200 only once the
-data plane, peer listener and engine API are up, and not while draining.
-/v1/status: JSON status. Kept dependency-free; each response closes the connection.
+/healthz: the process and its event loop answer (served by that loop, so an
+answer is the proof). /readyz: 200 only once the data plane, peer listener and
+engine API are up, and not while draining. /v1/status: JSON status. /metrics:
+Prometheus text format. Kept dependency-free; each response closes the connection.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from kvxferd.errors import StartupError
@@ -27,8 +29,9 @@ class StatusSource(Protocol):
 
 
 class HttpServer:
-    def __init__(self, source: StatusSource) -> None:
+    def __init__(self, source: StatusSource, metrics: Callable[[], bytes] | None = None) -> None:
         self._source = source
+        self._metrics = metrics
         self._server: asyncio.base_events.Server | None = None
         self.address = ""
 
@@ -51,6 +54,8 @@ class HttpServer:
         if path == "/v1/status":
             body = json.dumps(self._source.status(), indent=2).encode() + b"\n"
             return 200, "application/json", body
+        if path == "/metrics" and self._metrics is not None:
+            return 200, "text/plain; version=0.0.4; charset=utf-8", self._metrics()
         return 404, "text/plain", b"not found\n"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

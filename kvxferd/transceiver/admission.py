@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,6 +30,7 @@ class AdmissionWindow:
         self.in_flight_blocks = 0
         self._queue: deque[_Waiter] = deque()
         self._ticker: asyncio.Task[None] | None = None
+        self.on_wait: Callable[[float], None] | None = None  # seconds waited, per admission
 
     @property
     def waiting(self) -> int:
@@ -54,12 +57,17 @@ class AdmissionWindow:
         """Wait for room for `blocks`; cancel-safe (a cancelled waiter holds nothing)."""
         if not self._queue and self._fits(blocks):
             self.in_flight_blocks += blocks
+            if self.on_wait is not None:
+                self.on_wait(0.0)
             return
         waiter = _Waiter(blocks, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         self._ensure_ticker()
+        started = time.monotonic()
         try:
             await waiter.future
+            if self.on_wait is not None:
+                self.on_wait(time.monotonic() - started)
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
                 self.in_flight_blocks -= blocks  # granted just as we were cancelled
@@ -68,6 +76,12 @@ class AdmissionWindow:
 
     def release(self, blocks: int) -> None:
         self.in_flight_blocks -= blocks
+        self._grant_waiting()
+
+    def resize(self, capacity_blocks: int | None, poll_interval_s: float | None) -> None:
+        """A reload's new window: admitted requests keep their blocks; waiters are re-checked."""
+        self.capacity = capacity_blocks
+        self.poll_interval_s = poll_interval_s if poll_interval_s is not None else 5.0
         self._grant_waiting()
 
     def _ensure_ticker(self) -> None:

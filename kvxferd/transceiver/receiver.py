@@ -452,6 +452,7 @@ class Receiver:
             term.reason,
             term.fault,
             f": {term.message}" if term.message else "",
+            extra={"request_id": s.request_id},
         )
         if s.engine is not None:
             s.engine.deliver(s.outcome)

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,8 @@ class Sender:
         self.sessions: dict[str, TxSession] = {}
         self.accepting = True
         self.open_handles = 0  # posted writes not yet confirmed quiescent
+        # Told (wire seconds from post to done, descriptors) of each completed write.
+        self.on_write_done: Callable[[float, int], None] | None = None
         # Parsed layouts of peer pools, keyed by the PoolInfo object they came from.
         self._peer_layouts: dict[int, tuple[PoolInfo, KvLayout]] = {}
 
@@ -328,6 +331,18 @@ class Sender:
         if active:
             await asyncio.wait(active, timeout=max(0.0, deadline - time.monotonic()))
         for s in list(self.sessions.values()):
+            if s.engine is None and s.conn is not None and s.request is not None:
+                # Requested by a receiver, never sent by our engine: tell the receiver why.
+                del self.sessions[s.request_id]
+                await s.conn.send(
+                    Abort(
+                        request_id=s.request_id,
+                        rx_token=s.request.rx_token,
+                        reason=Reason.SHUTDOWN,
+                        message="context daemon shut down before its engine sent the KV",
+                    )
+                )
+                continue
             if not s.finished:
                 s.request_end(
                     Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
@@ -508,6 +523,7 @@ class Sender:
         s.posting = True
         status = XferStatus.ERROR
         try:
+            posted = time.monotonic()
             try:
                 handle, status = await self._dp.call(
                     backend.post_write, local, remote, s.conn.agent_name
@@ -521,6 +537,8 @@ class Sender:
             s.xfer = handle
             self.open_handles += 1
             status = await self._wait_write(s, status)
+            if status is XferStatus.DONE and self.on_write_done is not None:
+                self.on_write_done(time.monotonic() - posted, len(local))
             if status is XferStatus.ERROR and s.terminal is None:
                 s.request_end(
                     Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, "backend reported ERR")
@@ -617,6 +635,7 @@ class Sender:
             term.reason,
             term.fault,
             f": {term.message}" if term.message else "",
+            extra={"request_id": s.request_id},
         )
         if s.engine is not None:
             s.engine.deliver(s.outcome)
