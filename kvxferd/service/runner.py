@@ -1,7 +1,8 @@
 """Runs a daemon on uvloop with signal handling.
 
 The first SIGTERM or SIGINT asks for a graceful drain; a second one forces the
-exit. After a clean drain the process exits 0.
+exit. After a clean drain the process exits 0. SIGHUP asks for a reload of the
+configuration file (kvxferd.service.reload).
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from typing import Any
 log = logging.getLogger("kvxferd.daemon")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(level: str, fmt: str = "text") -> None:
+    from kvxferd.service.logs import setup_logging as setup
+
+    setup(level, fmt)
 
 
 def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -50,3 +49,17 @@ def install_shutdown_signals(stop: asyncio.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+
+
+def install_reload_signal(reload: asyncio.Event) -> None:
+    """SIGHUP sets `reload`; the daemon reloads once it is ready (bursts coalesce)."""
+    # UCX (under NIXL) takes SIGHUP as its debug signal by default and replaces
+    # any handler when the data plane starts; 0 leaves SIGHUP to us. Must be set
+    # before the backend loads; an operator's own setting wins.
+    os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
+
+    def on_hup() -> None:
+        log.info("SIGHUP received: reload requested")
+        reload.set()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hup)
