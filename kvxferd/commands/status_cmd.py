@@ -1,0 +1,124 @@
+"""`kvxferd status`: what a running daemon reports on /v1/status.
+
+The daemon is named by its configuration file (its `daemon.http` address) or by
+HOST:PORT. Prints a short human summary, or the JSON document with --json.
+Exits 0 when the daemon answered and is ready, 3 when it answered but is not
+ready (starting or draining), 1 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvxferd.errors import KvxferdError
+
+EXIT_NOT_READY = 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="show the status of a running daemon")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", metavar="FILE", help="the daemon's configuration file")
+    where.add_argument("--address", metavar="HOST:PORT", help="the daemon's HTTP address")
+    p.add_argument("--role", choices=["context", "generation", "both"], help="as for `run`")
+    p.add_argument("--json", action="store_true", help="print the JSON status document")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds (default 5)")
+    p.set_defaults(handler=_status)
+
+
+def _address(args: argparse.Namespace) -> str:
+    if args.address:
+        return str(args.address)
+    from kvxferd.config import load_config
+
+    cfg = load_config(args.config, role=args.role)
+    hostport = cfg.daemon.http_hostport()
+    if hostport is None:
+        raise KvxferdError(f"{args.config}: daemon.http is null, so the daemon serves no status")
+    host, port = hostport
+    if port == 0:
+        raise KvxferdError(
+            f"{args.config}: daemon.http has port 0 (chosen at start-up); "
+            "pass the address the daemon logged with --address"
+        )
+    # A wildcard listen address is reached on loopback.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def fetch_status(address: str, timeout_s: float) -> dict[str, Any]:
+    url = f"http://{address}/v1/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            doc: dict[str, Any] = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise KvxferdError(f"no kvxferd status at {url}: {reason}") from None
+    return doc
+
+
+def summary(doc: dict[str, Any]) -> str:
+    state = "draining" if doc.get("draining") else "ready" if doc.get("ready") else "not ready"
+    settings = doc.get("settings", {})
+    lines = [
+        f"kvxferd {doc.get('name')} ({doc.get('role')}): {state}",
+        f"  version {doc.get('version')}, pid {doc.get('pid')}, "
+        f"up {doc.get('uptime_s', 0):.0f} s, incarnation {doc.get('incarnation')}",
+        f"  {settings.get('runtime')} runtime over {settings.get('backend')}, "
+        f"fingerprint {doc.get('fingerprint')}",
+        f"  timeouts: transfer {settings.get('kv_transfer_timeout_ms')} ms, "
+        f"sender slice {settings.get('kv_transfer_sender_future_timeout_ms')} ms, "
+        f"poll {settings.get('kv_transfer_poll_interval_ms')} ms",
+        f"  engine API {doc.get('api_socket')} ({doc.get('engines')} engine(s)), "
+        f"peers on {doc.get('peer_listen')}",
+    ]
+    peers = doc.get("peers", [])
+    lines.append(f"  peers: {len(peers)}")
+    lines += [f"    {p['name']} ({p['role']}) via {p['address']}" for p in peers]
+    for side, counts in doc.get("sessions", {}).items():
+        text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+        lines.append(f"  sessions {side}: {text}")
+    adm = doc.get("admission", {})
+    window = adm.get("window_blocks")
+    lines.append(
+        f"  admission: {adm.get('in_flight_blocks')} block(s) in flight"
+        + (f" of {window}" if window is not None else " (no window)")
+        + f", {adm.get('waiting')} waiting"
+    )
+    bounce = doc.get("bounce")
+    if bounce:
+        lines.append(f"  bounce: {json.dumps(bounce, sort_keys=True)}")
+    loop = doc.get("event_loop", {})
+    lines.append(
+        f"  event loop lag: {loop.get('lag_ms')} ms (max {loop.get('max_lag_ms')} ms recently)"
+    )
+    last = (doc.get("config") or {}).get("last_reload")
+    if last:
+        line = f"  last reload: {last['result']}"
+        if last.get("problems"):
+            line += f": {last['problems'][0]}"
+        if last.get("restart_needed"):
+            line += f"; restart needed for {len(last['restart_needed'])} change(s)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> int:
+    doc = fetch_status(_address(args), args.timeout)
+    try:
+        if args.json:
+            print(json.dumps(doc, indent=2, sort_keys=True))
+        else:
+            print(summary(doc))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0 if doc.get("ready") else EXIT_NOT_READY
