@@ -49,10 +49,14 @@ class DaemonProc:
     proc: subprocess.Popen[bytes]
     peer_address: str = ""
     http_address: str = ""
+    log_offset: int = 0  # where this process's output starts in a shared log file
 
     def log_text(self) -> str:
+        """This process's log output (not that of an earlier daemon of the same name)."""
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
 
@@ -131,6 +135,9 @@ class LocalCluster:
     ) -> DaemonProc:
         config_path, api_socket = self.write_config(name, role, **kw)
         log_path = self.workdir / f"{name}.log"
+        # A daemon restarted under the same name appends to the same log: only
+        # what this process writes counts when reading its addresses back.
+        offset = log_path.stat().st_size if log_path.exists() else 0
         log_file = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvxferd.cli", "run", "--config", str(config_path)],
@@ -139,7 +146,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
         )
         log_file.close()
-        d = DaemonProc(name, role, config_path, api_socket, log_path, proc)
+        d = DaemonProc(name, role, config_path, api_socket, log_path, proc, log_offset=offset)
         self.daemons.append(d)
         if wait:
             self.wait_ready(d, timeout_s)
@@ -147,7 +154,6 @@ class LocalCluster:
 
     def wait_ready(self, d: DaemonProc, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        # Only the log written since this (re)start counts.
         while time.monotonic() < deadline:
             text = d.log_text()
             ready_at = text.rfind(" ready")

@@ -71,7 +71,12 @@ class AdmissionWindow:
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
                 self.in_flight_blocks -= blocks  # granted just as we were cancelled
-                self._grant_waiting()
+            else:
+                # Leave the queue now: a cancelled head must not hold up the
+                # requests behind it until the next poll tick.
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(waiter)
+            self._grant_waiting()
             raise
 
     def release(self, blocks: int) -> None:
