@@ -11,6 +11,10 @@ writes "slot request_id" to the pipe; the context engine has already filled requ
 source blocks (not timed), records t_send just before `send`, and the generation engine
 records t_done when the outcome arrives. Latency = t_done - t_send (time.monotonic_ns is one
 clock for every process of the machine). Every byte is verified after t_done, not timed.
+
+"When the outcome arrives" is the moment the client's reader decodes the outcome message,
+not when the waiting coroutine next runs: with many requests in flight the engine may be busy
+verifying earlier ones, and that queueing is the bench engine's, not the daemon's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvxferd.api.messages import OutcomeMsg
 from kvxferd.bench.plan import Item, Plan
 from kvxferd.client import AsyncClient
 from kvxferd.memory.layout import KvLayout
@@ -35,6 +40,27 @@ from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_
 from kvxferd.transceiver.state import Status
 
 _END = "end"
+# Test hook: when set to "1" in the context engine's environment, the first timed request is
+# filled with another request's content, so the generation engine must report a mismatch.
+CORRUPT_ENV = "KVXFERD_BENCH_TEST_CORRUPT"
+# Progress bytes go to the driver at most this often (a write per request costs a syscall).
+_PROGRESS_EVERY_S = 0.05
+
+
+class StampingClient(AsyncClient):
+    """AsyncClient that notes when each outcome message arrived (monotonic ns)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super().__init__(reader, writer)
+        self.arrived_ns: dict[str, int] = {}
+
+    def _on_outcome(self, msg: OutcomeMsg) -> None:
+        self.arrived_ns[msg.request_id] = time.monotonic_ns()
+        super()._on_outcome(msg)
+
+    def arrival(self, request_id: str) -> int:
+        """When the outcome of `request_id` arrived (now, if it was not seen), and forget it."""
+        return self.arrived_ns.pop(request_id, 0) or time.monotonic_ns()
 
 
 @dataclass
@@ -64,7 +90,7 @@ class CtxRecord:
 
 
 class _Side:
-    def __init__(self, client: AsyncClient, plan: Plan, region: ShmRegion, pool_id: str) -> None:
+    def __init__(self, client: StampingClient, plan: Plan, region: ShmRegion, pool_id: str) -> None:
         self.client = client
         self.plan = plan
         self.layout: KvLayout = plan.layout()
@@ -80,7 +106,7 @@ class _Side:
 class GenerationSide(_Side):
     def __init__(
         self,
-        client: AsyncClient,
+        client: StampingClient,
         plan: Plan,
         region: ShmRegion,
         pool_id: str,
@@ -96,14 +122,22 @@ class GenerationSide(_Side):
         self.wait_s = wait_s
         self.records: list[GenRecord] = []
         self.timed_start_ns = 0
+        self._unreported = 0
+        self._reported_at = 0.0
 
     def _notify(self, line: str) -> None:
         os.write(self.notify_fd, (line + "\n").encode())
 
-    def _tick(self) -> None:
-        if self.progress_fd is not None:
+    def _tick(self, flush: bool = False) -> None:
+        if self.progress_fd is None:
+            return
+        self._unreported += 1 if not flush else 0
+        now = time.monotonic()
+        if self._unreported and (flush or now - self._reported_at >= _PROGRESS_EVERY_S):
             with contextlib.suppress(BlockingIOError):
-                os.write(self.progress_fd, b".")
+                os.write(self.progress_fd, b"." * self._unreported)
+                self._unreported = 0
+            self._reported_at = now
 
     async def run(self) -> None:
         try:
@@ -121,6 +155,7 @@ class GenerationSide(_Side):
                       for s in range(self.plan.in_flight))
                 )  # fmt: skip
         finally:
+            self._tick(flush=True)
             # The context engine may be gone already (its sequence ended, or it failed).
             with contextlib.suppress(BrokenPipeError):
                 self._notify(_END)
@@ -141,7 +176,7 @@ class GenerationSide(_Side):
         await self.client.recv(item.request_id, self.pool_id, blocks, self.peer, item.tokens)
         self._notify(f"{item.slot} {item.request_id}")
         outcome = await self.client.wait(item.request_id, self.wait_s)
-        rec.t_done_ns = time.monotonic_ns()
+        rec.t_done_ns = self.client.arrival(item.request_id)
         rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
         rec.nbytes = outcome.nbytes
         if outcome.status == Status.DONE:
@@ -164,7 +199,7 @@ class GenerationSide(_Side):
 class ContextSide(_Side):
     def __init__(
         self,
-        client: AsyncClient,
+        client: StampingClient,
         plan: Plan,
         region: ShmRegion,
         pool_id: str,
@@ -176,6 +211,8 @@ class ContextSide(_Side):
         self.wait_s = wait_s
         self.records: list[CtxRecord] = []
         self.queues: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in range(plan.in_flight)]
+        self.sending: set[str] = set()
+        self._cancels: list[asyncio.Task[None]] = []
 
     async def _read_notifications(self) -> None:
         loop = asyncio.get_running_loop()
@@ -195,6 +232,14 @@ class ContextSide(_Side):
             transport.close()
             for q in self.queues:
                 q.put_nowait(_END)
+            # The generation engine is done. A send still waiting here can only be one whose
+            # receive failed on the other side: cancel it rather than wait for its deadline.
+            for request_id in list(self.sending):
+                self._cancels.append(asyncio.create_task(self._cancel(request_id)))
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.cancel(request_id)
 
     async def run(self) -> None:
         reader = asyncio.create_task(self._read_notifications())
@@ -204,13 +249,18 @@ class ContextSide(_Side):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+            await asyncio.gather(*self._cancels, return_exceptions=True)
 
     async def _slot(self, slot: int) -> None:
         pool = self.region.array
+        corrupt = os.environ.get(CORRUPT_ENV) == "1"
         for group in self.plan.groups():
             for item in group.slot_items(slot, self.plan.in_flight):
                 blocks = self.plan.src_for(item)
-                fill_blocks(pool, self.layout, blocks, request_seed(item.request_id))
+                seed = request_seed(item.request_id)
+                if corrupt and item.timed:
+                    seed, corrupt = request_seed(item.request_id + "-not"), False
+                fill_blocks(pool, self.layout, blocks, seed)
                 posted = await self.queues[slot].get()
                 if posted == _END:
                     return
@@ -222,10 +272,12 @@ class ContextSide(_Side):
                     return
                 rec = CtxRecord(item.request_id)
                 self.records.append(rec)
+                self.sending.add(item.request_id)
                 rec.t_send_ns = time.monotonic_ns()
                 await self.client.send(item.request_id, self.pool_id, blocks, item.tokens)
                 outcome = await self.client.wait(item.request_id, self.wait_s)
-                rec.t_done_ns = time.monotonic_ns()
+                rec.t_done_ns = self.client.arrival(item.request_id)
+                self.sending.discard(item.request_id)
                 rec.status, rec.reason, rec.message = (
                     outcome.status,
                     outcome.reason,
@@ -243,7 +295,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     plan = Plan.load(args.plan)
     layout = plan.layout()
     report: dict[str, Any] = {"role": args.role, "pool_bytes": layout.pool_bytes, "error": ""}
-    client = await AsyncClient.connect(args.socket, engine=f"bench-{args.role}")
+    client = await StampingClient.connect(args.socket, engine=f"bench-{args.role}")
+    assert isinstance(client, StampingClient)
     name = f"kvxferd-bench-{args.role}-{os.getpid()}"
     region = ShmRegion.create(name, layout.pool_bytes)
     side: GenerationSide | ContextSide | None = None

@@ -32,8 +32,8 @@ from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
 from kvxferd.errors import KvxferdError
 
-#: How long a failed child's partner gets to notice before it is killed.
-_GRACE_S = 5.0
+#: How long a child's partner gets to finish after it exited, before it is killed.
+_GRACE_S = 15.0
 
 
 class BenchError(KvxferdError):
@@ -70,6 +70,7 @@ class _Child:
     proc: subprocess.Popen[bytes]
     out_path: Path
     err_path: Path
+    killed: bool = False
 
     def stderr_tail(self, n: int = 3000) -> str:
         try:
@@ -78,6 +79,11 @@ class _Child:
             return ""
 
     def report(self) -> dict[str, Any]:
+        if self.killed:
+            raise BenchError(
+                f"{self.name} did not finish within {_GRACE_S:.0f} s of its partner and was "
+                f"stopped:\n{self.stderr_tail()}"
+            )
         text = self.out_path.read_text(errors="replace").strip()
         try:
             report: dict[str, Any] = json.loads(text.splitlines()[-1]) if text else {}
@@ -110,10 +116,12 @@ def _spawn(
 
 
 def _wait(children: list[_Child], progress_fd: int, prog: Progress, timeout_s: float) -> None:
-    """Wait for every child, relaying the progress bytes; kill the rest if one fails."""
+    """Wait for every child, relaying the progress bytes. Once one has exited, the others get
+    _GRACE_S to follow (partners finish within milliseconds of each other), then are killed.
+    Raises for a child that failed by itself; the caller reads the reports of the rest."""
     deadline = time.monotonic() + timeout_s
     fd_open = True
-    failed_at: float | None = None
+    first_exit: float | None = None
     try:
         while True:
             if fd_open:
@@ -131,21 +139,21 @@ def _wait(children: list[_Child], progress_fd: int, prog: Progress, timeout_s: f
             if all(code is not None for code in codes):
                 break
             now = time.monotonic()
-            if failed_at is None and any(code not in (None, 0) for code in codes):
-                failed_at = now
-            if failed_at is not None and now - failed_at > _GRACE_S:
+            if first_exit is None and any(code is not None for code in codes):
+                first_exit = now
+            if first_exit is not None and now - first_exit > _GRACE_S:
                 break
             if now > deadline:
                 running = [c.name for c in children if c.proc.poll() is None]
-                names = ", ".join(running)
-                raise BenchError(f"{names} still running after {timeout_s:.0f} s; stopped")
+                raise BenchError(f"{', '.join(running)} still running after {timeout_s:.0f} s")
     finally:
         for c in children:
             if c.proc.poll() is None:
+                c.killed = True
                 c.proc.kill()
                 c.proc.wait(10)
     for c in children:
-        if c.proc.returncode != 0:
+        if c.proc.returncode != 0 and not c.killed:
             raise BenchError(f"{c.name} exited with status {c.proc.returncode}:\n{c.stderr_tail()}")
 
 
@@ -271,9 +279,10 @@ def _daemon_run(
                 raise BenchError(f"{config.name}: {exc}{logs()}") from None
         finally:
             os.close(prog_r)
+        # The generation engine's report first: it says why a request failed.
         gen_report = gen_engine.report()
-        ctx_report = ctx_engine.report()
         _check_report(f"{config.name}, generation engine", gen_report, logs())
+        ctx_report = ctx_engine.report()
         _check_report(f"{config.name}, context engine", ctx_report, logs())
         codes = cluster.stop_all()
         bad = {name: code for name, code in codes.items() if code != 0}

@@ -5,6 +5,7 @@ present, positive and consistent with the geometry."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +26,15 @@ RESULT_KEYS = {
 SMALL_KEYS = {"requests_per_s", "p50_ms", "p99_ms", "raw_requests_per_s"}
 
 
-def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def bench(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvxferd.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -105,6 +109,21 @@ def test_small_json_shape() -> None:
     assert r["bytes"] == BLOCK_BYTES
     assert r["requests"] == r["verified"] > 0
     assert r["requests_per_s"] == report["requests_per_s"]
+
+
+@pytest.mark.timeout(120)
+def test_wrong_bytes_fail_the_run() -> None:
+    from kvxferd.bench.engine import CORRUPT_ENV
+
+    proc = bench(
+        *TINY, "--tokens", "40", "--requests", "1", "--warmup", "0", "--json",
+        env={CORRUPT_ENV: "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "verification failed: logical block 0" in proc.stderr
+    assert "expected 0x" in proc.stderr
+    assert "logs and records kept in" in proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize(
