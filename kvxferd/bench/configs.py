@@ -42,6 +42,8 @@ class BenchConfig:
     description: str
     transceiver: Mapping[str, Any]
     engine: Mapping[str, Any] = field(default_factory=dict)
+    #: The context engine sends each request in chunks of this many blocks (0: one send).
+    chunk_blocks: int = 0
     missing: str | None = None
     requires: Availability = _needs_nixl
 
@@ -67,9 +69,10 @@ REGISTRY: tuple[BenchConfig, ...] = (
     ),
     BenchConfig(
         "nixl-python-pipelined",
-        "PYTHON runtime over NIXL, one write per prefill chunk",
+        "PYTHON runtime over NIXL, one write per prefill chunk of 16 blocks",
         {**_PYTHON, "enable_pipelined_transfer": True},
         engine={"enable_chunked_prefill": True},
+        chunk_blocks=16,
         missing="pipelined transfer",
     ),
     BenchConfig(

@@ -205,10 +205,12 @@ class ContextSide(_Side):
         pool_id: str,
         notify_fd: int,
         wait_s: float,
+        chunk_blocks: int = 0,
     ) -> None:
         super().__init__(client, plan, region, pool_id)
         self.notify_fd = notify_fd
         self.wait_s = wait_s
+        self.chunk_blocks = chunk_blocks
         self.records: list[CtxRecord] = []
         self.queues: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in range(plan.in_flight)]
         self.sending: set[str] = set()
@@ -251,6 +253,25 @@ class ContextSide(_Side):
                 await reader
             await asyncio.gather(*self._cancels, return_exceptions=True)
 
+    async def _send(self, item: Item, blocks: list[int]) -> None:
+        """One send, or one per chunk of chunk_blocks blocks (a chunked prefill finishing its
+        chunks back to back; only the last has last=True)."""
+        if not self.chunk_blocks:
+            await self.client.send(item.request_id, self.pool_id, blocks, item.tokens)
+            return
+        tpb = self.layout.tokens_per_block
+        step = self.chunk_blocks * tpb
+        for start in range(0, item.tokens, step):
+            end = min(item.tokens, start + step)
+            await self.client.send(
+                item.request_id,
+                self.pool_id,
+                blocks[: -(-end // tpb)],
+                end,
+                token_start=start,
+                last=end == item.tokens,
+            )
+
     async def _slot(self, slot: int) -> None:
         pool = self.region.array
         corrupt = os.environ.get(CORRUPT_ENV) == "1"
@@ -274,7 +295,7 @@ class ContextSide(_Side):
                 self.records.append(rec)
                 self.sending.add(item.request_id)
                 rec.t_send_ns = time.monotonic_ns()
-                await self.client.send(item.request_id, self.pool_id, blocks, item.tokens)
+                await self._send(item, blocks)
                 outcome = await self.client.wait(item.request_id, self.wait_s)
                 rec.t_done_ns = self.client.arrival(item.request_id)
                 self.sending.discard(item.request_id)
@@ -318,7 +339,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             )
         else:
             side = ContextSide(
-                client, plan, region, args.pool_id, args.notify_fd, args.wait_timeout
+                client,
+                plan,
+                region,
+                args.pool_id,
+                args.notify_fd,
+                args.wait_timeout,
+                args.chunk_blocks,
             )
         await side.run()
     except Exception as exc:
@@ -347,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--notify-fd", type=int, required=True, help="pipe between the two engines")
     p.add_argument("--progress-fd", type=int, default=None, help="one byte per finished request")
     p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds per outcome")
+    p.add_argument(
+        "--chunk-blocks", type=int, default=0, help="context: send in chunks of this many blocks"
+    )
     args = p.parse_args(argv)
     if args.progress_fd is not None:
         os.set_blocking(args.progress_fd, False)

@@ -258,7 +258,7 @@ def _daemon_run(
                 cdir,
                 "engine-ctx",
                 [*common, "--role", "context", "--socket", ctx.api_socket,
-                 "--notify-fd", str(notify_r)],
+                 "--notify-fd", str(notify_r), "--chunk-blocks", str(config.chunk_blocks)],
                 pass_fds=(notify_r,),
             )  # fmt: skip
             gen_engine = _spawn(
