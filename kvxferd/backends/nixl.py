@@ -25,7 +25,7 @@ _INSTALL_HINT = (
 _STATUS = {"DONE": XferStatus.DONE, "PROC": XferStatus.IN_PROGRESS, "ERR": XferStatus.ERROR}
 
 # NIXL exception class names that mean the remote side is gone.
-_PEER_LOST_ERRORS = {"nixlRemoteDisconnectError", "nixlNotFoundError"}
+_PEER_LOST_ERRORS = {"nixlRemoteDisconnectError"}
 
 
 def _load() -> Any:

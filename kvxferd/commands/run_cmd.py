@@ -1,4 +1,5 @@
-"""`kvxferd run --config FILE`: start a daemon and serve until SIGTERM or SIGINT."""
+"""`kvxferd run --config FILE`: start a daemon and serve until SIGTERM or SIGINT
+(SIGHUP reloads the file with the same command-line overrides)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--name", help="override daemon.name")
     p.add_argument(
         "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="override log level"
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text: readable lines (default); json: one JSON object per line",
     )
     p.set_defaults(handler=_run)
 
@@ -59,17 +66,24 @@ def load_with_overrides(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from kvxferd.config import resolve
     from kvxferd.service.daemon import Daemon
-    from kvxferd.service.runner import install_shutdown_signals, run_event_loop, setup_logging
+    from kvxferd.service.runner import (
+        install_reload_signal,
+        install_shutdown_signals,
+        run_event_loop,
+        setup_logging,
+    )
 
     cfg = load_with_overrides(args)
-    setup_logging(cfg.daemon.log_level)
+    setup_logging(cfg.daemon.log_level, args.log_format)
     settings = resolve(cfg)
 
     async def main() -> int:
         stop = asyncio.Event()
+        reload = asyncio.Event()
         install_shutdown_signals(stop)
+        install_reload_signal(reload)
         daemon = Daemon(cfg, settings)
-        await daemon.serve(stop)
+        await daemon.serve(stop, reload, lambda: load_with_overrides(args))
         return 0
 
     return run_event_loop(main)

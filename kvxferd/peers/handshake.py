@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import hmac
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -103,7 +103,7 @@ async def client_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     me: Identity,
-    make_info: Callable[[], Info],
+    make_info: Callable[[], Awaitable[Info]],
     check: InfoCheck,
     peer_label: str,
 ) -> tuple[PeerIdentity, Info]:
@@ -138,7 +138,7 @@ async def client_handshake(
     if refusal is not None:
         await _refuse(writer, *refusal)
         raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
-    await _send(writer, make_info())
+    await _send(writer, await make_info())
     ready = await _recv(reader, peer_label)
     _expect(ready, Ready, peer_label)
     return peer, info
@@ -148,7 +148,7 @@ async def server_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     me: Identity,
-    make_info: Callable[[], Info],
+    make_info: Callable[[], Awaitable[Info]],
     check: InfoCheck,
     peer_label: str,
 ) -> tuple[PeerIdentity, Info]:
@@ -180,7 +180,7 @@ async def server_handshake(
         await _refuse(writer, "auth", "wrong shared secret")
         raise HandshakeError(f"{hello.name} at {peer_label} could not prove the shared secret")
     peer = PeerIdentity(name=hello.name, incarnation=hello.incarnation, role=hello.role)
-    await _send(writer, make_info())
+    await _send(writer, await make_info())
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)
     refusal = check(peer, info)

@@ -60,7 +60,7 @@ class PeerManager:
         self,
         me: Identity,
         dataplane: DataPlane,
-        make_info: Callable[[], Info],
+        make_info: Callable[[], Awaitable[Info]],
         check_info: InfoCheck,
         timings: PeerTimings,
         static_peers: dict[str, str],

@@ -87,7 +87,11 @@ class Refused(_Msg, tag="refused"):
 
 
 class PoolsUpdate(_Msg, tag="pools"):
+    """Our pools changed. NIXL needs the registration keys of new memory before
+    it can write there, so the update carries our full agent metadata again."""
+
     pools: list[PoolInfo]
+    agent_metadata: bytes = b""
 
 
 class RequestData(_Msg, tag="request_data"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
@@ -34,7 +35,7 @@ from kvxferd.api.messages import (
 from kvxferd.api.server import ApiServer, EngineConnection
 from kvxferd.backends.base import Backend
 from kvxferd.config import KvxferdConfig, ResolvedSettings
-from kvxferd.errors import RequestError, StartupError
+from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.handshake import Identity, PeerIdentity
@@ -51,8 +52,14 @@ from kvxferd.peers.messages import (
     Result,
 )
 from kvxferd.service.http import HttpServer
+from kvxferd.service.loopmon import LoopMonitor
+from kvxferd.service.metrics import DaemonMetrics
+from kvxferd.service.ops import TaskSet, refresh_status, summary_line
 from kvxferd.service.pools import PoolError, PoolRegistry
+from kvxferd.service.reload import ConfigLoader, ReloadReport, serve_reloads
+from kvxferd.service.sdnotify import Notifier
 from kvxferd.transceiver.admission import AdmissionWindow
+from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.receiver import Receiver, ReceiverTimeouts
 from kvxferd.transceiver.sender import Sender, SenderTimeouts
@@ -122,12 +129,22 @@ class Daemon:
             self._on_peer_closed,
         )
         timeout_s = settings.kv_transfer_timeout_ms / 1e3
+        self.bounce = (
+            BounceBuffers(settings.bounce_buffer_mb) if settings.bounce_buffer_mb > 0 else None
+        )
         self.sender = Sender(
             SenderTimeouts(
                 timeout_s=timeout_s,
-                slice_s=(settings.kv_transfer_sender_future_timeout_ms or 1000) / 1e3,
+                # null: no slicing, one wait up to the deadline (docs/configuration.md).
+                slice_s=(
+                    settings.kv_transfer_sender_future_timeout_ms / 1e3
+                    if settings.kv_transfer_sender_future_timeout_ms is not None
+                    else math.inf
+                ),
             ),
             self.dataplane,
+            pipelined=settings.pipelined_transfer,
+            bounce=self.bounce,
         )
         poll_ms = settings.kv_transfer_poll_interval_ms
         self.admission = AdmissionWindow(
@@ -137,9 +154,23 @@ class Daemon:
             ReceiverTimeouts(timeout_s=timeout_s, answer_s=d.heartbeat_timeout_ms / 1e3),
             self.admission,
             self.peers.connect,
+            pipelined=settings.pipelined_transfer,
+            bounce=self.bounce,
         )
         self.api = ApiServer(d.api_socket_path(), self)
-        self.http = HttpServer(self) if d.http else None
+        # Operations: per-daemon metrics registry, sd_notify, loop lag, reload history.
+        self.metrics = DaemonMetrics(
+            d.name, self.role, settings.backend, settings.runtime, settings.fingerprint()
+        )
+        self.metrics.bind(self)
+        self.api.on_outcome = self.metrics.observe_outcome
+        self.sender.on_write_done = self.metrics.observe_write
+        self.admission.on_wait = self.metrics.observe_admission_wait
+        self.peers.observer = self.metrics
+        self.notifier = Notifier()
+        self.loop_monitor = LoopMonitor()
+        self.last_reload: ReloadReport | None = None
+        self.http = HttpServer(self, self.metrics.render) if d.http else None
         self.ready = False
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -163,6 +194,14 @@ class Daemon:
             log.warning("no daemon.shared_secret_file: peers are not authenticated (loopback only)")
         await self.dataplane.start()
         log.info("data plane up: %s agent %s", self.settings.backend, self.agent_name)
+        if self.bounce is not None:
+            for region in (self.bounce.send, self.bounce.recv):
+                region.registration = await self.dataplane.call(
+                    self.dataplane.backend.register, region.address, region.nbytes
+                )
+            log.info(
+                "bounce buffer: two regions of %d MiB registered", self.bounce.send.nbytes >> 20
+            )
         host, port = split_hostport(d.peer_listen)
         address = await self.peers.listen(host, port)
         log.info("listening for peers on %s", address)
@@ -174,14 +213,38 @@ class Daemon:
         self.ready = True
         log.info("ready")
 
-    async def serve(self, shutdown: asyncio.Event) -> None:
-        """Start, run until `shutdown` is set, then stop. Injected trigger: tests
-        drain the daemon without sending real signals."""
+    async def serve(
+        self,
+        shutdown: asyncio.Event,
+        reload_requests: asyncio.Event | None = None,
+        load: ConfigLoader | None = None,
+    ) -> None:
+        """Start, run until `shutdown` is set, then stop. Injected triggers: tests
+        drain (and reload) the daemon without sending real signals.
+
+        systemd hears READY=1 only after start() (every listener up), RELOADING=1
+        and READY=1 around each reload, STOPPING=1 as the drain begins; the loop
+        monitor and the watchdog pings run until the very end (a drain can be long).
+        """
+        background = TaskSet()
+        background.start(self.loop_monitor.run(), "loop-monitor")
+        background.start(self.notifier.watchdog_loop(), "sd-watchdog")
         try:
+            self.notifier.status("starting")
             await self.start()
+            self.notifier.ready(summary_line(self))
+            background.start(refresh_status(self), "sd-status")
+            if reload_requests is not None and load is not None:
+                background.start(serve_reloads(self, reload_requests, load), "reload")
             await shutdown.wait()
         finally:
-            await self.stop()
+            active = self.sender.active_count() + self.receiver.active_count()
+            self.notifier.stopping(f"draining: {active} request(s) in flight")
+            try:
+                await self.stop()
+            finally:
+                await background.cancel()
+                self.notifier.close()
 
     async def stop(self) -> None:
         if self.draining:
@@ -202,6 +265,13 @@ class Daemon:
             await self.pools.deregister(pool_id)
         if self.http is not None:
             await self.http.close()
+        if self.bounce is not None:
+            for region in (self.bounce.send, self.bounce.recv):
+                if region.registration is not None:
+                    await self.dataplane.call(
+                        self.dataplane.backend.deregister, region.registration
+                    )
+            self.bounce.close()
         await self.dataplane.close()
         log.info("stopped")
 
@@ -211,13 +281,16 @@ class Daemon:
         if isinstance(msg, EngineHello):
             raise RequestError(ApiError.BAD_REQUEST, "hello was already exchanged")
         if self.draining and isinstance(msg, (Recv, Send, RegisterPool)):
-            raise RequestError(ApiError.DRAINING, "the daemon is draining; no new work")
+            # A later chunk of a send this engine already started is not new work.
+            tx = self.sender.sessions.get(msg.request_id) if isinstance(msg, Send) else None
+            if tx is None or tx.engine is not engine:
+                raise RequestError(ApiError.DRAINING, "the daemon is draining; no new work")
         if isinstance(msg, RegisterPool):
             return await self._register_pool(engine, msg)
         if isinstance(msg, DeregisterPool):
             pool = self._own_pool(engine, msg.pool_id)
             await self._pool_call(self.pools.deregister(pool.pool_id))
-            await self.peers.broadcast_pools(PoolsUpdate(pools=self.pools.infos()))
+            await self._announce_pools()
             return ""
         if isinstance(msg, Recv):
             self._require_role(RECEIVING_ROLES, "recv")
@@ -231,7 +304,9 @@ class Daemon:
                     f"peer {msg.peer!r} is neither a static peer name "
                     f"({', '.join(self.peers.static_peers) or 'none configured'}) nor HOST:PORT",
                 ) from exc
-            self.receiver.recv(engine, msg.request_id, pool, msg.blocks, msg.peer, msg.num_tokens)
+            self.receiver.recv(
+                engine, msg.request_id, pool, msg.blocks, msg.peer, msg.num_tokens, msg.beam_width
+            )
             return ""
         if isinstance(msg, Send):
             self._require_role(SENDING_ROLES, "send")
@@ -245,6 +320,7 @@ class Daemon:
                 msg.token_start,
                 msg.token_end,
                 msg.last,
+                msg.beam_width,
             )
             return ""
         if isinstance(msg, Cancel):
@@ -309,7 +385,7 @@ class Daemon:
         await self._pool_call(
             self.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine)
         )
-        await self.peers.broadcast_pools(PoolsUpdate(pools=self.pools.infos()))
+        await self._announce_pools()
         return ""
 
     async def engine_gone(self, engine: EngineConnection) -> None:
@@ -322,15 +398,25 @@ class Daemon:
         for pool in mine:
             await self.pools.deregister(pool.pool_id)
         if mine:
-            await self.peers.broadcast_pools(PoolsUpdate(pools=self.pools.infos()))
+            await self._announce_pools()
 
     # ----------------------------------------------------------------- peers
 
-    def _make_info(self) -> Info:
+    async def _announce_pools(self) -> None:
+        if not self.peers.connections:
+            return
+        metadata = await self.dataplane.call(self.dataplane.backend.metadata)
+        await self.peers.broadcast_pools(
+            PoolsUpdate(pools=self.pools.infos(), agent_metadata=metadata)
+        )
+
+    async def _make_info(self) -> Info:
         engine = self.cfg.engine
+        # Through the data-plane thread: the NIXL agent is not thread-safe.
+        metadata = await self.dataplane.call(self.dataplane.backend.metadata)
         return Info(
             agent_name=self.agent_name,
-            agent_metadata=self.dataplane.backend.metadata(),
+            agent_metadata=metadata,
             pools=self.pools.infos(),
             fingerprint=self.settings.fingerprint(),
             compat=dict(self.settings.peer_compat_fields()),
@@ -338,6 +424,8 @@ class Daemon:
             tensor_parallel_size=engine.tensor_parallel_size,
             pipeline_parallel_size=engine.pipeline_parallel_size,
             context_parallel_size=engine.context_parallel_size,
+            bounce_base=self.bounce.recv.address if self.bounce else 0,
+            bounce_nbytes=self.bounce.recv.nbytes if self.bounce else 0,
         )
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
@@ -357,6 +445,16 @@ class Daemon:
                 "effective transceiver settings differ ("
                 + ("; ".join(diffs) or "fingerprints differ")
                 + "); keep context and generation configurations consistent",
+            )
+        if self.settings.pipelined_transfer and (
+            info.pipeline_parallel_size != 1 or info.context_parallel_size != 1
+        ):
+            return (
+                "pipelining",
+                "enable_pipelined_transfer needs pipeline_parallel_size=1 and "
+                "context_parallel_size=1 on both peers; the peer has "
+                f"pipeline_parallel_size={info.pipeline_parallel_size}, "
+                f"context_parallel_size={info.context_parallel_size}",
             )
         for theirs in info.pools:
             try:
@@ -401,6 +499,15 @@ class Daemon:
         elif isinstance(msg, CancelAnswer):
             await self.receiver.on_cancel_answer(conn, msg)
         elif isinstance(msg, PoolsUpdate):
+            if msg.agent_metadata:
+                # New registrations: reload before any later message (same
+                # connection, in order) can ask us to write there.
+                try:
+                    await self.dataplane.call(self.dataplane.backend.add_peer, msg.agent_metadata)
+                except KvxferdError as exc:
+                    log.error("peer %s sent agent metadata NIXL refused: %s", conn.key, exc)
+                    conn.close(f"bad agent metadata in a pools update: {exc}")
+                    return
             conn.pools = {p.pool_id: p for p in msg.pools}
         else:
             log.warning(
@@ -451,7 +558,25 @@ class Daemon:
                 "window_blocks": self.admission.capacity,
                 "in_flight_blocks": self.admission.in_flight_blocks,
                 "waiting": self.admission.waiting,
+                "use": (
+                    round(self.admission.in_flight_blocks / self.admission.capacity, 4)
+                    if self.admission.capacity
+                    else None
+                ),
             },
+            "event_loop": {
+                "lag_ms": round(self.loop_monitor.lag_s * 1e3, 3),
+                "max_lag_ms": round(self.loop_monitor.max_lag_s * 1e3, 3),
+            },
+            "config": {
+                "source": self.cfg.source,
+                "last_reload": self.last_reload.to_json_dict() if self.last_reload else None,
+            },
+            "systemd": {
+                "notify": self.notifier.enabled,
+                "watchdog_s": self.notifier.watchdog_s,
+            },
+            "bounce": self.bounce.status() if self.bounce else None,
             "engines": len(self.api.engines),
             "open_transfer_handles": self.sender.open_handles,
             "handshake_failures": dict(self.peers.handshake_failures),

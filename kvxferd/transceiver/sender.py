@@ -142,7 +142,9 @@ class Sender:
     def _session_for_send(self, engine: EngineLink, request_id: str, token_start: int) -> TxSession:
         s = self.sessions.get(request_id)
         if s is not None and s.engine is not None:
-            if s.engine is not engine or s.finished:
+            # A send starting again at token 0 is a second request under the same id:
+            # refuse the call and leave the first alone.
+            if s.engine is not engine or s.finished or token_start == 0:
                 raise RequestError(
                     "duplicate_request",
                     f"request {request_id!r} is already active or finished on this daemon; "

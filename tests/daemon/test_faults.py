@@ -26,7 +26,7 @@ import signal
 import struct
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -648,6 +648,16 @@ def test_incompatible_layout_refused(cluster: LocalCluster) -> None:
         assert_clean(d)
 
 
+def _async(make: Callable[[], Info]) -> Callable[[], Awaitable[Info]]:
+    """The handshake asks for our Info asynchronously (the daemon reads NIXL metadata
+    on its data-plane thread)."""
+
+    async def wrapped() -> Info:
+        return make()
+
+    return wrapped
+
+
 def _cpp_info() -> Info:
     """What a generation daemon running the CPP runtime would advertise."""
     compat = {"backend": "NIXL", "runtime": "CPP", "pipelined_transfer": False}
@@ -681,7 +691,9 @@ def test_incompatible_settings_refused(cluster: LocalCluster) -> None:
         try:
             with pytest.raises(IncompatiblePeerError) as err:
                 await asyncio.wait_for(
-                    client_handshake(reader, writer, me, _cpp_info, _accept, ctx.peer_address),
+                    client_handshake(
+                        reader, writer, me, _async(_cpp_info), _accept, ctx.peer_address
+                    ),
                     10,
                 )
             assert "runtime" in str(err.value), err.value
@@ -883,7 +895,7 @@ def test_malformed_peer_messages(cluster: LocalCluster) -> None:
                 reader,
                 writer,
                 me,
-                lambda: _fake_gen_info(gen, agent_name, metadata),
+                _async(lambda: _fake_gen_info(gen, agent_name, metadata)),
                 _accept,
                 ctx.peer_address,
             ),

@@ -1,0 +1,308 @@
+"""Prometheus metrics of one daemon (served on /metrics).
+
+Every metric lives in the daemon's own CollectorRegistry (never the global one:
+tests and benchmarks run several daemons' code in one process), is prefixed
+`kvxferd_`, and carries low-cardinality labels only: side (send, recv), status,
+reason, phase, peer (a daemon name). Request ids go to the logs, never into a
+label. The daemon's identity (name, role, backend, runtime, fingerprint) is in
+the single `kvxferd_daemon_info` series, to join on.
+
+Counters and histograms are fed at a few points every request passes:
+
+* each terminal outcome, as it is handed to the engine (requests, bytes,
+  end-to-end time, timeouts by phase);
+* the context side's write, once the backend reports it done (wire time,
+  descriptors per transfer);
+* the admission window, when a receive is admitted (admission wait);
+* the peer manager (handshakes, their failures, peers lost to missed heartbeats).
+
+Gauges (requests in flight, blocked by admission, engine and peer connections,
+loop lag...) are read from the daemon's state at scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvxferd import __version__
+from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.transceiver.state import Outcome, Reason, Status
+
+if TYPE_CHECKING:
+    from kvxferd.service.daemon import Daemon
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+SIDES = ("send", "recv")
+TIMEOUT_PHASES = {
+    Reason.SENDER_DEADLINE: "sender_deadline",
+    Reason.RECEIVER_TIMEOUT: "receiver_timeout",
+}
+
+# From a small inline write on loopback (~100 µs) to the seed's 60 s default timeout.
+_TIME_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+
+# Without this every counter would also export a `_created` gauge family.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+def handshake_failure_reason(exc: BaseException) -> str:
+    """A small, fixed set of reasons for a failed handshake (a metric label)."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    text = str(exc)
+    # The refusing side's reason code travels as "refused by PEER: CODE: message".
+    if isinstance(exc, HandshakeError) and ("shared secret" in text or ": auth:" in text):
+        return "auth"
+    if isinstance(exc, IncompatiblePeerError):
+        return "version" if "protocol version" in text else "incompatible"
+    if isinstance(exc, HandshakeError):
+        return "handshake"
+    if isinstance(exc, ProtocolError):
+        return "protocol"
+    if isinstance(exc, OSError):
+        return "connect"
+    return "other"
+
+
+class DaemonMetrics:
+    def __init__(self, name: str, role: str, backend: str, runtime: str, fingerprint: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)  # process_* (CPU, memory, open fds, start time)
+        self.info = Info(
+            "kvxferd_daemon", "Identity of this daemon (value is always 1).", registry=r
+        )
+        self.set_info(name, role, backend, runtime, fingerprint)
+        self.requests = Counter(
+            "kvxferd_requests",
+            "Requests that reached a terminal state, by side, status and reason.",
+            ["side", "status", "reason"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            "kvxferd_transferred_bytes",
+            "KV bytes of requests that completed (done), by side.",
+            ["side"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvxferd_request_duration_seconds",
+            "End-to-end time of a request on this daemon, from acceptance to its outcome.",
+            ["side"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.wire_seconds = Histogram(
+            "kvxferd_wire_duration_seconds",
+            "Context side: time from posting a write to the backend reporting it done.",
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.admission_seconds = Histogram(
+            "kvxferd_admission_wait_seconds",
+            "Generation side: time a receive waited for room in the admission window.",
+            buckets=(0.0, *_TIME_BUCKETS),
+            registry=r,
+        )
+        self.descriptors = Histogram(
+            "kvxferd_transfer_descriptors",
+            "Descriptors (contiguous runs of bytes) per posted write.",
+            buckets=_DESCRIPTOR_BUCKETS,
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "kvxferd_timeouts",
+            "Requests ended by a timeout, by phase (sender_deadline: the context side's "
+            "absolute deadline; receiver_timeout: the generation side's per-task timeout).",
+            ["phase"],
+            registry=r,
+        )
+        self.handshakes = Counter(
+            "kvxferd_handshakes",
+            "Completed peer handshakes, by peer daemon name.",
+            ["peer"],
+            registry=r,
+        )
+        self.handshake_failures = Counter(
+            "kvxferd_handshake_failures",
+            "Failed peer handshakes (either direction), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.heartbeats_missed = Counter(
+            "kvxferd_heartbeats_missed",
+            "Peer connections closed because the peer was silent past heartbeat_timeout_ms.",
+            ["peer"],
+            registry=r,
+        )
+        self.peers_lost = Counter(
+            "kvxferd_peer_disconnects",
+            "Established peer connections that closed, by peer daemon name.",
+            ["peer"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "kvxferd_config_reloads",
+            "SIGHUP reloads, by result (applied, unchanged, rejected).",
+            ["result"],
+            registry=r,
+        )
+        # Series that exist from the start, so that rate() and alerts see a zero.
+        for phase in TIMEOUT_PHASES.values():
+            self.timeouts.labels(phase=phase)
+        for side in SIDES:
+            self.bytes.labels(side=side)
+        for result in ("applied", "unchanged", "rejected"):
+            self.reloads.labels(result=result)
+
+    def set_info(self, name: str, role: str, backend: str, runtime: str, fingerprint: str) -> None:
+        self.info.info(
+            {
+                "name": name,
+                "version": __version__,
+                "role": role,
+                "backend": backend,
+                "runtime": runtime,
+                "fingerprint": fingerprint,
+            }
+        )
+
+    def bind(self, daemon: Daemon) -> None:
+        """Export the daemon's live gauges (read at each scrape)."""
+        self.registry.register(_LiveCollector(daemon, self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------- observers
+
+    def observe_outcome(self, outcome: Outcome) -> None:
+        """Every terminal outcome passes here exactly once (as it goes to the engine)."""
+        self.requests.labels(side=outcome.side, status=outcome.status, reason=outcome.reason).inc()
+        self.request_seconds.labels(side=outcome.side).observe(outcome.elapsed_ms / 1e3)
+        if outcome.status == Status.DONE:
+            self.bytes.labels(side=outcome.side).inc(outcome.nbytes)
+        phase = TIMEOUT_PHASES.get(outcome.reason)
+        if phase is not None:
+            self.timeouts.labels(phase=phase).inc()
+
+    def observe_write(self, wire_s: float, descriptors: int) -> None:
+        self.wire_seconds.observe(wire_s)
+        self.descriptors.observe(descriptors)
+
+    def observe_admission_wait(self, wait_s: float) -> None:
+        self.admission_seconds.observe(wait_s)
+
+    def handshake_ok(self, peer: str) -> None:
+        self.handshakes.labels(peer=peer).inc()
+
+    def handshake_failed(self, exc: BaseException) -> None:
+        self.handshake_failures.labels(reason=handshake_failure_reason(exc)).inc()
+
+    def peer_closed(self, peer: str, heartbeat_lost: bool) -> None:
+        self.peers_lost.labels(peer=peer).inc()
+        if heartbeat_lost:
+            self.heartbeats_missed.labels(peer=peer).inc()
+
+
+class _LiveCollector:
+    """Gauges computed from the daemon's state when scraped."""
+
+    def __init__(self, daemon: Daemon, metrics: DaemonMetrics) -> None:
+        self._d = daemon
+        self._m = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        d = self._d
+        yield _gauge("kvxferd_ready", "1 when the daemon serves (see /readyz).", float(d.ready))
+        yield _gauge("kvxferd_draining", "1 while the daemon drains for shutdown.", d.draining)
+        in_flight = GaugeMetricFamily(
+            "kvxferd_requests_in_flight",
+            "Accepted requests without an outcome yet, by side.",
+            labels=["side"],
+        )
+        in_flight.add_metric(["send"], d.sender.active_count())
+        in_flight.add_metric(["recv"], d.receiver.active_count())
+        yield in_flight
+        yield _gauge(
+            "kvxferd_admission_blocked_requests",
+            "Receives waiting for room in the admission window.",
+            d.admission.waiting,
+        )
+        yield _gauge(
+            "kvxferd_admission_in_flight_blocks",
+            "Destination blocks currently admitted.",
+            d.admission.in_flight_blocks,
+        )
+        if d.admission.capacity is not None:
+            yield _gauge(
+                "kvxferd_admission_window_blocks",
+                "Size of the admission window (ceil(max_tokens_in_buffer / tokens_per_block)).",
+                d.admission.capacity,
+            )
+        yield _gauge(
+            "kvxferd_engine_connections", "Engines attached to the API socket.", len(d.api.engines)
+        )
+        yield _gauge(
+            "kvxferd_peer_connections",
+            "Established, authenticated peer connections.",
+            len(d.peers.connections),
+        )
+        yield _gauge(
+            "kvxferd_open_transfer_handles",
+            "Posted writes not yet confirmed quiescent.",
+            d.sender.open_handles,
+        )
+        yield from _bounce_families(getattr(d, "bounce", None))
+        yield _gauge(
+            "kvxferd_event_loop_lag_seconds",
+            "How late the event loop woke a 100 ms sleep, last measurement.",
+            d.loop_monitor.lag_s,
+        )
+
+
+def _bounce_families(bounce: object | None) -> Iterable[Metric]:
+    """The bounce buffer's own counters (all zero while bounce is off)."""
+    yield CounterMetricFamily(
+        "kvxferd_bounce_reservations",
+        "Reservations made in the bounce regions.",
+        value=getattr(bounce, "reservations_made", 0),
+    )
+    yield CounterMetricFamily(
+        "kvxferd_bounce_fallbacks",
+        "Requests that took the per-block path although bounce is on.",
+        value=getattr(bounce, "fallbacks", 0),
+    )
+    in_use = GaugeMetricFamily(
+        "kvxferd_bounce_in_use_bytes", "Bytes reserved in each bounce region.", labels=["region"]
+    )
+    for region in ("send", "recv"):
+        in_use.add_metric([region], getattr(getattr(bounce, region, None), "in_use_bytes", 0))
+    yield in_use
+    yield _gauge(
+        "kvxferd_bounce_region_bytes",
+        "Size of each bounce region (0: bounce is off).",
+        getattr(getattr(bounce, "send", None), "nbytes", 0),
+    )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
