@@ -30,9 +30,11 @@ def header_lines(report: dict[str, Any]) -> list[str]:
             f"  run       {report['requests']} timed + {report['warmup']} warm-up requests per "
             f"length, {report['in_flight']} in flight; every byte verified"
         )
+    load = h.get("loadavg_start")
     lines.append(
         f"  host      {h['cpu_count']} CPUs ({h['cpu_model'] or 'unknown'}), Python "
         f"{h['python']}, nixl-cu12 {h['nixl_version']}"
+        + (f", load average {load[0]:.2f} at the start" if load else "")
     )
     return lines
 
