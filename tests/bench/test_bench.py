@@ -95,6 +95,21 @@ def test_sweep_table_layer_major_in_flight() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_every_available_configuration_in_one_run() -> None:
+    names = ["nixl-python", "nixl-python-bounce", "nixl-python-pipelined"]
+    proc = bench(
+        *TINY, "--layout", "layer-major", "--tokens", "600", "--requests", "1", "--warmup", "1",
+        "--configs", ",".join(names), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["configs"] == names
+    assert [r["config"] for r in report["results"]] == names
+    for r in report["results"]:
+        assert r["bytes"] == 19 * BLOCK_BYTES and r["verified"] == 1 and r["gbps"] > 0
+
+
+@pytest.mark.timeout(120)
 def test_small_json_shape() -> None:
     proc = bench(*TINY, "--small", "--seconds", "2", "--in-flight", "4", "--json")
     assert proc.returncode == 0, proc.stderr
