@@ -303,7 +303,9 @@ def _verify_chunk(access: _Pool, bases: U64, ids: npt.NDArray[np.int64]) -> _Fou
             want = (int(bases[jj, r0 + rr]) + int(ramp[w])) & 0xFFFF_FFFF_FFFF_FFFF
             # Narrow the wrong word to its first wrong byte (little-endian words).
             x = got ^ want
-            lsb = ((x & -x).bit_length() - 1) // 8
+            # x == 0: the word changed between the vectorised check and this read
+            # (a writer is still at work): still a mismatch, report its first byte.
+            lsb = ((x & -x).bit_length() - 1) // 8 if x else 0
             return (
                 jj,
                 r0 + rr,
