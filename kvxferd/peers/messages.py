@@ -117,6 +117,19 @@ class Result(_Msg, tag="result"):
     last: bool = True
     message: str = ""
     bounced: bool = False  # the bytes are in the receiver's bounce reservation
+    # Staged rounds: the blocks [first_block, end_block) of the request are in the
+    # reservation (end_block 0: the whole request).
+    first_block: int = 0
+    end_block: int = 0
+
+
+class RoundAck(_Msg, tag="round_ack"):
+    """Generation -> context (staged runtime): the round ending at `end_block` was
+    scattered; the staging reservation may take the next one."""
+
+    request_id: str
+    rx_token: int
+    end_block: int
 
 
 class Abort(_Msg, tag="abort"):
@@ -174,6 +187,7 @@ PeerMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
     AbortAck,
     CancelRequest,
     CancelAnswer,
+    RoundAck,
     Ping,
     Pong,
 ]

@@ -50,6 +50,7 @@ from kvxferd.peers.messages import (
     PoolsUpdate,
     RequestData,
     Result,
+    RoundAck,
 )
 from kvxferd.service.http import HttpServer
 from kvxferd.service.loopmon import LoopMonitor
@@ -63,6 +64,12 @@ from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.receiver import Receiver, ReceiverTimeouts
 from kvxferd.transceiver.sender import Sender, SenderTimeouts
+from kvxferd.transceiver.staged import (
+    DEFAULT_STAGING_TOKENS,
+    StagedReceiver,
+    StagedSender,
+    staging_bytes,
+)
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -79,12 +86,10 @@ class Overrides:
 
 
 def _make_backend(settings: ResolvedSettings, agent_name: str) -> Backend:
-    if settings.backend != "NIXL" or settings.runtime != "PYTHON":
+    if settings.backend != "NIXL":
         raise StartupError(
-            f"backend {settings.backend} with the {settings.runtime} runtime is not available "
-            "in this build: only the PYTHON runtime over NIXL moves KV yet "
-            "(set cache_transceiver_config.backend to NIXL or DEFAULT, and "
-            "transceiver_runtime to PYTHON or auto)"
+            f"backend {settings.backend} is not available in this build yet: NIXL moves KV "
+            f"under both runtimes; set cache_transceiver_config.backend to NIXL or DEFAULT"
         )
     from kvxferd.backends.nixl import NixlBackend
 
@@ -129,10 +134,31 @@ class Daemon:
             self._on_peer_closed,
         )
         timeout_s = settings.kv_transfer_timeout_ms / 1e3
-        self.bounce = (
-            BounceBuffers(settings.bounce_buffer_mb) if settings.bounce_buffer_mb > 0 else None
-        )
-        self.sender = Sender(
+        self.staged = settings.runtime == "CPP"
+        if self.staged:
+            # The staged runtime's transfer buffers: every request goes through them.
+            layout = cfg.engine.kv_layout
+            block_bytes = (
+                cfg.engine.kv_factor
+                * layout.num_layers
+                * layout.tokens_per_block
+                * layout.num_kv_heads
+                * layout.head_dim
+                * layout.itemsize
+            )
+            tokens = (
+                settings.max_tokens_in_buffer or cfg.engine.max_seq_len or DEFAULT_STAGING_TOKENS
+            )
+            self.bounce: BounceBuffers | None = BounceBuffers(
+                staging_bytes(tokens, layout.tokens_per_block, block_bytes)
+            )
+        elif settings.bounce_buffer_mb > 0:
+            self.bounce = BounceBuffers(settings.bounce_buffer_mb << 20)
+        else:
+            self.bounce = None
+        sender_cls = StagedSender if self.staged else Sender
+        receiver_cls = StagedReceiver if self.staged else Receiver
+        self.sender = sender_cls(
             SenderTimeouts(
                 timeout_s=timeout_s,
                 # null: no slicing, one wait up to the deadline (docs/configuration.md).
@@ -150,7 +176,7 @@ class Daemon:
         self.admission = AdmissionWindow(
             settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None
         )
-        self.receiver = Receiver(
+        self.receiver = receiver_cls(
             ReceiverTimeouts(timeout_s=timeout_s, answer_s=d.heartbeat_timeout_ms / 1e3),
             self.admission,
             self.peers.connect,
@@ -200,7 +226,9 @@ class Daemon:
                     self.dataplane.backend.register, region.address, region.nbytes
                 )
             log.info(
-                "bounce buffer: two regions of %d MiB registered", self.bounce.send.nbytes >> 20
+                "%s: two regions of %.1f MiB registered",
+                "staging buffers" if self.staged else "bounce buffer",
+                self.bounce.send.nbytes / (1 << 20),
             )
         host, port = split_hostport(d.peer_listen)
         address = await self.peers.listen(host, port)
@@ -496,6 +524,9 @@ class Daemon:
             await self.receiver.on_abort_ack(conn, msg)
         elif isinstance(msg, CancelRequest):
             self._background(self.sender.on_cancel_request(conn, msg))
+        elif isinstance(msg, RoundAck):
+            if isinstance(self.sender, StagedSender):
+                await self.sender.on_round_ack(conn, msg)
         elif isinstance(msg, CancelAnswer):
             await self.receiver.on_cancel_answer(conn, msg)
         elif isinstance(msg, PoolsUpdate):
@@ -576,7 +607,8 @@ class Daemon:
                 "notify": self.notifier.enabled,
                 "watchdog_s": self.notifier.watchdog_s,
             },
-            "bounce": self.bounce.status() if self.bounce else None,
+            "bounce": self.bounce.status() if self.bounce and not self.staged else None,
+            "staging": self.bounce.status() if self.bounce and self.staged else None,
             "engines": len(self.api.engines),
             "open_transfer_handles": self.sender.open_handles,
             "handshake_failures": dict(self.peers.handshake_failures),

@@ -189,8 +189,7 @@ class HostCopier:
 class BounceBuffers:
     """A daemon's two regions (send and receive), their copier and counters."""
 
-    def __init__(self, size_mb: int, copier: Copier | None = None) -> None:
-        nbytes = size_mb << 20
+    def __init__(self, nbytes: int, copier: Copier | None = None) -> None:
         self.send = BounceRegion(nbytes, "send")
         self.recv = BounceRegion(nbytes, "recv")
         self.copier: Copier = copier or HostCopier()

@@ -191,9 +191,13 @@ class Receiver:
             return
         if msg.status == Reason.OK:
             s.nbytes += msg.nbytes
-            if msg.last:
+            if msg.bounced:
+                # Scattered by the session's task, in order, before any ack.
+                end = msg.end_block or len(s.blocks)
+                s.rounds.append((msg.first_block, end, msg.nbytes, msg.last))
+                s.wake.set()
+            elif msg.last:
                 s.result = (msg.status, s.nbytes, msg.message)
-                s.bounced = msg.bounced
                 s.wake.set()
             else:
                 s.advance(SessionState.TRANSFERRING)
@@ -300,7 +304,9 @@ class Receiver:
             # sees "connecting" (and no request is ever sent) or "sent".
             if s.terminal is not None:
                 return
-            offer = self._offer_bounce(s, conn)
+            offer = await self._make_offer(s, conn, deadline)
+            if s.terminal is not None:
+                return
             self._phase[s.request_id] = "sent"
             s.request_sent = True
             s.advance(SessionState.READY)
@@ -331,6 +337,12 @@ class Receiver:
             if admitted:
                 self.admission.release(len(s.blocks))
             self._finish(s)
+
+    async def _make_offer(
+        self, s: RxSession, conn: PeerConnection, deadline: float
+    ) -> Reservation | None:
+        """The reservation offered with the request (None: the per-block path)."""
+        return self._offer_bounce(s, conn)
 
     def _offer_bounce(self, s: RxSession, conn: PeerConnection) -> Reservation | None:
         """Reserve room in the receive region when bouncing this request pays off."""
@@ -367,10 +379,16 @@ class Receiver:
 
     async def _await_result(self, s: RxSession, deadline: float) -> None:
         while s.terminal is None:
+            while s.rounds and s.terminal is None:
+                first, end, nbytes, last = s.rounds.pop(0)
+                await self._scatter(s, first, end, nbytes)
+                if last:
+                    s.result = (Reason.OK, s.nbytes, "")
+                elif s.conn is not None:
+                    await self._round_done(s, end)
+            if s.terminal is not None:
+                return
             if s.result is not None:
-                s.nbytes = s.result[1]
-                if s.bounced:
-                    await self._scatter(s)
                 s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
                 s.peer_told = True
                 return
@@ -388,14 +406,23 @@ class Receiver:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(s.wake.wait(), remaining)
 
-    async def _scatter(self, s: RxSession) -> None:
-        """Move the bytes from the bounce reservation into the destination blocks."""
+    async def _scatter(self, s: RxSession, first: int, end: int, nbytes: int) -> None:
+        """Move one round's bytes from the reservation into blocks [first, end)."""
         if self.bounce is None or s.bounce_res is None or s.pool is None:
             raise RuntimeError("the peer bounced a request that has no reservation here")
-        nbytes = len(s.blocks) * s.pool.layout.block_bytes
+        expected = (end - first) * s.pool.layout.block_bytes
+        if not 0 <= first < end <= len(s.blocks) or nbytes != expected:
+            raise RuntimeError(
+                f"the peer reported blocks [{first}, {end}) of {len(s.blocks)} "
+                f"with {nbytes} bytes; {expected} expected"
+            )
         await self.bounce.scatter(
-            s.bounce_res, nbytes, s.pool.region.array, s.pool.layout, s.blocks
+            s.bounce_res, nbytes, s.pool.region.array, s.pool.layout, s.blocks[first:end]
         )
+
+    async def _round_done(self, s: RxSession, end: int) -> None:
+        """Bounce never has more than one round; the staged runtime acks each."""
+        raise RuntimeError("the peer sent a partial round to a receiver without rounds")
 
     async def _quiesce(self, s: RxSession) -> None:
         """Tell the peer and wait until no write into our blocks can still land."""

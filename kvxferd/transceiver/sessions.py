@@ -84,6 +84,7 @@ class TxSession(_Session):
     conn: PeerConnection | None = None
     xfer: XferHandle | None = None  # set while a write may still move bytes
     posting: bool = False  # from just before the post until the write is quiescent
+    acked_block: int = 0  # staged: the receiver scattered every block before this one
     written: int = 0  # blocks already written (pipelined slices)
 
     @property
@@ -106,7 +107,8 @@ class RxSession(_Session):
     result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
     abort_acked: bool = False
     bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
-    bounced: bool = False  # the last Result said the bytes are in that reservation
+    # Rounds reported in the reservation and not yet scattered: (first, end, nbytes, last).
+    rounds: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
 
 def make_outcome(session: _Session, side: str) -> Outcome:

@@ -1,0 +1,95 @@
+"""The staged (CPP) runtime over NIXL: gather, one write per round, scatter, every byte verified."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from daemon_harness import SimEngine, assert_clean, status
+
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
+
+
+def _start(cluster: LocalCluster, **transceiver: object) -> tuple[DaemonProc, DaemonProc]:
+    t = {"backend": "NIXL", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 20000}
+    t.update(transceiver)
+    return (
+        cluster.start_daemon("ctx", "context", transceiver=t),
+        cluster.start_daemon("gen", "generation", transceiver=t),
+    )
+
+
+async def _run(
+    ctx: DaemonProc,
+    gen: DaemonProc,
+    lengths: list[int],
+    major: str = "block-major",
+    concurrent: bool = False,
+) -> None:
+    c = await SimEngine.open(ctx, major, 512)
+    g = await SimEngine.open(gen, "layer-major" if major == "block-major" else "block-major", 512)
+    c.alloc.shuffle(1)
+    g.alloc.shuffle(2)
+    try:
+
+        async def one(rid: str, n: int) -> None:
+            dst = await g.recv(rid, n, ctx.peer_address)
+            await c.send(rid, n)
+            got = await g.client.wait(rid, 60)
+            assert (got.status, got.reason) == ("done", "ok"), got
+            sent = await c.client.wait(rid, 60)
+            assert sent.status == "done" and sent.nbytes == got.nbytes
+            result = g.verify(rid, dst, n)
+            assert result.ok, result.first_mismatch
+            await g.client.release(rid)
+            await c.client.release(rid)
+
+        reqs = [(f"st-{i}-{n}", n) for i, n in enumerate(lengths)]
+        if concurrent:
+            await asyncio.gather(*(one(r, n) for r, n in reqs))
+        else:
+            for r, n in reqs:
+                await one(r, n)
+    finally:
+        await c.close()
+        await g.close()
+
+
+@pytest.mark.parametrize("major", ["block-major", "layer-major"])
+def test_requests_larger_than_the_buffer_move_in_rounds(cluster: LocalCluster, major: str) -> None:
+    # 128 tokens of staging = 4 blocks; 1000 tokens = 32 blocks = 8 rounds.
+    ctx, gen = _start(cluster, max_tokens_in_buffer=128)
+    asyncio.run(_run(ctx, gen, [1000, 1, 128, 129, 33], major))
+    for d in (ctx, gen):
+        doc = status(d)
+        assert doc["settings"]["runtime"] == "CPP"
+        staging = doc["staging"]
+        assert staging["region_bytes"] == 4 * 256 * 1024
+        assert staging["send_in_use_bytes"] == 0 and staging["recv_in_use_bytes"] == 0
+        assert_clean(d)
+
+
+def test_concurrent_requests_share_the_staging_buffer(cluster: LocalCluster) -> None:
+    ctx, gen = _start(cluster, max_tokens_in_buffer=256)
+    asyncio.run(_run(ctx, gen, [200, 300, 90, 500, 64, 256] * 2, concurrent=True))
+    for d in (ctx, gen):
+        assert status(d)["staging"]["recv_in_use_bytes"] == 0
+        assert_clean(d)
+
+
+def test_staged_peer_refuses_a_python_runtime_peer(cluster: LocalCluster) -> None:
+    t = {"kv_transfer_timeout_ms": 5000}
+    ctx = cluster.start_daemon("ctx", "context", transceiver={**t, "transceiver_runtime": "CPP"})
+    gen = cluster.start_daemon("gen", "generation", transceiver=t)
+
+    async def scenario() -> None:
+        g = await SimEngine.open(gen)
+        try:
+            await g.recv("mix", 64, ctx.peer_address)
+            out = await g.client.wait("mix", 30)
+            assert (out.status, out.reason) == ("failed", "peer_refused"), out
+            assert "runtime" in out.message and "CPP" in out.message, out.message
+        finally:
+            await g.close()
+
+    asyncio.run(scenario())
