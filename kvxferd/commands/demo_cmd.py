@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from typing import Any
@@ -54,10 +55,24 @@ def _demo(args: argparse.Namespace) -> int:
                 in_flight=args.in_flight,
                 pool_blocks=pool_blocks,
             )
-            ctx_engine = cluster.start_engine(ctx, "context", **common)
-            gen_engine = cluster.start_engine(
-                gen, "generation", peer=ctx.peer_address, progress=not args.json, **common
+            # Generation-first, as in a deployment: the generation engine announces
+            # each posted receive over a pipe and the context engine sends only then,
+            # so latency is the transfer's, not one engine waiting for the other.
+            wait_fd, notify_fd = os.pipe()
+            ctx_engine = cluster.start_engine(
+                ctx, "context", pass_fds=(wait_fd,), wait_fd=wait_fd, **common
             )
+            gen_engine = cluster.start_engine(
+                gen,
+                "generation",
+                pass_fds=(notify_fd,),
+                notify_fd=notify_fd,
+                peer=ctx.peer_address,
+                progress=not args.json and sys.stderr.isatty(),
+                **common,
+            )
+            os.close(wait_fd)
+            os.close(notify_fd)
             gen_report = cluster.engine_report(gen_engine)
             ctx_report = cluster.engine_report(ctx_engine)
             codes = cluster.stop_all()

@@ -192,12 +192,15 @@ class LocalCluster:
             cmd += [flag] if value is True else [flag, str(value)]
         return cmd
 
-    def start_engine(self, d: DaemonProc, role: str, **opts: Any) -> subprocess.Popen[bytes]:
+    def start_engine(
+        self, d: DaemonProc, role: str, pass_fds: tuple[int, ...] = (), **opts: Any
+    ) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             self.engine_command(d, role, **opts),
             stdout=subprocess.PIPE,
             stderr=None if opts.get("progress") else subprocess.PIPE,
             stdin=subprocess.DEVNULL,
+            pass_fds=pass_fds,
         )
 
     @staticmethod

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvxferd.client import AsyncClient
@@ -57,6 +58,11 @@ class ReferenceEngine:
         self.pool_id = pool_id
         self.region: ShmRegion | None = None
         self.alloc = BlockAllocator(layout.num_blocks)
+        # Generation-first coordination between the two engines of a run: the
+        # generation engine announces each posted receive; the context engine
+        # sends a request only once it was announced (as a real scheduler would).
+        self.notify: Callable[[str], None] | None = None
+        self.posted: dict[str, asyncio.Event] | None = None
 
     async def open(self) -> None:
         name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}"
@@ -103,6 +109,8 @@ class ReferenceEngine:
             clear_blocks(self.region.array, self.layout, blocks)
             rec.t_start_ns = time.monotonic_ns()
             await self.client.recv(item.request_id, self.pool_id, blocks, peer, item.num_tokens)
+            if self.notify is not None:
+                self.notify(item.request_id)  # generation-first: the context may send now
             outcome = await self.client.wait(item.request_id)
             rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
             rec.nbytes = outcome.nbytes
@@ -130,6 +138,8 @@ class ReferenceEngine:
 
         async def one(item: Item) -> Record:
             nonlocal done
+            if peer is None and self.posted is not None:
+                await self.posted.setdefault(item.request_id, asyncio.Event()).wait()
             async with sem:
                 if peer is None:
                     rec = await self.send_one(item)
@@ -179,13 +189,34 @@ async def _main(args: argparse.Namespace) -> EngineReport:
             args.seed, args.requests, args.min_tokens, args.max_tokens, args.prefix
         )
     await engine.open()
+    reader_task = None
+    if args.notify_fd is not None:
+        notify_file = os.fdopen(args.notify_fd, "w", buffering=1)
+
+        def announce(request_id: str) -> None:
+            notify_file.write(request_id + "\n")
+
+        engine.notify = announce
+    if args.wait_fd is not None:
+        engine.posted = {}
+        reader_task = asyncio.create_task(_read_posted(args.wait_fd, engine.posted))
     try:
         peer = args.peer if args.role == "generation" else None
         records = await engine.run(items, args.in_flight, peer, args.progress)
     finally:
+        if reader_task is not None:
+            reader_task.cancel()
         await engine.close()
         await client.close()
     return EngineReport(role=args.role, records=records, pool_bytes=layout.pool_bytes)
+
+
+async def _read_posted(fd: int, posted: dict[str, asyncio.Event]) -> None:
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb"))
+    while line := await reader.readline():
+        posted.setdefault(line.decode().strip(), asyncio.Event()).set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="fixed prompt length")
     p.add_argument("--in-flight", type=int, default=8)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--notify-fd", type=int, help="generation: announce posted receives here")
+    p.add_argument("--wait-fd", type=int, help="context: send only announced requests")
     add_geometry_args(p)
     args = p.parse_args(argv)
     report = asyncio.run(_main(args))
