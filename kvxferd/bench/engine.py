@@ -83,6 +83,7 @@ class GenRecord:
 class CtxRecord:
     request_id: str
     t_send_ns: int = 0
+    t_last_send_ns: int = 0  # --chunk-tokens: just before the send of the last chunk
     t_done_ns: int = 0
     status: str = ""
     reason: str = ""
@@ -272,8 +273,11 @@ class ContextSide(_Side):
                 last=end == item.tokens,
             )
 
+    def _fill(self, blocks: list[int], seed: int) -> None:
+        """Write a request's KV before its send (a subclass may write it chunk by chunk)."""
+        fill_blocks(self.region.array, self.layout, blocks, seed)
+
     async def _slot(self, slot: int) -> None:
-        pool = self.region.array
         corrupt = os.environ.get(CORRUPT_ENV) == "1"
         for group in self.plan.groups():
             for item in group.slot_items(slot, self.plan.in_flight):
@@ -294,7 +298,7 @@ class ContextSide(_Side):
                 # sent: memory left untouched for a while is slow to read on some hosts
                 # (this 2-core VM: ~10 ms per 4 MiB after 0.2 s), and the raw pair fills
                 # right before its post too.
-                fill_blocks(pool, self.layout, blocks, seed)
+                self._fill(blocks, seed)
                 rec = CtxRecord(item.request_id)
                 self.records.append(rec)
                 self.sending.add(item.request_id)
@@ -342,7 +346,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 args.wait_timeout,
             )
         else:
-            side = ContextSide(
+            from kvxferd.bench.pipeline import ComputingContextSide
+
+            side_class = ComputingContextSide if args.chunk_tokens else ContextSide
+            side = side_class(
                 client,
                 plan,
                 region,
@@ -351,6 +358,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 args.wait_timeout,
                 args.chunk_blocks,
             )
+            if isinstance(side, ComputingContextSide):
+                side.compute(args.chunk_tokens, args.compute_ms / 1e3)
         await side.run()
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -381,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chunk-blocks", type=int, default=0, help="context: send in chunks of this many blocks"
     )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="context: compute and send each request in prefill chunks of this many tokens",
+    )
+    p.add_argument("--compute-ms", type=float, default=0.0, help="context: compute per chunk")
     args = p.parse_args(argv)
     if args.progress_fd is not None:
         os.set_blocking(args.progress_fd, False)

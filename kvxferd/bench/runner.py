@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from kvxferd import __version__
 from kvxferd.bench.baseline import memcpy_gbps
 from kvxferd.bench.configs import BenchConfig
+from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
 from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
 from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
@@ -233,7 +234,11 @@ def _daemon_run(
     workdir: Path,
     prog: Progress,
     timeout_s: float,
+    ctx_args: Sequence[str] = (),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One configuration's run: (generation report, context report). `ctx_args`: extra
+    options of the context engine. The generation report also holds `daemon_status`, each
+    daemon's bounce counters read from /v1/status once the engines finished."""
     from kvxferd.sim.cluster import LocalCluster
 
     cdir = workdir / config.name
@@ -258,7 +263,8 @@ def _daemon_run(
                 cdir,
                 "engine-ctx",
                 [*common, "--role", "context", "--socket", ctx.api_socket,
-                 "--notify-fd", str(notify_r), "--chunk-blocks", str(config.chunk_blocks)],
+                 "--notify-fd", str(notify_r), "--chunk-blocks", str(config.chunk_blocks),
+                 *ctx_args],
                 pass_fds=(notify_r,),
             )  # fmt: skip
             gen_engine = _spawn(
@@ -284,6 +290,10 @@ def _daemon_run(
         _check_report(f"{config.name}, generation engine", gen_report, logs())
         ctx_report = ctx_engine.report()
         _check_report(f"{config.name}, context engine", ctx_report, logs())
+        gen_report["daemon_status"] = {
+            "context": bounce_counters(daemon_status(ctx.http_address)),
+            "generation": bounce_counters(daemon_status(gen.http_address)),
+        }
         codes = cluster.stop_all()
         bad = {name: code for name, code in codes.items() if code != 0}
         if bad:
@@ -509,6 +519,7 @@ def _run_sweep(
     for config in opts.configs:
         prog.start_phase(config.name, units)
         gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
+        report.setdefault("daemon_status", {})[config.name] = gen.pop("daemon_status", {})
         summary = []
         for t in plan.lengths:
             nbytes = g.request_bytes(t)
@@ -543,6 +554,7 @@ def _run_sweep(
             )
             summary.append(f"{t} tok {timing.gbps:.2f} GB/s")
         prog.end_phase(", ".join(summary))
+    annotate(report)
 
 
 def _run_small(

@@ -69,6 +69,31 @@ def add_parser(sub: Any) -> None:
         "latency, beside raw NIXL doing the same",
     )
     s.add_argument("--seconds", type=float, default=10.0, help="--small: seconds per measurement")
+    f = p.add_argument_group("fragmented layout and pipelining (issue 5)")
+    f.add_argument(
+        "--segment-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --layout layer-major: choose kv-heads x head-dim so that one (layer, K/V) "
+        "piece of a block is N bytes (tokens-per-block x kv-heads x head-dim x itemsize = N; "
+        "head-dim kept when it divides); shuffled blocks then move as N-byte segments",
+    )
+    f.add_argument(
+        "--pipeline-compare",
+        action="store_true",
+        help="the context engine computes each request in chunks and sends each chunk; report "
+        "the transfer time left exposed after the last chunk, pipelined vs sequential",
+    )
+    f.add_argument(
+        "--chunk-tokens", type=int, default=512, help="--pipeline-compare: tokens per chunk"
+    )
+    f.add_argument(
+        "--compute-ms",
+        type=float,
+        default=50.0,
+        help="--pipeline-compare: compute time per chunk (the engine sleeps)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     o.add_argument("--plot", metavar="FILE.png", help="draw GB/s against request length")
@@ -96,6 +121,9 @@ def _configs_epilog() -> str:
         "                                                  # geometry (4 MiB blocks)",
         "  kvxferd bench --small --in-flight 32 --seconds 10",
         "  kvxferd bench --layout layer-major --json --plot bench.png",
+        "  kvxferd bench --layout layer-major --segment-bytes 4096 --in-flight 2 \\",
+        "      --configs nixl-python,nixl-python-bounce   # bounce vs per-block, 4 KiB segments",
+        "  kvxferd bench --pipeline-compare --tokens 8000 --chunk-tokens 512 --compute-ms 50",
     ]
     return "\n".join(lines)
 
@@ -158,7 +186,29 @@ def _options(args: argparse.Namespace) -> Any:
         geometry.kv_layout(1)
     except LayoutError as exc:
         raise _UsageError(str(exc)) from None
+    if args.segment_bytes is not None:
+        from kvxferd.bench.fragmented import SegmentError, segment_geometry
+
+        try:
+            geometry = segment_geometry(args.segment_bytes, geometry)
+        except SegmentError as exc:
+            raise _UsageError(str(exc)) from None
+    if args.pipeline_compare:
+        if args.small:
+            raise _UsageError("--pipeline-compare and --small are two different measurements")
+        _positive_int("chunk-tokens", args.chunk_tokens)
+        if not args.compute_ms >= 0:
+            raise _UsageError(f"--compute-ms must not be negative, got {args.compute_ms}")
+        if not [t for t in _lengths(args.tokens) if t > args.chunk_tokens]:
+            raise _UsageError(
+                f"--pipeline-compare: no --tokens length is longer than one chunk "
+                f"(--chunk-tokens {args.chunk_tokens})"
+            )
     configs = resolve(args.configs.split(","))
+    if not args.small:
+        from kvxferd.bench.fragmented import fit_bounce
+
+        configs = fit_bounce(configs, geometry, _lengths(args.tokens), args.in_flight)
     return Options(
         geometry=geometry,
         lengths=_lengths(args.tokens),
@@ -184,6 +234,9 @@ def _bench(args: argparse.Namespace) -> int:
     except (_UsageError, BenchConfigError) as exc:
         print(f"kvxferd bench: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.plot and args.pipeline_compare:
+        print("kvxferd bench: error: --plot does not apply to --pipeline-compare", file=sys.stderr)
+        return EXIT_USAGE
     if args.plot:
         import importlib.util
 
@@ -198,11 +251,22 @@ def _bench(args: argparse.Namespace) -> int:
     from kvxferd.bench import report as rep
     from kvxferd.bench import runner
 
+    if args.pipeline_compare:
+        from kvxferd.bench import pipeline
+
+        popts = pipeline.PipelineOptions(args.chunk_tokens, args.compute_ms)
+        result = pipeline.run(opts, popts, progress=not args.no_progress)
+        print(json.dumps(result) if args.json else pipeline.format_table(result))
+        return 0
     result = runner.run(opts, progress=not args.no_progress)
+    if args.segment_bytes is not None:
+        result["segment_bytes"] = args.segment_bytes
     if args.json:
         print(json.dumps(result))
     else:
-        print(rep.format_table(result))
+        from kvxferd.bench.fragmented import summary_lines
+
+        print("\n".join([rep.format_table(result), *summary_lines(result)]))
     if args.plot:
         rep.plot(result, args.plot)
         if not args.json:

@@ -189,12 +189,15 @@ def _check_seed(seed: int) -> None:
 # -- public API ------------------------------------------------------------------------------
 
 
-def fill_blocks(pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: BlockIds, seed: int) -> None:
-    """Write the content of logical blocks 0..len(blocks)-1 of the request `seed` into the
-    physical blocks `blocks` (all tokens of every block)."""
+def fill_blocks(
+    pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: BlockIds, seed: int, start: int = 0
+) -> None:
+    """Write the content of logical blocks start..start+len(blocks)-1 of the request `seed`
+    into the physical blocks `blocks` (all tokens of every block). `start` > 0 fills a later
+    part of a request, e.g. one prefill chunk's blocks as that chunk completes."""
     ids = layout.check_blocks(blocks)
     access = _Pool(pool, layout)
-    bases = _bases(seed, ids.shape[0], layout.pieces_per_block)
+    bases = _bases(seed, start + ids.shape[0], layout.pieces_per_block)[start:]
     ramp = _ramp(access.units)
     for j, chunk in access.chunks(ids):
         m = chunk.shape[0]
