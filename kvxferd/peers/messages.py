@@ -70,6 +70,8 @@ class Info(_Msg, tag="info"):
     # The receive bounce region (absent: no bounce buffer on that side).
     bounce_base: int = 0
     bounce_nbytes: int = 0
+    # Where a two-sided transport (UCX) listens for the sender's endpoint.
+    transport_address: str = ""
 
 
 class Ready(_Msg, tag="ready"):

@@ -34,6 +34,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.api.server import ApiServer, EngineConnection
 from kvxferd.backends.base import Backend
+from kvxferd.backends.twosided import NoOneSidedBackend, TwoSidedTransport
 from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.layout import KvLayout, LayoutError
@@ -85,11 +86,17 @@ class Overrides:
     http: str | None = None
 
 
+TWO_SIDED_BACKENDS = ("UCX",)
+
+
 def _make_backend(settings: ResolvedSettings, agent_name: str) -> Backend:
+    if settings.backend in TWO_SIDED_BACKENDS:
+        return NoOneSidedBackend(settings.backend, agent_name)
     if settings.backend != "NIXL":
         raise StartupError(
-            f"backend {settings.backend} is not available in this build yet: NIXL moves KV "
-            f"under both runtimes; set cache_transceiver_config.backend to NIXL or DEFAULT"
+            f"backend {settings.backend} is not available in this build yet: NIXL (both "
+            "runtimes) and UCX (staged runtime) move KV; set cache_transceiver_config.backend "
+            "to NIXL, DEFAULT or UCX"
         )
     from kvxferd.backends.nixl import NixlBackend
 
@@ -199,6 +206,8 @@ class Daemon:
         self.http = HttpServer(self, self.metrics.render) if d.http else None
         self.ready = False
         self.draining = False
+        self.transport: TwoSidedTransport | None = None
+        self.transport_address = ""
         self._tasks: set[asyncio.Task[None]] = set()
         self.started_at = time.monotonic()
 
@@ -219,7 +228,10 @@ class Daemon:
         if not self.secret_configured:
             log.warning("no daemon.shared_secret_file: peers are not authenticated (loopback only)")
         await self.dataplane.start()
-        log.info("data plane up: %s agent %s", self.settings.backend, self.agent_name)
+        if self.settings.backend in TWO_SIDED_BACKENDS:
+            await self._start_transport()
+        else:
+            log.info("data plane up: %s agent %s", self.settings.backend, self.agent_name)
         if self.bounce is not None:
             for region in (self.bounce.send, self.bounce.recv):
                 region.registration = await self.dataplane.call(
@@ -240,6 +252,18 @@ class Daemon:
             log.info("HTTP (health, status) on %s", http_address)
         self.ready = True
         log.info("ready")
+
+    async def _start_transport(self) -> None:
+        from kvxferd.backends.ucx import UcxTransport
+
+        transport = UcxTransport(self.daemon_name, self.incarnation)
+        host, _ = split_hostport(self.cfg.daemon.peer_listen)
+        self.transport_address = await transport.start(host)
+        self.transport = transport
+        for side in (self.sender, self.receiver):
+            if isinstance(side, (StagedSender, StagedReceiver)):
+                side.transport = transport
+        log.info("data plane up: UCX transport listening on %s", self.transport_address)
 
     async def serve(
         self,
@@ -300,6 +324,8 @@ class Daemon:
                         self.dataplane.backend.deregister, region.registration
                     )
             self.bounce.close()
+        if self.transport is not None:
+            await self.transport.close()
         await self.dataplane.close()
         log.info("stopped")
 
@@ -452,6 +478,7 @@ class Daemon:
             tensor_parallel_size=engine.tensor_parallel_size,
             pipeline_parallel_size=engine.pipeline_parallel_size,
             context_parallel_size=engine.context_parallel_size,
+            transport_address=self.transport_address,
             bounce_base=self.bounce.recv.address if self.bounce else 0,
             bounce_nbytes=self.bounce.recv.nbytes if self.bounce else 0,
         )
@@ -552,6 +579,10 @@ class Daemon:
 
     async def _on_peer_closed(self, conn: PeerConnection) -> None:
         await asyncio.gather(self.sender.on_peer_closed(conn), self.receiver.on_peer_closed(conn))
+        if self.transport is not None:  # sessions are quiescent: drop its endpoints too
+            if isinstance(self.sender, StagedSender):
+                self.sender.forget_peer(conn.key)
+            await self.transport.remove_peer(conn.key)
 
     # ---------------------------------------------------------------- status
 

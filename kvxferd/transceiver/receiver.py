@@ -382,6 +382,8 @@ class Receiver:
             while s.rounds and s.terminal is None:
                 first, end, nbytes, last = s.rounds.pop(0)
                 await self._scatter(s, first, end, nbytes)
+                if s.terminal is not None:
+                    return
                 if last:
                     s.result = (Reason.OK, s.nbytes, "")
                 elif s.conn is not None:

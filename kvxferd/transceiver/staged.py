@@ -29,6 +29,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvxferd.backends.base import XferStatus
+from kvxferd.backends.twosided import TwoSidedTransport, round_tag
+from kvxferd.errors import PeerLostError, TransferError, TransferTimeoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result, RoundAck
 from kvxferd.transceiver.bounce import Reservation
@@ -42,6 +44,8 @@ DEFAULT_STAGING_TOKENS = 8192
 # How often a request waiting for staging room looks again (room frees when
 # another request's round completes; the deadline bounds the wait).
 _ROOM_POLL_S = 0.001
+# Opening the UCX endpoint to a peer the handshake already vouched for.
+_CONNECT_TIMEOUT_S = 10.0
 
 
 def staging_bytes(tokens: int, tokens_per_block: int, block_bytes: int) -> int:
@@ -59,6 +63,10 @@ async def _reserve(
 
 
 class StagedSender(Sender):
+    # Set by the daemon when the backend is two-sided (UCX); None: NIXL writes.
+    transport: TwoSidedTransport | None = None
+    _connected: set[str] | None = None
+
     async def on_round_ack(self, conn: PeerConnection, msg: RoundAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is not None:
@@ -110,19 +118,34 @@ class StagedSender(Sender):
                 )
             )
             return False
+        result = Result(
+            request_id=s.request_id,
+            rx_token=s.request.rx_token,
+            status=Reason.OK,
+            nbytes=nbytes,
+            last=last,
+            bounced=True,
+            first_block=first,
+            end_block=stop,
+        )
         try:
             await staging.gather(
                 s.pool.region.array, s.pool.layout, s.blocks[first:stop], res, nbytes
             )
-            local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
-            remote = np.array(
-                [[s.conn.info.bounce_base + s.request.bounce_offset, nbytes]], dtype=np.int64
-            )
-            status = await self._post_and_wait(s, local, remote)
+            if self.transport is not None:
+                if not await self._send_two_sided(s, res, nbytes, result, deadline):
+                    return False
+            else:
+                local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
+                remote = np.array(
+                    [[s.conn.info.bounce_base + s.request.bounce_offset, nbytes]],
+                    dtype=np.int64,
+                )
+                status = await self._post_and_wait(s, local, remote)
+                if status is not XferStatus.DONE or s.terminal is not None:
+                    return False
         finally:
-            staging.send.release(res)  # _post_and_wait returns only once quiescent
-        if status is not XferStatus.DONE or s.terminal is not None:
-            return False
+            staging.send.release(res)  # both paths return only once the bytes are quiescent
         if time.monotonic() > deadline:
             s.request_end(
                 Terminal.local(
@@ -134,18 +157,8 @@ class StagedSender(Sender):
             return False
         s.nbytes += nbytes
         s.written = stop
-        sent = await s.conn.send(
-            Result(
-                request_id=s.request_id,
-                rx_token=s.request.rx_token,
-                status=Reason.OK,
-                nbytes=nbytes,
-                last=last,
-                bounced=True,
-                first_block=first,
-                end_block=stop,
-            )
-        )
+        # One-sided: the bytes are in place, say so. Two-sided: said before sending.
+        sent = self.transport is not None or await s.conn.send(result)
         if not sent:
             s.request_end(
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the round")
@@ -174,7 +187,62 @@ class StagedSender(Sender):
         return s.terminal is None
 
 
+    async def _send_two_sided(
+        self, s: TxSession, res: Reservation, nbytes: int, result: Result, deadline: float
+    ) -> bool:
+        """Announce the round (the receiver then receives it by tag), then send it."""
+        assert self.transport is not None and self.bounce is not None
+        assert s.conn is not None and s.request is not None
+        if self._connected is None:
+            self._connected = set()
+        s.posting = True  # from here a cancel answers "busy"
+        try:
+            try:
+                if s.conn.key not in self._connected:
+                    await self.transport.connect(
+                        s.conn.key, s.conn.info.transport_address, _CONNECT_TIMEOUT_S
+                    )
+                    self._connected.add(s.conn.key)
+                if not await s.conn.send(result):
+                    s.request_end(
+                        Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not announce a round")
+                    )
+                    s.peer_told = True
+                    return False
+                data = self.bounce.send.view(res, nbytes).data
+                tag = round_tag(s.request.rx_token, result.first_block)
+                remaining = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                # On timeout the send is cancelled, which returns only once UCX no
+                # longer reads the staging bytes (or the endpoint was closed).
+                await asyncio.wait_for(self.transport.send(s.conn.key, tag, data), remaining)
+            except asyncio.TimeoutError:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        "kv_transfer_timeout_ms elapsed while a round was being sent",
+                    )
+                )
+                return False
+            except PeerLostError as exc:
+                self._connected.discard(s.conn.key)
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return False
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return False
+        finally:
+            s.posting = False
+        return s.terminal is None
+
+    def forget_peer(self, peer_key: str) -> None:
+        if self._connected is not None:
+            self._connected.discard(peer_key)
+
+
 class StagedReceiver(Receiver):
+    transport: TwoSidedTransport | None = None
+
     async def _make_offer(
         self, s: RxSession, conn: PeerConnection, deadline: float
     ) -> Reservation | None:
@@ -207,6 +275,34 @@ class StagedReceiver(Receiver):
         self.bounce.reservations_made += 1
         s.bounce_res = res
         return Reservation(res.offset, nbytes)
+
+    async def _scatter(self, s: RxSession, first: int, end: int, nbytes: int) -> None:
+        if self.transport is not None:
+            assert s.conn is not None and s.bounce_res is not None and self.bounce is not None
+            out = self.bounce.recv.view(s.bounce_res, nbytes).data
+            try:
+                got = await self.transport.recv(
+                    s.conn.key, round_tag(s.rx_token, first), out, self.timeouts.timeout_s
+                )
+            except TransferTimeoutError as exc:
+                s.request_end(Terminal.local(Status.TIMED_OUT, Reason.RECEIVER_TIMEOUT, str(exc)))
+                return
+            except PeerLostError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return
+            if got != nbytes:
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.TRANSFER_ERROR,
+                        f"round of blocks [{first}, {end}) carried {got} bytes, {nbytes} announced",
+                    )
+                )
+                return
+        await super()._scatter(s, first, end, nbytes)
 
     async def _round_done(self, s: RxSession, end: int) -> None:
         assert s.conn is not None

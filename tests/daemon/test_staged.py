@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import pytest
 from daemon_harness import SimEngine, assert_clean, status
@@ -10,8 +11,28 @@ from daemon_harness import SimEngine, assert_clean, status
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
 
-def _start(cluster: LocalCluster, **transceiver: object) -> tuple[DaemonProc, DaemonProc]:
-    t = {"backend": "NIXL", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 20000}
+def _have_ucx() -> bool:
+    # Not an import: importing ucxx sets UCX_* variables in os.environ, which every
+    # daemon started later by this test process would inherit (and NIXL's UCX too).
+    return importlib.util.find_spec("ucxx") is not None
+
+
+BACKENDS = [
+    "NIXL",
+    pytest.param(
+        "UCX", marks=pytest.mark.skipif(not _have_ucx(), reason="ucxx-cu12 not installed")
+    ),
+]
+
+
+def _start(
+    cluster: LocalCluster, backend: str = "NIXL", **transceiver: object
+) -> tuple[DaemonProc, DaemonProc]:
+    t: dict[str, object] = {
+        "backend": backend,
+        "transceiver_runtime": "CPP",
+        "kv_transfer_timeout_ms": 20000,
+    }
     t.update(transceiver)
     return (
         cluster.start_daemon("ctx", "context", transceiver=t),
@@ -55,22 +76,27 @@ async def _run(
         await g.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("major", ["block-major", "layer-major"])
-def test_requests_larger_than_the_buffer_move_in_rounds(cluster: LocalCluster, major: str) -> None:
+def test_requests_larger_than_the_buffer_move_in_rounds(
+    cluster: LocalCluster, major: str, backend: str
+) -> None:
     # 128 tokens of staging = 4 blocks; 1000 tokens = 32 blocks = 8 rounds.
-    ctx, gen = _start(cluster, max_tokens_in_buffer=128)
+    ctx, gen = _start(cluster, backend, max_tokens_in_buffer=128)
     asyncio.run(_run(ctx, gen, [1000, 1, 128, 129, 33], major))
     for d in (ctx, gen):
         doc = status(d)
         assert doc["settings"]["runtime"] == "CPP"
+        assert doc["settings"]["backend"] == backend
         staging = doc["staging"]
         assert staging["region_bytes"] == 4 * 256 * 1024
         assert staging["send_in_use_bytes"] == 0 and staging["recv_in_use_bytes"] == 0
         assert_clean(d)
 
 
-def test_concurrent_requests_share_the_staging_buffer(cluster: LocalCluster) -> None:
-    ctx, gen = _start(cluster, max_tokens_in_buffer=256)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_requests_share_the_staging_buffer(cluster: LocalCluster, backend: str) -> None:
+    ctx, gen = _start(cluster, backend, max_tokens_in_buffer=256)
     asyncio.run(_run(ctx, gen, [200, 300, 90, 500, 64, 256] * 2, concurrent=True))
     for d in (ctx, gen):
         assert status(d)["staging"]["recv_in_use_bytes"] == 0

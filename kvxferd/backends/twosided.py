@@ -1,0 +1,75 @@
+"""What the staged runtime needs from a two-sided transport (UCX today).
+
+Two-sided backends move each round as a tagged message between the two
+daemons' staging buffers; they have no one-sided memory registration, so the
+daemon's data plane then runs `NoOneSidedBackend`, whose registration and
+agent calls are no-ops.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvxferd.backends.base import Segments, XferHandle, XferStatus
+from kvxferd.errors import TransferError
+
+
+class TwoSidedTransport(Protocol):
+    name: str
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str: ...
+
+    async def connect(self, peer_key: str, address: str, timeout_s: float) -> None: ...
+
+    async def send(self, peer_key: str, tag: int, data: memoryview) -> None: ...
+
+    async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float) -> int: ...
+
+    async def remove_peer(self, peer_key: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def round_tag(rx_token: int, first_block: int) -> int:
+    """The tag of one staged round: unique per receive (rx_token) and round."""
+    return (rx_token * 1_000_003 + first_block) & ((1 << 63) - 1)
+
+
+class NoOneSidedBackend:
+    """The data plane of a daemon whose bytes cross through a two-sided transport."""
+
+    def __init__(self, name: str, agent_name: str) -> None:
+        self.name = name
+        self.agent_name = agent_name
+
+    def register(self, address: int, nbytes: int) -> object:
+        return None
+
+    def deregister(self, registration: object) -> None:
+        return None
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, metadata: bytes) -> str:
+        return ""
+
+    def remove_peer(self, agent_name: str) -> None:
+        return None
+
+    def connect(self, agent_name: str) -> None:
+        return None
+
+    def post_write(
+        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+    ) -> tuple[XferHandle, XferStatus]:
+        raise TransferError(f"backend {self.name} has no one-sided writes")
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        return XferStatus.ERROR
+
+    def release(self, handle: XferHandle) -> None:
+        handle.released = True
+
+    def close(self) -> None:
+        return None
