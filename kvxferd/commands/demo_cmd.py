@@ -23,6 +23,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true", help="keep configs and daemon logs")
+    p.add_argument(
+        "--backend",
+        choices=["DEFAULT", "NIXL", "UCX", "MPI", "MOONCAKE"],
+        default="NIXL",
+        help="cache_transceiver_config.backend of both daemons (default NIXL)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=["auto", "PYTHON", "CPP"],
+        default="auto",
+        help="cache_transceiver_config.transceiver_runtime of both daemons (default auto)",
+    )
+    p.add_argument(
+        "--max-tokens-in-buffer",
+        type=int,
+        default=None,
+        help="staging buffer / admission window in tokens (default: unset)",
+    )
     p.set_defaults(handler=_demo)
 
 
@@ -41,6 +59,11 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(workdir) as cluster:
             cluster.geometry["layout"] = args.layout
+            cluster.transceiver = {
+                "backend": args.backend,
+                "transceiver_runtime": args.runtime,
+                "max_tokens_in_buffer": args.max_tokens_in_buffer,
+            }
             say(f"kvxferd demo: starting a context and a generation daemon ({workdir})")
             ctx = cluster.start_daemon("demo-ctx", "context")
             gen = cluster.start_daemon("demo-gen", "generation")

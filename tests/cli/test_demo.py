@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -10,7 +11,6 @@ import sys
 import pytest
 
 pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
-
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -41,3 +41,18 @@ def test_demo_table_summary() -> None:
     assert re.search(r"verified\s+8\b", proc.stdout), proc.stdout
     assert re.search(r"failed\s+0\b", proc.stdout), proc.stdout
     assert "GB/s" in proc.stdout and "p99" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx-cu12 not installed")
+def test_demo_staged_runtime_over_ucx() -> None:
+    proc = _demo("--requests", "8", "--max-tokens", "300", "--backend", "UCX", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["verified"] == 8 and summary["failed"] == 0
+
+
+def test_demo_with_an_unavailable_backend_fails_clearly() -> None:
+    proc = _demo("--requests", "2", "--backend", "MOONCAKE", "--json")
+    assert proc.returncode != 0
+    assert "backend MOONCAKE is not available" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
