@@ -33,6 +33,19 @@ def _needs_nixl() -> str | None:
     return None
 
 
+def _needs_ucxx() -> str | None:
+    import importlib.util
+
+    # find_spec, not import: importing ucxx writes UCX_* variables into os.environ, which
+    # the daemons started afterwards would inherit (and NIXL with them).
+    if importlib.util.find_spec("ucxx") is None:
+        return (
+            "the UCX backend needs the ucxx-cu12 package, which is not installed "
+            "(scripts/install.sh installs it)"
+        )
+    return _needs_nixl()  # the raw baseline is NIXL
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One configuration. `missing`: what this build lacks for it (a static fact, shown by
@@ -76,22 +89,27 @@ REGISTRY: tuple[BenchConfig, ...] = (
         chunk_blocks=16,
     ),
     BenchConfig(
+        "nixl-cpp",
+        "staged (CPP) runtime over NIXL: gather into a staging buffer, write, scatter",
+        {"backend": "NIXL", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
+    ),
+    BenchConfig(
         "ucx-cpp",
-        "staged (CPP) runtime over UCX",
-        {"backend": "UCX", "transceiver_runtime": "CPP"},
-        missing="the staged runtime",
+        "staged (CPP) runtime over UCX (ucxx tagged messages)",
+        {"backend": "UCX", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
+        requires=_needs_ucxx,
     ),
     BenchConfig(
         "mpi-cpp",
         "staged (CPP) runtime over MPI",
-        {"backend": "MPI", "transceiver_runtime": "CPP"},
-        missing="the staged runtime",
+        {"backend": "MPI", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
+        missing="the MPI backend",
     ),
     BenchConfig(
         "mooncake-cpp",
         "staged (CPP) runtime over the Mooncake transfer engine",
-        {"backend": "MOONCAKE", "transceiver_runtime": "CPP"},
-        missing="the staged runtime",
+        {"backend": "MOONCAKE", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
+        missing="the Mooncake backend",
     ),
 )
 

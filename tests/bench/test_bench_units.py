@@ -86,7 +86,7 @@ def test_registry_resolution() -> None:
         assert c.transceiver, c.name
     with pytest.raises(BenchConfigError, match="unknown configuration 'x'; known"):
         resolve(["x"])
-    with pytest.raises(BenchConfigError, match="not available in this build: the staged"):
+    with pytest.raises(BenchConfigError, match="not available in this build: the MPI backend"):
         resolve(["mpi-cpp"])
     with pytest.raises(BenchConfigError, match="no configuration given"):
         resolve([""])
