@@ -82,8 +82,6 @@ class Progress:
         if self._phase_total is None and self._phase_deadline is not None:
             span = max(1e-9, self._phase_deadline - self._phase_started)
             frac = min(1.0, (self.done + min(1.0, (now - self._phase_started) / span)) / self.total)
-        elif self._phase_total:
-            frac = min(1.0, (self.done + 0.0) / self.total)
         filled = int(frac * _WIDTH)
         bar = "#" * filled + "." * (_WIDTH - filled)
         count = (

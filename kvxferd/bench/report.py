@@ -137,6 +137,8 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.plot(tokens, [r["gbps"] for r in report["memcpy"]], ":", color="gray",
                     label="memcpy")  # fmt: skip
             ax.set_xscale("log")
+            ax.set_xticks(tokens, [str(t) for t in tokens])
+            ax.minorticks_off()
             ax.set_xlabel("request length (tokens)")
             ax.set_ylabel("GB/s")
             ax.set_ylim(bottom=0)

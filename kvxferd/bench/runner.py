@@ -163,7 +163,7 @@ def _wait(children: list[_Child], progress_fd: int, prog: Progress, timeout_s: f
 
 def _check_report(what: str, report: dict[str, Any], logs: str = "") -> None:
     if report.get("error"):
-        detail = report.get("traceback", "") if "Error:" in report["error"] else ""
+        detail = report.get("traceback", "")  # only when an exception ended the process
         raise BenchError(f"{what}: {report['error']}" + (f"\n{detail}" if detail else "") + logs)
 
 
