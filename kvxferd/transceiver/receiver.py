@@ -33,7 +33,7 @@ from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.plan import validate_block_ids
-from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, make_outcome
+from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, conclude
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 log = logging.getLogger("kvxferd.receiver")
@@ -459,29 +459,7 @@ class Receiver:
         s.peer_told = True
 
     def _finish(self, s: RxSession) -> None:
-        term = s.terminal
-        if term is None:
-            term = Terminal.local(Status.FAILED, "internal", "ended without a terminal state")
-            s.terminal = term
+        if s.terminal is None:
+            s.terminal = Terminal.local(Status.FAILED, "internal", "ended without a terminal state")
         self._phase.pop(s.request_id, None)
-        if term.status == Status.DONE:
-            s.advance(SessionState.DONE)
-        else:
-            s.state = SessionState.FAILED
-        if s.pool is not None:
-            s.pool.users.discard(f"rx:{s.request_id}")
-        s.outcome = make_outcome(s, "recv")
-        # Successes at DEBUG: at thousands of requests a second, one line each
-        # would drown the log; every failure is logged with its reason.
-        log.log(
-            logging.DEBUG if term.status == Status.DONE else logging.WARNING,
-            "recv %s: %s (%s, %s fault)%s",
-            s.request_id,
-            term.status,
-            term.reason,
-            term.fault,
-            f": {term.message}" if term.message else "",
-            extra={"request_id": s.request_id},
-        )
-        if s.engine is not None:
-            s.engine.deliver(s.outcome)
+        conclude(s, "recv", s.pool, log)

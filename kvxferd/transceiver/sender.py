@@ -39,7 +39,7 @@ from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.plan import plan_write, validate_block_ids
-from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, make_outcome
+from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, conclude
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 log = logging.getLogger("kvxferd.sender")
@@ -611,33 +611,14 @@ class Sender:
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal
         assert term is not None
-        if term.status == Status.DONE:
-            s.advance(SessionState.DONE)
-        else:
-            s.state = SessionState.FAILED
-            if s.request is not None and s.conn is not None and not s.peer_told:
-                await s.conn.send(
-                    Abort(
-                        request_id=s.request_id,
-                        rx_token=s.request.rx_token,
-                        reason=term.reason,
-                        message=term.message,
-                    )
+        # The peer is always told; the write is already quiescent here.
+        if term.status != Status.DONE and s.request and s.conn and not s.peer_told:
+            await s.conn.send(
+                Abort(
+                    request_id=s.request_id,
+                    rx_token=s.request.rx_token,
+                    reason=term.reason,
+                    message=term.message,
                 )
-        if s.pool is not None:
-            s.pool.users.discard(f"tx:{s.request_id}")
-        s.outcome = make_outcome(s, "send")
-        # Successes at DEBUG: at thousands of requests a second, one line each
-        # would drown the log; every failure is logged with its reason.
-        log.log(
-            logging.DEBUG if term.status == Status.DONE else logging.WARNING,
-            "send %s: %s (%s, %s fault)%s",
-            s.request_id,
-            term.status,
-            term.reason,
-            term.fault,
-            f": {term.message}" if term.message else "",
-            extra={"request_id": s.request_id},
-        )
-        if s.engine is not None:
-            s.engine.deliver(s.outcome)
+            )
+        conclude(s, "send", s.pool, log)

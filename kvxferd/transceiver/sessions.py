@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -109,6 +110,35 @@ class RxSession(_Session):
     bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
     # Rounds reported in the reservation and not yet scattered: (first, end, nbytes, last).
     rounds: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+
+def conclude(session: _Session, side: str, pool: LocalPool | None, log: logging.Logger) -> None:
+    """The one exit of every session: final state, blocks off loan, one logged outcome,
+    delivered once to the engine. Callers have already made the work quiescent."""
+    term = session.terminal
+    assert term is not None
+    if term.status == Status.DONE:
+        session.advance(SessionState.DONE)
+    else:
+        session.state = SessionState.FAILED
+    if pool is not None:
+        pool.users.discard(f"{'tx' if side == 'send' else 'rx'}:{session.request_id}")
+    session.outcome = make_outcome(session, side)
+    # Successes at DEBUG: at thousands of requests a second, one line each
+    # would drown the log; every failure is logged with its reason.
+    log.log(
+        logging.DEBUG if term.status == Status.DONE else logging.WARNING,
+        "%s %s: %s (%s, %s fault)%s",
+        side,
+        session.request_id,
+        term.status,
+        term.reason,
+        term.fault,
+        f": {term.message}" if term.message else "",
+        extra={"request_id": session.request_id},
+    )
+    if session.engine is not None:
+        session.engine.deliver(session.outcome)
 
 
 def make_outcome(session: _Session, side: str) -> Outcome:
