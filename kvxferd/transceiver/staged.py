@@ -186,7 +186,6 @@ class StagedSender(Sender):
                 continue
         return s.terminal is None
 
-
     async def _send_two_sided(
         self, s: TxSession, res: Reservation, nbytes: int, result: Result, deadline: float
     ) -> bool:
