@@ -33,6 +33,8 @@ from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
 from kvxferd.errors import KvxferdError
 
+#: About how long the processes of a phase take to start (for the --small progress bar).
+_STARTUP_S = 3.0
 #: How long a child's partner gets to finish after it exited, before it is killed.
 _GRACE_S = 15.0
 
@@ -563,7 +565,7 @@ def _run_small(
 ) -> None:  # fmt: skip
     g = plan.geometry
     nbytes = g.block_bytes
-    prog.start_phase("raw NIXL, one-block requests", None, seconds=plan.seconds)
+    prog.start_phase("raw NIXL, one-block requests", None, seconds=plan.seconds + _STARTUP_S)
     raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s)
     raw_iv = _raw_intervals(raw, None)
     raw_timing = Timing.of(raw_iv, nbytes * len(raw_iv))
@@ -582,7 +584,9 @@ def _run_small(
     results: list[dict[str, Any]] = []
     report["results"] = results
     for config in opts.configs:
-        prog.start_phase(f"{config.name}, one-block requests", None, seconds=plan.seconds)
+        prog.start_phase(
+            f"{config.name}, one-block requests", None, seconds=plan.seconds + _STARTUP_S
+        )
         gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
         intervals = _daemon_intervals(gen, ctx, None, nbytes, config.name)
         if not intervals:
