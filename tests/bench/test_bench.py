@@ -130,17 +130,18 @@ def test_small_json_shape() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_wrong_bytes_fail_the_run() -> None:
+def test_wrong_bytes_fail_the_run(tmp_path: Path) -> None:
     from kvxferd.bench.engine import CORRUPT_ENV
 
+    # A failed run keeps its work directory (under TMPDIR): keep it in the test's own.
     proc = bench(
         *TINY, "--tokens", "40", "--requests", "1", "--warmup", "0", "--json",
-        env={CORRUPT_ENV: "1"},
+        env={CORRUPT_ENV: "1", "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert proc.returncode == 1
     assert "verification failed: logical block 0" in proc.stderr
     assert "expected 0x" in proc.stderr
-    assert "logs and records kept in" in proc.stderr
+    assert f"logs and records kept in {tmp_path}" in proc.stderr
     assert proc.stdout == ""
 
 
