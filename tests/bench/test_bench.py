@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +132,23 @@ def test_small_json_shape() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_wrong_bytes_fail_the_run(tmp_path: Path) -> None:
+def test_wrong_bytes_fail_the_run() -> None:
     from kvxferd.bench.engine import CORRUPT_ENV
 
-    # A failed run keeps its work directory (under TMPDIR): keep it in the test's own.
-    proc = bench(
-        *TINY, "--tokens", "40", "--requests", "1", "--warmup", "0", "--json",
-        env={CORRUPT_ENV: "1", "TMPDIR": str(tmp_path)},
-    )  # fmt: skip
-    assert proc.returncode == 1
+    # A failed run keeps its work directory under TMPDIR: give it one of its own, short
+    # enough for the daemons' Unix socket paths (pytest's tmp_path is not), and remove it.
+    tmp = tempfile.mkdtemp(prefix="kvb-")
+    try:
+        proc = bench(
+            *TINY, "--tokens", "40", "--requests", "1", "--warmup", "0", "--json",
+            env={CORRUPT_ENV: "1", "TMPDIR": tmp},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 1, proc.stderr
     assert "verification failed: logical block 0" in proc.stderr
     assert "expected 0x" in proc.stderr
-    assert f"logs and records kept in {tmp_path}" in proc.stderr
+    assert f"logs and records kept in {tmp}" in proc.stderr
     assert proc.stdout == ""
 
 
