@@ -33,11 +33,12 @@ import numpy.typing as npt
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, pair_segments
 
 # Bounce only when the per-block path would need at least this many
-# descriptors of this average size or less: below that NIXL moves the
-# segments about as fast as two extra memory copies cost (FACTS: 64 KiB
-# segments already reach ~2/3 of the large-segment bandwidth).
+# descriptors of this average size or less. Measured here (docs/benchmarks.md)
+# the gather + one write + scatter path moves ~1 GB/s, about what NIXL does
+# with 4 KiB segments and a third of what it does with 64 KiB ones, so the
+# buffer is only offered for segments of 8 KiB and below.
 MIN_DESCRIPTORS = 8
-MAX_AVG_SEGMENT_BYTES = 64 << 10
+MAX_AVG_SEGMENT_BYTES = 8 << 10
 
 _ALIGN = 4096
 
