@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import secrets
 import time
 from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
-from kvxferd import PROTOCOL_VERSION, __version__
+from kvxferd import __version__
 from kvxferd.api.messages import (
     ApiError,
     Cancel,
@@ -39,6 +37,7 @@ from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES, check_peer
 from kvxferd.peers.handshake import Identity, PeerIdentity
 from kvxferd.peers.manager import PeerManager, PeerTimings, split_hostport
 from kvxferd.peers.messages import (
@@ -60,6 +59,7 @@ from kvxferd.service.ops import TaskSet, refresh_status, summary_line
 from kvxferd.service.pools import PoolError, PoolRegistry
 from kvxferd.service.reload import ConfigLoader, ReloadReport, serve_reloads
 from kvxferd.service.sdnotify import Notifier
+from kvxferd.service.status import daemon_status
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
@@ -73,17 +73,6 @@ from kvxferd.transceiver.staged import (
 )
 
 log = logging.getLogger("kvxferd.daemon")
-
-SENDING_ROLES = ("context", "both")
-RECEIVING_ROLES = ("generation", "both")
-
-
-@dataclass
-class Overrides:
-    role: str | None = None
-    api_socket: str | None = None
-    peer_listen: str | None = None
-    http: str | None = None
 
 
 TWO_SIDED_BACKENDS = ("UCX",)
@@ -484,47 +473,9 @@ class Daemon:
         )
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
-        sends = self.role in SENDING_ROLES and peer.role in RECEIVING_ROLES
-        receives = self.role in RECEIVING_ROLES and peer.role in SENDING_ROLES
-        if not (sends or receives):
-            return ("role", f"a {self.role} daemon cannot pair with a {peer.role} daemon")
-        if info.fingerprint != self.settings.fingerprint():
-            mine = self.settings.peer_compat_fields()
-            diffs = [
-                f"{key}: ours {mine[key]}, peer {info.compat.get(key)}"
-                for key in mine
-                if info.compat.get(key) != mine[key]
-            ]
-            return (
-                "settings",
-                "effective transceiver settings differ ("
-                + ("; ".join(diffs) or "fingerprints differ")
-                + "); keep context and generation configurations consistent",
-            )
-        if self.settings.pipelined_transfer and (
-            info.pipeline_parallel_size != 1 or info.context_parallel_size != 1
-        ):
-            return (
-                "pipelining",
-                "enable_pipelined_transfer needs pipeline_parallel_size=1 and "
-                "context_parallel_size=1 on both peers; the peer has "
-                f"pipeline_parallel_size={info.pipeline_parallel_size}, "
-                f"context_parallel_size={info.context_parallel_size}",
-            )
-        for theirs in info.pools:
-            try:
-                their_layout = KvLayout.from_wire(theirs.layout)
-            except LayoutError as exc:
-                return ("layout", f"peer pool {theirs.pool_id!r} has a bad layout: {exc}")
-            for pool in self.pools.pools.values():
-                diffs = pool.layout.same_geometry(their_layout)
-                if diffs:
-                    return (
-                        "layout",
-                        f"KV geometry of peer pool {theirs.pool_id!r} and our pool "
-                        f"{pool.pool_id!r} differ: {'; '.join(diffs)}",
-                    )
-        return None
+        return check_peer(
+            self.role, self.settings, [p.layout for p in self.pools.pools.values()], peer, info
+        )
 
     async def _on_peer_message(self, conn: PeerConnection, msg: PeerMessage) -> None:
         if isinstance(msg, RequestData):
@@ -587,68 +538,4 @@ class Daemon:
     # ---------------------------------------------------------------- status
 
     def status(self) -> dict[str, object]:
-        return {
-            "name": self.daemon_name,
-            "version": __version__,
-            "protocol_version": PROTOCOL_VERSION,
-            "role": self.role,
-            "incarnation": self.incarnation,
-            "pid": os.getpid(),
-            "ready": self.ready,
-            "draining": self.draining,
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "settings": self.settings.to_json_dict(),
-            "fingerprint": self.settings.fingerprint(),
-            "peer_listen": self.peers.listen_address,
-            "api_socket": self.api.path,
-            "peers": [
-                {
-                    "name": c.peer.name,
-                    "incarnation": c.peer.incarnation,
-                    "role": c.peer.role,
-                    "address": c.label,
-                    "pools": sorted(c.pools),
-                }
-                for c in self.peers.connections.values()
-            ],
-            "pools": sorted(self.pools.pools),
-            "sessions": {
-                "send": _count_states(self.sender.sessions.values()),
-                "recv": _count_states(self.receiver.sessions.values()),
-            },
-            "admission": {
-                "window_blocks": self.admission.capacity,
-                "in_flight_blocks": self.admission.in_flight_blocks,
-                "waiting": self.admission.waiting,
-                "use": (
-                    round(self.admission.in_flight_blocks / self.admission.capacity, 4)
-                    if self.admission.capacity
-                    else None
-                ),
-            },
-            "event_loop": {
-                "lag_ms": round(self.loop_monitor.lag_s * 1e3, 3),
-                "max_lag_ms": round(self.loop_monitor.max_lag_s * 1e3, 3),
-            },
-            "config": {
-                "source": self.cfg.source,
-                "last_reload": self.last_reload.to_json_dict() if self.last_reload else None,
-            },
-            "systemd": {
-                "notify": self.notifier.enabled,
-                "watchdog_s": self.notifier.watchdog_s,
-            },
-            "bounce": self.bounce.status() if self.bounce and not self.staged else None,
-            "staging": self.bounce.status() if self.bounce and self.staged else None,
-            "engines": len(self.api.engines),
-            "open_transfer_handles": self.sender.open_handles,
-            "handshake_failures": dict(self.peers.handshake_failures),
-        }
-
-
-def _count_states(sessions: object) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for s in sessions:  # type: ignore[attr-defined]
-        key = s.outcome.status if s.outcome else s.state.name.lower()
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+        return daemon_status(self)

@@ -1,0 +1,82 @@
+"""The daemon's JSON status (/v1/status and `kvxferd status`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvxferd import PROTOCOL_VERSION, __version__
+from kvxferd.transceiver.sessions import RxSession, TxSession
+
+if TYPE_CHECKING:
+    from kvxferd.service.daemon import Daemon
+
+
+def daemon_status(daemon: Daemon) -> dict[str, object]:
+    return {
+        "name": daemon.daemon_name,
+        "version": __version__,
+        "protocol_version": PROTOCOL_VERSION,
+        "role": daemon.role,
+        "incarnation": daemon.incarnation,
+        "pid": os.getpid(),
+        "ready": daemon.ready,
+        "draining": daemon.draining,
+        "uptime_s": round(time.monotonic() - daemon.started_at, 3),
+        "settings": daemon.settings.to_json_dict(),
+        "fingerprint": daemon.settings.fingerprint(),
+        "peer_listen": daemon.peers.listen_address,
+        "api_socket": daemon.api.path,
+        "peers": [
+            {
+                "name": c.peer.name,
+                "incarnation": c.peer.incarnation,
+                "role": c.peer.role,
+                "address": c.label,
+                "pools": sorted(c.pools),
+            }
+            for c in daemon.peers.connections.values()
+        ],
+        "pools": sorted(daemon.pools.pools),
+        "sessions": {
+            "send": _count_states(daemon.sender.sessions.values()),
+            "recv": _count_states(daemon.receiver.sessions.values()),
+        },
+        "admission": {
+            "window_blocks": daemon.admission.capacity,
+            "in_flight_blocks": daemon.admission.in_flight_blocks,
+            "waiting": daemon.admission.waiting,
+            "use": (
+                round(daemon.admission.in_flight_blocks / daemon.admission.capacity, 4)
+                if daemon.admission.capacity
+                else None
+            ),
+        },
+        "event_loop": {
+            "lag_ms": round(daemon.loop_monitor.lag_s * 1e3, 3),
+            "max_lag_ms": round(daemon.loop_monitor.max_lag_s * 1e3, 3),
+        },
+        "config": {
+            "source": daemon.cfg.source,
+            "last_reload": daemon.last_reload.to_json_dict() if daemon.last_reload else None,
+        },
+        "systemd": {
+            "notify": daemon.notifier.enabled,
+            "watchdog_s": daemon.notifier.watchdog_s,
+        },
+        "bounce": daemon.bounce.status() if daemon.bounce and not daemon.staged else None,
+        "staging": daemon.bounce.status() if daemon.bounce and daemon.staged else None,
+        "engines": len(daemon.api.engines),
+        "open_transfer_handles": daemon.sender.open_handles,
+        "handshake_failures": dict(daemon.peers.handshake_failures),
+    }
+
+
+def _count_states(sessions: Iterable[TxSession | RxSession]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in sessions:
+        key = s.outcome.status if s.outcome else s.state.name.lower()
+        counts[key] = counts.get(key, 0) + 1
+    return counts
