@@ -33,7 +33,14 @@ from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.plan import validate_block_ids
-from kvxferd.transceiver.sessions import EngineLink, RxSession, Terminal, conclude
+from kvxferd.transceiver.sessions import (
+    EngineLink,
+    RxSession,
+    Terminal,
+    conclude,
+    release_finished,
+    settle,
+)
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 log = logging.getLogger("kvxferd.receiver")
@@ -164,15 +171,7 @@ class Receiver:
         return "cancelled" if s.terminal and s.terminal.status == Status.CANCELLED else "finished"
 
     def release(self, request_id: str) -> None:
-        s = self.sessions.get(request_id)
-        if s is None:
-            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
-        if not s.finished:
-            raise RequestError(
-                "still_active",
-                f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
-            )
-        del self.sessions[request_id]
+        release_finished(self.sessions, request_id, "receive")
 
     # ----------------------------------------------------------- peer messages
 
@@ -234,7 +233,7 @@ class Receiver:
             answer.set_result(msg.cancelled)
 
     async def on_peer_closed(self, conn: PeerConnection) -> None:
-        tasks = []
+        lost = []
         for s in self.sessions.values():
             if s.conn is conn and not s.finished:
                 s.request_end(
@@ -244,13 +243,11 @@ class Receiver:
                 )
                 s.peer_told = True  # nobody left to tell; a gone connection writes nothing
                 s.wake.set()
-                if s.task is not None:
-                    tasks.append(s.task)
+                lost.append(s)
         for answer in self._cancel_answers.values():
             if not answer.done():
                 answer.set_result(False)
-        if tasks:
-            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+        await settle(lost)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -258,9 +255,7 @@ class Receiver:
         mine = [s for s in self.sessions.values() if s.engine is engine]
         for s in mine:
             self._end_now(s, Terminal.local(Status.FAILED, reason, message))
-        tasks = [s.task for s in mine if s.task is not None]
-        if tasks:
-            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+        await settle(mine)
         for s in mine:
             self.sessions.pop(s.request_id, None)
 
@@ -275,9 +270,7 @@ class Receiver:
                     s,
                     Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done"),
                 )
-        rest = [s.task for s in self.sessions.values() if s.task is not None]
-        if rest:
-            await asyncio.gather(*(asyncio.shield(t) for t in rest), return_exceptions=True)
+        await settle(list(self.sessions.values()))
 
     def active_count(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.finished)

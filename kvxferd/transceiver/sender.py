@@ -39,7 +39,14 @@ from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.plan import plan_write, validate_block_ids
-from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, conclude
+from kvxferd.transceiver.sessions import (
+    EngineLink,
+    Terminal,
+    TxSession,
+    conclude,
+    release_finished,
+    settle,
+)
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 log = logging.getLogger("kvxferd.sender")
@@ -186,15 +193,7 @@ class Sender:
         return "cancelled"
 
     def release(self, request_id: str) -> None:
-        s = self.sessions.get(request_id)
-        if s is None or s.engine is None:
-            raise RequestError("unknown_request", f"no send for request {request_id!r}")
-        if not s.finished:
-            raise RequestError(
-                "still_active",
-                f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
-            )
-        del self.sessions[request_id]
+        release_finished(self.sessions, request_id, "send")
 
     # ----------------------------------------------------------- peer messages
 
@@ -292,7 +291,7 @@ class Sender:
         )
 
     async def on_peer_closed(self, conn: PeerConnection) -> None:
-        tasks = []
+        lost = []
         for s in list(self.sessions.values()):
             if s.conn is not conn:
                 continue
@@ -303,10 +302,8 @@ class Sender:
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}")
             ):
                 s.peer_told = True
-            if s.task is not None:
-                tasks.append(s.task)
-        if tasks:
-            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+            lost.append(s)
+        await settle(lost)
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> TxSession | None:
         s = self.sessions.get(request_id)
@@ -321,9 +318,7 @@ class Sender:
         mine = [s for s in self.sessions.values() if s.engine is engine]
         for s in mine:
             s.request_end(Terminal.local(Status.FAILED, reason, message))
-        tasks = [s.task for s in mine if s.task is not None]
-        if tasks:
-            await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+        await settle(mine)
         for s in mine:
             self.sessions.pop(s.request_id, None)
 
@@ -349,9 +344,7 @@ class Sender:
                 s.request_end(
                     Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
                 )
-        rest = [s.task for s in self.sessions.values() if s.task is not None]
-        if rest:
-            await asyncio.gather(*(asyncio.shield(t) for t in rest), return_exceptions=True)
+        await settle(list(self.sessions.values()))
 
     def active_count(self) -> int:
         return sum(1 for s in self.sessions.values() if s.engine is not None and not s.finished)

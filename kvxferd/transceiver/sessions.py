@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvxferd.backends.base import XferHandle
+from kvxferd.errors import RequestError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RequestData
 from kvxferd.service.pools import LocalPool
@@ -110,6 +112,29 @@ class RxSession(_Session):
     bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
     # Rounds reported in the reservation and not yet scattered: (first, end, nbytes, last).
     rounds: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+
+async def settle(sessions: Iterable[_Session]) -> None:
+    """Wait for these sessions' tasks; each ends only once its work is quiescent.
+
+    Shielded: the caller giving up (shutdown) must not cut a quiescence short.
+    """
+    tasks = [s.task for s in sessions if s.task is not None]
+    if tasks:
+        await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+
+def release_finished(sessions: MutableMapping[str, Any], request_id: str, what: str) -> None:
+    """The engine forgets a finished request, so its id may be used again."""
+    s = sessions.get(request_id)
+    if s is None or s.engine is None:
+        raise RequestError("unknown_request", f"no {what} for request {request_id!r}")
+    if not s.finished:
+        raise RequestError(
+            "still_active",
+            f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
+        )
+    del sessions[request_id]
 
 
 def conclude(session: _Session, side: str, pool: LocalPool | None, log: logging.Logger) -> None:
