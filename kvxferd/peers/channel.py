@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvxferd.errors import ProtocolError
+from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
@@ -39,7 +40,11 @@ class PeerConnection:
         self.peer = peer
         self.agent_name = agent_name  # the peer's NIXL agent as loaded into ours
         self.label = label
-        self.pools: dict[str, PoolInfo] = {p.pool_id: p for p in info.pools}
+        self.pools: dict[str, PoolInfo] = {}
+        # Parsed once per pools message, off the per-request path; a bad layout
+        # is kept as its error so only requests into that pool fail.
+        self.layouts: dict[str, KvLayout | LayoutError] = {}
+        self.set_pools(info.pools)
         self.info = info
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
@@ -49,6 +54,15 @@ class PeerConnection:
         self.close_reason = ""
         self.heartbeat_lost = False  # closed because the peer fell silent
         self._tasks: list[asyncio.Task[None]] = []
+
+    def set_pools(self, pools: list[PoolInfo]) -> None:
+        self.pools = {p.pool_id: p for p in pools}
+        self.layouts = {}
+        for p in pools:
+            try:
+                self.layouts[p.pool_id] = KvLayout.from_wire(p.layout)
+            except LayoutError as exc:
+                self.layouts[p.pool_id] = exc
 
     @property
     def key(self) -> str:

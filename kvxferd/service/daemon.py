@@ -517,7 +517,7 @@ class Daemon:
                     log.error("peer %s sent agent metadata NIXL refused: %s", conn.key, exc)
                     conn.close(f"bad agent metadata in a pools update: {exc}")
                     return
-            conn.pools = {p.pool_id: p for p in msg.pools}
+            conn.set_pools(msg.pools)
         else:
             log.warning(
                 "peer %s sent %s outside a handshake; ignored", conn.key, type(msg).__name__

@@ -24,14 +24,13 @@ import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
-from kvxferd.memory.layout import KvLayout, LayoutError
+from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
     CancelAnswer,
     CancelRequest,
-    PoolInfo,
     RequestData,
     Result,
 )
@@ -82,8 +81,6 @@ class Sender:
         self.open_handles = 0  # posted writes not yet confirmed quiescent
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
-        # Parsed layouts of peer pools, keyed by the PoolInfo object they came from.
-        self._peer_layouts: dict[int, tuple[PoolInfo, KvLayout]] = {}
 
     # ------------------------------------------------------------ engine calls
 
@@ -405,7 +402,8 @@ class Sender:
         assert s.request is not None and s.conn is not None and s.pool is not None
         req = s.request
         info = s.conn.pools.get(req.pool_id)
-        if info is None:
+        dst_layout = s.conn.layouts.get(req.pool_id)
+        if info is None or dst_layout is None:
             return Terminal.peer(
                 Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
             )
@@ -417,17 +415,13 @@ class Sender:
                 f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}",
             )
         try:
-            dst_layout = self._peer_layouts.get(id(info))
-            if dst_layout is None or dst_layout[0] is not info:
-                if len(self._peer_layouts) > 256:  # pools are few; stale entries are not
-                    self._peer_layouts.clear()
-                dst_layout = (info, KvLayout.from_wire(info.layout))
-                self._peer_layouts[id(info)] = dst_layout
+            if isinstance(dst_layout, LayoutError):
+                raise dst_layout
             return plan_write(
                 s.pool.layout,
                 s.pool.base,
                 s.blocks[start:end],
-                dst_layout[1],
+                dst_layout,
                 info.base,
                 req.blocks[start:end],
             )
