@@ -23,7 +23,13 @@ class TwoSidedTransport(Protocol):
 
     async def send(self, peer_key: str, tag: int, data: memoryview) -> None: ...
 
-    async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float) -> int: ...
+    async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float | None) -> int:
+        """Receive the message `tag` from the peer into `out`; returns its size.
+
+        `timeout_s` None: no bound (kv_transfer_timeout_ms null). On expiry
+        TransferTimeoutError, and nothing can land in `out` afterwards.
+        """
+        ...
 
     async def remove_peer(self, peer_key: str) -> None: ...
 

@@ -104,6 +104,7 @@ import contextlib
 import hashlib
 import importlib
 import logging
+import math
 import os
 import struct
 import time
@@ -539,10 +540,10 @@ class UcxTransport:
         if exc is not None:
             raise self._translate(exc, peer_key, f"send of tag {tag}") from exc
 
-    async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float) -> int:
+    async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float | None) -> int:
         """Receive the message with `tag` from that peer into `out`; returns its size.
 
-        `timeout_s` bounds the wait for the message to arrive; on expiry
+        `timeout_s` (None: unbounded) bounds the wait for the message to arrive; on expiry
         TransferTimeoutError, and nothing was ever posted into `out` (the
         message is drained if it comes later; see the module docstring).
         """
@@ -562,11 +563,11 @@ class UcxTransport:
             self._receiving.discard(wt)
 
     async def _recv(
-        self, ctx: Any, peer_key: str, tag: int, wt: int, out: memoryview, timeout_s: float
+        self, ctx: Any, peer_key: str, tag: int, wt: int, out: memoryview, timeout_s: float | None
     ) -> int:
         self._abandoned.pop(wt, None)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = math.inf if timeout_s is None else loop.time() + timeout_s
         spins = 0
         while True:
             probe = ctx.tag_probe(wt)
@@ -599,7 +600,12 @@ class UcxTransport:
         self._nudge()
         try:
             done, _ = await asyncio.wait(
-                {fut}, timeout=max(deadline - loop.time(), 0.0) + self._stall_grace_s
+                {fut},
+                timeout=(
+                    None
+                    if deadline == math.inf
+                    else max(deadline - loop.time(), 0.0) + self._stall_grace_s
+                ),
             )
         except asyncio.CancelledError:
             await self._quiesce(fut, peer_key, self._stall_grace_s)

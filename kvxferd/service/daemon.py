@@ -31,8 +31,8 @@ from kvxferd.api.messages import (
     Send,
 )
 from kvxferd.api.server import ApiServer, EngineConnection
-from kvxferd.backends.base import Backend
-from kvxferd.backends.twosided import NoOneSidedBackend, TwoSidedTransport
+from kvxferd.backends import registry
+from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.layout import KvLayout, LayoutError
@@ -75,23 +75,6 @@ from kvxferd.transceiver.staged import (
 log = logging.getLogger("kvxferd.daemon")
 
 
-TWO_SIDED_BACKENDS = ("UCX",)
-
-
-def _make_backend(settings: ResolvedSettings, agent_name: str) -> Backend:
-    if settings.backend in TWO_SIDED_BACKENDS:
-        return NoOneSidedBackend(settings.backend, agent_name)
-    if settings.backend != "NIXL":
-        raise StartupError(
-            f"backend {settings.backend} is not available in this build yet: NIXL (both "
-            "runtimes) and UCX (staged runtime) move KV; set cache_transceiver_config.backend "
-            "to NIXL, DEFAULT or UCX"
-        )
-    from kvxferd.backends.nixl import NixlBackend
-
-    return NixlBackend(agent_name)
-
-
 class Daemon:
     def __init__(self, cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
         self.cfg = cfg
@@ -102,8 +85,15 @@ class Daemon:
         self.tokens_per_block = cfg.engine.kv_layout.tokens_per_block
         self.incarnation = f"{int(time.time()):x}-{secrets.token_hex(4)}"
         self.agent_name = f"{d.name}.{self.incarnation}"
-        if settings.kv_transfer_timeout_ms is None:
-            raise StartupError("the PYTHON runtime needs a finite kv_transfer_timeout_ms")
+        problem = registry.startup_problem(settings.backend, settings.runtime)
+        if (
+            problem is None
+            and settings.runtime == "PYTHON"
+            and (settings.kv_transfer_timeout_ms is None)
+        ):
+            problem = "the PYTHON runtime needs a finite kv_transfer_timeout_ms"
+        if problem is not None:
+            raise StartupError(problem)
         secret = d.read_shared_secret()
         host, _ = split_hostport(d.peer_listen)
         if secret is None and host not in ("127.0.0.1", "localhost", "::1"):
@@ -113,7 +103,7 @@ class Daemon:
             )
         self.secret_configured = secret is not None
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
-        self.dataplane = DataPlane(lambda: _make_backend(settings, self.agent_name))
+        self.dataplane = DataPlane(lambda: registry.make_backend(settings.backend, self.agent_name))
         self.pools = PoolRegistry(self.dataplane)
         self.peers = PeerManager(
             self.identity,
@@ -129,7 +119,10 @@ class Daemon:
             self._on_peer_message,
             self._on_peer_closed,
         )
-        timeout_s = settings.kv_transfer_timeout_ms / 1e3
+        # null (staged runtime only, the seed: "None remains available to other
+        # runtimes"): no sender deadline and no receive timeout.
+        timeout_ms = settings.kv_transfer_timeout_ms
+        timeout_s = None if timeout_ms is None else timeout_ms / 1e3
         self.staged = settings.runtime == "CPP"
         if self.staged:
             # The staged runtime's transfer buffers: every request goes through them.
@@ -217,7 +210,7 @@ class Daemon:
         if not self.secret_configured:
             log.warning("no daemon.shared_secret_file: peers are not authenticated (loopback only)")
         await self.dataplane.start()
-        if self.settings.backend in TWO_SIDED_BACKENDS:
+        if registry.is_two_sided(self.settings.backend):
             await self._start_transport()
         else:
             log.info("data plane up: %s agent %s", self.settings.backend, self.agent_name)
@@ -243,16 +236,20 @@ class Daemon:
         log.info("ready")
 
     async def _start_transport(self) -> None:
-        from kvxferd.backends.ucx import UcxTransport
-
-        transport = UcxTransport(self.daemon_name, self.incarnation)
+        transport = registry.make_transport(
+            self.settings.backend, self.daemon_name, self.incarnation
+        )
         host, _ = split_hostport(self.cfg.daemon.peer_listen)
         self.transport_address = await transport.start(host)
         self.transport = transport
         for side in (self.sender, self.receiver):
             if isinstance(side, (StagedSender, StagedReceiver)):
                 side.transport = transport
-        log.info("data plane up: UCX transport listening on %s", self.transport_address)
+        log.info(
+            "data plane up: %s transport listening on %s",
+            self.settings.backend,
+            self.transport_address,
+        )
 
     async def serve(
         self,

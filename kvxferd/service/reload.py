@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvxferd.backends import registry
 from kvxferd.config import KvxferdConfig, ResolvedSettings, resolve
 from kvxferd.errors import ConfigError, KvxferdError
 from kvxferd.service.logs import set_level
@@ -99,11 +100,9 @@ def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, object]:
 def startup_problems(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str]:
     """What would stop `kvxferd run` with this configuration (the Daemon's own checks)."""
     problems = []
-    if settings.backend != "NIXL" or settings.runtime != "PYTHON":
-        problems.append(
-            f"backend {settings.backend} with the {settings.runtime} runtime is not available "
-            "in this build: only the PYTHON runtime over NIXL moves KV yet"
-        )
+    problem = registry.startup_problem(settings.backend, settings.runtime)
+    if problem is not None:
+        problems.append(problem)
     host = cfg.daemon.peer_listen_hostport()[0]
     if cfg.daemon.shared_secret_file is None and host not in _LOOPBACK:
         problems.append(

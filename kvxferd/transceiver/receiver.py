@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -53,7 +54,8 @@ _CANCELLABLE = ("admission", "connecting")
 
 @dataclass
 class ReceiverTimeouts:
-    timeout_s: float
+    # None: kv_transfer_timeout_ms is null (staged runtime only): no receive deadline.
+    timeout_s: float | None
     # Bound on waiting for the context side's answer to a cancel or an abort;
     # past it the connection is closed, which stops the peer's writes.
     answer_s: float
@@ -287,7 +289,8 @@ class Receiver:
         try:
             await self.admission.acquire(len(s.blocks))
             admitted = True
-            deadline = time.monotonic() + self.timeouts.timeout_s
+            timeout_s = self.timeouts.timeout_s
+            deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
             self._phase[s.request_id] = "connecting"
             conn = await self._connect_peer(s)
             if conn is None:
@@ -399,7 +402,7 @@ class Receiver:
                 return
             s.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(s.wake.wait(), remaining)
+                await asyncio.wait_for(s.wake.wait(), None if remaining == math.inf else remaining)
 
     async def _scatter(self, s: RxSession, first: int, end: int, nbytes: int) -> None:
         """Move one round's bytes from the reservation into blocks [first, end)."""

@@ -60,7 +60,8 @@ _RELEASE_RETRY_S = 0.01
 
 @dataclass
 class SenderTimeouts:
-    timeout_s: float
+    # None: kv_transfer_timeout_ms is null (staged runtime only): no deadline.
+    timeout_s: float | None
     slice_s: float
 
 
@@ -130,11 +131,15 @@ class Sender:
         now = time.monotonic()
         if s.task is None:
             if not self.pipelined:
-                s.deadline = now + self.timeouts.timeout_s  # from the first send, never reset
+                s.deadline = self._deadline(now)  # from the first send, never reset
             s.task = asyncio.create_task(self._run(s), name=f"tx-{s.request_id}")
         if self.pipelined and last:
-            s.deadline = now + self.timeouts.timeout_s  # pipelined: from the last chunk
+            s.deadline = self._deadline(now)  # pipelined: from the last chunk
         s.wake.set()
+
+    def _deadline(self, now: float) -> float | None:
+        timeout_s = self.timeouts.timeout_s
+        return None if timeout_s is None else now + timeout_s
 
     def _reject_chunk(self, s: TxSession, why: str) -> None:
         """A chunk that breaks the request's order ends the request (and only it)."""

@@ -8,6 +8,7 @@ import asyncio
 import signal
 from typing import Any
 
+import pytest
 import yaml
 from daemon_harness import SimEngine, status, wait_for
 from ops_harness import http_get, parse, scrape, value
@@ -180,11 +181,21 @@ def test_plan_null_timeout_would_change_the_runtime_so_it_needs_a_restart() -> N
     needed = [c.split(":")[0] for c in report.restart_needed]
     assert "cache_transceiver_config.kv_transfer_timeout_ms" in needed
     assert "runtime (resolved)" in needed
-    # ... and a CPP runtime is not something this build can start.
+    # ... which a restarted daemon could run: the staged runtime takes a null timeout.
     new = load_config_text(
         BASE.replace("kv_transfer_timeout_ms: 20000", "kv_transfer_timeout_ms: null"), "x"
     )
-    assert startup_problems(new, resolve(new))
+    assert resolve(new).runtime == "CPP"
+    assert startup_problems(new, resolve(new)) == []
+
+
+def test_startup_problems_name_a_backend_this_build_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxferd.backends import registry
+
+    monkeypatch.delitem(registry.ONE_SIDED, "NIXL")
+    cfg = load_config_text(BASE, "x")
+    problems = startup_problems(cfg, resolve(cfg))
+    assert len(problems) == 1 and "backend NIXL is not available in this build" in problems[0]
 
 
 def test_plan_of_the_same_file_changes_nothing() -> None:

@@ -1,0 +1,91 @@
+"""Which adapter moves KV for each `backend` of the configuration.
+
+Two kinds of adapter (DESIGN.md):
+
+* one-sided backends implement `Backend` (kvxferd.backends.base): the daemon's
+  data plane registers memory with them and posts writes into the peer's
+  registered memory (NIXL under both runtimes, MOONCAKE under the staged one);
+* two-sided backends implement `TwoSidedTransport` (kvxferd.backends.twosided):
+  each staged round crosses as one tagged message (UCX, MPI); the data plane
+  then runs `NoOneSidedBackend`.
+
+Every adapter module imports its transport library itself, when the factory
+below is called: a daemon configured for NIXL never imports ucxx, mpi4py or
+mooncake, and a missing package fails only the daemon that chose it, with a
+BackendUnavailableError that says what to install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvxferd.backends.base import Backend
+from kvxferd.backends.twosided import NoOneSidedBackend, TwoSidedTransport
+from kvxferd.errors import StartupError
+
+
+def _nixl(agent_name: str) -> Backend:
+    from kvxferd.backends.nixl import NixlBackend
+
+    return NixlBackend(agent_name)
+
+
+def _ucx(daemon_name: str, incarnation: str) -> TwoSidedTransport:
+    from kvxferd.backends.ucx import UcxTransport
+
+    return UcxTransport(daemon_name, incarnation)
+
+
+# backend name -> factory(agent_name). One-sided: memory registration + writes.
+ONE_SIDED: dict[str, Callable[[str], Backend]] = {
+    "NIXL": _nixl,
+}
+
+# backend name -> factory(daemon_name, incarnation). Two-sided: tagged send/recv.
+TWO_SIDED: dict[str, Callable[[str, str], TwoSidedTransport]] = {
+    "UCX": _ucx,
+}
+
+# The one backend the PYTHON runtime runs on (the seed: "Requires Python NIXL").
+PYTHON_RUNTIME_BACKEND = "NIXL"
+
+
+def available() -> list[str]:
+    """The backends this build can move KV with, in a stable order."""
+    return sorted({*ONE_SIDED, *TWO_SIDED})
+
+
+def is_two_sided(backend: str) -> bool:
+    return backend in TWO_SIDED
+
+
+def startup_problem(backend: str, runtime: str) -> str | None:
+    """Why a daemon with this resolved backend and runtime cannot start, or None."""
+    if backend not in ONE_SIDED and backend not in TWO_SIDED:
+        return (
+            f"backend {backend} is not available in this build (available: "
+            f"{', '.join(available())}); set cache_transceiver_config.backend to one of them"
+        )
+    if runtime == "PYTHON" and backend != PYTHON_RUNTIME_BACKEND:
+        return (
+            f"the PYTHON runtime moves KV over NIXL only, and the backend is {backend}; "
+            "set transceiver_runtime: CPP (or auto) for it"
+        )
+    return None
+
+
+def make_backend(backend: str, agent_name: str) -> Backend:
+    """The data plane's backend: the one-sided adapter, or a stand-in for two-sided ones."""
+    if backend in TWO_SIDED:
+        return NoOneSidedBackend(backend, agent_name)
+    factory = ONE_SIDED.get(backend)
+    if factory is None:
+        raise StartupError(startup_problem(backend, "CPP") or f"backend {backend} is unknown")
+    return factory(agent_name)
+
+
+def make_transport(backend: str, daemon_name: str, incarnation: str) -> TwoSidedTransport:
+    factory = TWO_SIDED.get(backend)
+    if factory is None:
+        raise StartupError(f"backend {backend} is not a two-sided transport")
+    return factory(daemon_name, incarnation)
