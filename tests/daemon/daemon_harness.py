@@ -4,6 +4,7 @@ reads over HTTP, and deadline-bounded waits."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -12,12 +13,46 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
+from kvxferd.backends import registry
 from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator
+
+# The package each backend's adapter imports. Probed with find_spec, never imported
+# here: importing ucxx writes UCX_* variables into os.environ, which every daemon
+# started by the test process would inherit.
+BACKEND_PACKAGES = {
+    "NIXL": "nixl_cu12",
+    "UCX": "ucxx",
+    "MPI": "mpi4py",
+    "MOONCAKE": "mooncake",
+}
+
+
+def staged_backends() -> list[Any]:
+    """Every backend, as pytest params for staged-runtime tests.
+
+    A backend this build has no adapter for is a failing param, not a skip: the
+    suite must show what is missing. A missing package skips (scripts/install.sh
+    installs them all).
+    """
+    params = []
+    for name, package in BACKEND_PACKAGES.items():
+        marks = []
+        if name not in registry.available():
+            marks.append(pytest.mark.xfail(reason=f"no {name} adapter in this build", strict=True))
+        elif importlib.util.find_spec(package) is None:
+            marks.append(
+                pytest.mark.skip(reason=f"{package} is not installed (scripts/install.sh)")
+            )
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
 
 # Small geometry: 8 layers x 2 (K, V) x 32 tokens x 4 heads x 64 dims x fp16 = 256 KiB a block.
 GEOMETRY = dict(DEFAULT_GEOMETRY)

@@ -337,8 +337,10 @@ def test_hung_peer_declared_lost_by_heartbeat(cluster: LocalCluster) -> None:
                 # Under load the heartbeat may already have declared the peer lost
                 # before the write was posted: the outcome below is the same.
                 await until(
-                    lambda: status(ctx)["open_transfer_handles"] == 1
-                    or c.client.poll("hung") is not None,
+                    lambda: (
+                        status(ctx)["open_transfer_handles"] == 1
+                        or c.client.poll("hung") is not None
+                    ),
                     what="the write (or its end)",
                 )
                 o = await c.client.wait("hung", timeout_s=10)

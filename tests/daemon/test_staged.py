@@ -1,28 +1,16 @@
-"""The staged (CPP) runtime over NIXL: gather, one write per round, scatter, every byte verified."""
+"""The staged (CPP) runtime over every backend: gather, one write (or message) per round,
+scatter, every byte verified."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
-from daemon_harness import SimEngine, assert_clean, status
+from daemon_harness import SimEngine, assert_clean, staged_backends, status
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
-
-def _have_ucx() -> bool:
-    # Not an import: importing ucxx sets UCX_* variables in os.environ, which every
-    # daemon started later by this test process would inherit (and NIXL's UCX too).
-    return importlib.util.find_spec("ucxx") is not None
-
-
-BACKENDS = [
-    "NIXL",
-    pytest.param(
-        "UCX", marks=pytest.mark.skipif(not _have_ucx(), reason="ucxx-cu12 not installed")
-    ),
-]
+BACKENDS = staged_backends()
 
 
 def _start(
