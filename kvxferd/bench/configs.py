@@ -1,9 +1,9 @@
 """The configurations `kvxferd bench --configs` can compare.
 
 A configuration is a name, the `cache_transceiver_config` overrides (and, where needed, engine
-section overrides) both daemons run with, and whether this build can run it. To add one,
-append a BenchConfig to REGISTRY. When a feature lands in the daemon, drop its `missing=`
-(the NIXL import probe then decides), or give it a `requires=` probe of its own.
+section overrides) both daemons run with, and a probe saying whether this build can run it
+here. To add one, append a BenchConfig to REGISTRY. `--backend/--runtime` build one on the fly
+(from_flags).
 """
 
 from __future__ import annotations
@@ -33,23 +33,38 @@ def _needs_nixl() -> str | None:
     return None
 
 
-def _needs_ucxx() -> str | None:
-    import importlib.util
+def _needs_backend(backend: str) -> Availability:
+    """The probe of a staged-runtime backend: an adapter in this build, its package
+    installed (find_spec, not import, as above), and NIXL for the raw baseline."""
 
-    # find_spec, not import: importing ucxx writes UCX_* variables into os.environ, which
-    # the daemons started afterwards would inherit (and NIXL with them).
-    if importlib.util.find_spec("ucxx") is None:
-        return (
-            "the UCX backend needs the ucxx-cu12 package, which is not installed "
-            "(scripts/install.sh installs it)"
-        )
-    return _needs_nixl()  # the raw baseline is NIXL
+    def probe() -> str | None:
+        import importlib.util
+
+        from kvxferd.backends import registry
+
+        if backend not in registry.available():
+            have = ", ".join(registry.available())
+            return f"this build has no {backend} adapter (available: {have})"
+        package = BACKEND_PACKAGES[backend]
+        if importlib.util.find_spec(package) is None:
+            return (
+                f"the {backend} backend needs the {package} package, which is not installed "
+                "(scripts/install.sh installs it)"
+            )
+        return _needs_nixl()
+
+    return probe
+
+
+# The package each backend's adapter imports (probed, never imported, here).
+BACKEND_PACKAGES = {"NIXL": "nixl_cu12", "UCX": "ucxx", "MPI": "mpi4py", "MOONCAKE": "mooncake"}
+BACKENDS = ("DEFAULT", "NIXL", "UCX", "MPI", "MOONCAKE")
+RUNTIMES = ("PYTHON", "CPP", "auto")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One configuration. `missing`: what this build lacks for it (a static fact, shown by
-    --help without importing anything); `requires`: the probe run when nothing is missing."""
+    """One configuration. `requires`: None when it can run here, else why not."""
 
     name: str
     description: str
@@ -57,12 +72,9 @@ class BenchConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)
     #: The context engine sends each request in chunks of this many blocks (0: one send).
     chunk_blocks: int = 0
-    missing: str | None = None
     requires: Availability = _needs_nixl
 
     def unavailable(self) -> str | None:
-        if self.missing is not None:
-            return f"{self.missing} is not implemented yet"
         return self.requires()
 
 
@@ -97,23 +109,66 @@ REGISTRY: tuple[BenchConfig, ...] = (
         "ucx-cpp",
         "staged (CPP) runtime over UCX (ucxx tagged messages)",
         {"backend": "UCX", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
-        requires=_needs_ucxx,
+        requires=_needs_backend("UCX"),
     ),
     BenchConfig(
         "mpi-cpp",
-        "staged (CPP) runtime over MPI",
+        "staged (CPP) runtime over MPI (mpi4py + MPICH)",
         {"backend": "MPI", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
-        missing="the MPI backend",
+        requires=_needs_backend("MPI"),
     ),
     BenchConfig(
         "mooncake-cpp",
         "staged (CPP) runtime over the Mooncake transfer engine",
         {"backend": "MOONCAKE", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
-        missing="the Mooncake backend",
+        requires=_needs_backend("MOONCAKE"),
     ),
 )
 
 _BY_NAME = {c.name: c for c in REGISTRY}
+
+
+def from_flags(backend: str, runtime: str) -> BenchConfig:
+    """The configuration `--backend B --runtime R` asks for, as a user would write it in
+    cache_transceiver_config. A registered configuration with exactly those settings keeps
+    its name (so results compare across runs); others are named `b-r`.
+
+    Raises BenchConfigError for a value outside the seed's or a pair that cannot run.
+    """
+    if backend not in BACKENDS:
+        raise BenchConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if runtime not in RUNTIMES:
+        raise BenchConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    effective = "NIXL" if backend == "DEFAULT" else backend
+    # What the daemons will resolve `auto` to: PYTHON needs NIXL (a finite timeout is set).
+    resolved = runtime if runtime != "auto" else ("PYTHON" if effective == "NIXL" else "CPP")
+    if resolved == "PYTHON" and effective != "NIXL":
+        raise BenchConfigError(
+            f"--runtime PYTHON moves KV over NIXL only; --backend {backend} runs with "
+            "--runtime CPP (or auto)"
+        )
+    transceiver = {
+        "backend": backend,
+        "transceiver_runtime": runtime,
+        "kv_transfer_timeout_ms": 60000,
+    }
+    for c in REGISTRY:
+        if dict(c.transceiver) == transceiver:
+            config = c
+            break
+    else:
+        config = BenchConfig(
+            f"{backend.lower()}-{runtime.lower()}",
+            f"{resolved} runtime over {effective} (--backend {backend} --runtime {runtime})",
+            transceiver,
+            requires=_needs_backend(effective),
+        )
+    why = config.unavailable()
+    if why is not None:
+        raise BenchConfigError(
+            f"--backend {backend} --runtime {runtime} cannot run in this build: {why}"
+        )
+    return config
 
 
 def known_names() -> list[str]:

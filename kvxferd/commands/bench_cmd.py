@@ -50,8 +50,20 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--in-flight", type=int, default=1, help="requests outstanding at a time")
     r.add_argument(
         "--configs",
-        default="nixl-python",
-        help="configurations to compare, comma-separated (see the list below)",
+        default=None,
+        help="configurations to compare, comma-separated (see the list below); default nixl-python",
+    )
+    r.add_argument(
+        "--backend",
+        choices=["DEFAULT", "NIXL", "UCX", "MPI", "MOONCAKE"],
+        help="instead of --configs: measure this cache_transceiver_config backend "
+        "(with --runtime; default runtime auto)",
+    )
+    r.add_argument(
+        "--runtime",
+        choices=["PYTHON", "CPP", "auto"],
+        help="instead of --configs: the transceiver_runtime to measure (with --backend; "
+        "default backend DEFAULT)",
     )
     r.add_argument(
         "--block-order",
@@ -112,8 +124,9 @@ def _configs_epilog() -> str:
     lines = ["configurations (--configs):"]
     for c in REGISTRY:
         lines.append(f"  {c.name:<23}{c.description}")
-        if c.missing:
-            lines.append(f"  {'':<23}(not available yet: {c.missing} is not implemented)")
+    lines.append(
+        "  or --backend B --runtime R: any backend and runtime pair of cache_transceiver_config"
+    )
     lines += [
         "",
         "examples:",
@@ -124,6 +137,7 @@ def _configs_epilog() -> str:
         "  kvxferd bench --layout layer-major --segment-bytes 4096 --in-flight 2 \\",
         "      --configs nixl-python,nixl-python-bounce   # bounce vs per-block, 4 KiB segments",
         "  kvxferd bench --pipeline-compare --tokens 8000 --chunk-tokens 512 --compute-ms 50",
+        "  kvxferd bench --backend UCX --runtime CPP --tokens 1000,8000",
     ]
     return "\n".join(lines)
 
@@ -204,7 +218,17 @@ def _options(args: argparse.Namespace) -> Any:
                 f"--pipeline-compare: no --tokens length is longer than one chunk "
                 f"(--chunk-tokens {args.chunk_tokens})"
             )
-    configs = resolve(args.configs.split(","))
+    if args.backend is not None or args.runtime is not None:
+        from kvxferd.bench.configs import from_flags
+
+        if args.configs is not None:
+            raise _UsageError(
+                "--configs names whole configurations; --backend/--runtime build one: "
+                "give one or the other"
+            )
+        configs = [from_flags(args.backend or "DEFAULT", args.runtime or "auto")]
+    else:
+        configs = resolve((args.configs or "nixl-python").split(","))
     if not args.small:
         from kvxferd.bench.fragmented import fit_bounce
 

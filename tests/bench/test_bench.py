@@ -153,16 +153,18 @@ def test_wrong_bytes_fail_the_run() -> None:
 
 
 @pytest.mark.parametrize(
-    ("configs", "message"),
+    ("args", "message"),
     [
-        ("mpi-cpp", "configuration 'mpi-cpp' is not available in this build: the MPI "
-                    "backend is not implemented yet"),
-        ("nixl-python,bogus", "unknown configuration 'bogus'; known configurations: "
-                              "nixl-python, nixl-python-bounce"),
+        (["--backend", "UCX", "--runtime", "PYTHON"],
+         "--runtime PYTHON moves KV over NIXL only; --backend UCX runs with --runtime CPP"),
+        (["--backend", "UCX", "--configs", "nixl-python"],
+         "give one or the other"),
+        (["--configs", "nixl-python,bogus"],
+         "unknown configuration 'bogus'; known configurations: nixl-python, nixl-python-bounce"),
     ],
 )  # fmt: skip
-def test_config_errors_are_usage_errors(configs: str, message: str) -> None:
-    proc = bench(*TINY, "--configs", configs, timeout=30)
+def test_config_errors_are_usage_errors(args: list[str], message: str) -> None:
+    proc = bench(*TINY, *args, timeout=30)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.bench.configs import REGISTRY, BenchConfigError, known_names, resolve
+from kvxferd.bench.configs import REGISTRY, BenchConfigError, from_flags, known_names, resolve
 from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
 from kvxferd.bench.stats import Timing, busy_ns, percentile
 
@@ -86,7 +86,34 @@ def test_registry_resolution() -> None:
         assert c.transceiver, c.name
     with pytest.raises(BenchConfigError, match="unknown configuration 'x'; known"):
         resolve(["x"])
-    with pytest.raises(BenchConfigError, match="not available in this build: the MPI backend"):
-        resolve(["mpi-cpp"])
     with pytest.raises(BenchConfigError, match="no configuration given"):
         resolve([""])
+
+
+def test_a_backend_without_an_adapter_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxferd.backends import registry
+
+    monkeypatch.delitem(registry.TWO_SIDED, "UCX")
+    with pytest.raises(BenchConfigError, match="'ucx-cpp' is not available in this build: this "
+                       "build has no UCX adapter"):  # fmt: skip
+        resolve(["ucx-cpp"])
+    with pytest.raises(BenchConfigError, match="--backend UCX --runtime CPP cannot run"):
+        from_flags("UCX", "CPP")
+
+
+def test_flags_build_the_configuration_a_user_would_write() -> None:
+    pytest.importorskip("nixl_cu12")
+    # Registered settings keep their registered name, so results compare across runs.
+    assert from_flags("NIXL", "CPP").name == "nixl-cpp"
+    assert from_flags("NIXL", "PYTHON").name == "nixl-python"
+    auto = from_flags("DEFAULT", "auto")
+    assert auto.name == "default-auto"
+    assert dict(auto.transceiver) == {
+        "backend": "DEFAULT",
+        "transceiver_runtime": "auto",
+        "kv_transfer_timeout_ms": 60000,
+    }
+    with pytest.raises(BenchConfigError, match="--runtime PYTHON moves KV over NIXL only"):
+        from_flags("MOONCAKE", "PYTHON")
+    with pytest.raises(BenchConfigError, match="--backend must be one of"):
+        from_flags("RDMA", "CPP")
