@@ -1,5 +1,6 @@
 """KV memory: pool layouts, block -> segment math, host pools in shared memory."""
 
+from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import (
     BLOCK_MAJOR,
     DTYPE_ITEMSIZE,
@@ -33,5 +34,6 @@ __all__ = [
     "ShmNotFoundError",
     "ShmRegion",
     "ShmTooSmallError",
+    "TpRank",
     "pair_segments",
 ]

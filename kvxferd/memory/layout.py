@@ -189,15 +189,17 @@ class KvLayout:
 
     # -- compatibility -----------------------------------------------------------------------
 
-    def same_geometry(self, other: KvLayout) -> list[str]:
+    def same_geometry(self, other: KvLayout, *, heads: bool = True) -> list[str]:
         """The differences that forbid moving blocks between the two pools, one line each.
 
         Empty when compatible. `major` and `num_blocks` may differ: pair_segments handles both.
+        heads=False leaves num_kv_heads out: tensor-parallel ranks of one model hold different
+        numbers of heads, and kvxferd.memory.heads decides whether those can be mapped.
         """
         return [
             f"{name}: {getattr(self, name)} here, {getattr(other, name)} there"
             for name in _GEOMETRY_FIELDS
-            if getattr(self, name) != getattr(other, name)
+            if (heads or name != "num_kv_heads") and getattr(self, name) != getattr(other, name)
         ]
 
     # -- blocks and segments -----------------------------------------------------------------

@@ -10,6 +10,14 @@ where base() is a splitmix64-style hash and RAMP an odd constant. The word index
 tokens (token-major) and the words inside each token. A piece whose size is not a multiple of
 8 bytes holds the first piece_bytes bytes of the same word sequence.
 
+Tensor parallelism: the pattern is defined over the *full-head* piece (every KV head of the
+model, tokens_per_block x num_kv_heads * tp_size heads). The pool of tensor-parallel rank r of
+n holds, in each token, its slice of heads [r * h, (r + 1) * h) of that piece. So KV written by
+two context ranks into one generation pool (head-merge), or by one context rank into two
+generation pools (head-split), verifies exactly like a transfer between equal sizes, and a head
+that landed at the wrong place is reported with its global head index. With tp_size 1 the
+full-head piece is the pool's own piece: the content (and the fast paths) are unchanged.
+
 Work is vectorised and chunked: logical blocks are taken about 1 MiB at a time; a chunk whose
 physical blocks are consecutive is read and written through strided views of the pool (no
 copy), any other chunk through a gather/scatter that moves each block (block-major) or piece
@@ -26,6 +34,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, BlockIds, KvLayout, LayoutError
 
 __all__ = [
@@ -95,6 +104,23 @@ def _expected_bytes(bases: U64, piece_bytes: int) -> U8:
     words = -(-piece_bytes // 8)
     full = (bases[..., None] + _ramp(words)).astype(_U64, copy=False)
     return full.view(np.uint8)[..., :piece_bytes]
+
+
+def _sliced(tp: TpRank | None) -> bool:
+    return tp is not None and tp.size > 1
+
+
+def _local_expected(bases: U64, layout: KvLayout, tp: TpRank | None) -> U8:
+    """What a pool of `layout` held by rank `tp` stores for pieces with the given bases
+    (any shape): the rank's heads of each token of the full-head piece, (..., piece_bytes)."""
+    if not _sliced(tp):
+        return _expected_bytes(bases, layout.piece_bytes)
+    assert tp is not None
+    tpb, local = layout.tokens_per_block, layout.token_bytes
+    full = _expected_bytes(bases, layout.piece_bytes * tp.size)
+    per_token = full.reshape(*bases.shape, tpb, local * tp.size)
+    mine = per_token[..., tp.rank * local : (tp.rank + 1) * local]
+    return np.ascontiguousarray(mine).reshape(*bases.shape, layout.piece_bytes)
 
 
 # -- pool access -----------------------------------------------------------------------------
@@ -190,11 +216,18 @@ def _check_seed(seed: int) -> None:
 
 
 def fill_blocks(
-    pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: BlockIds, seed: int, start: int = 0
+    pool: npt.NDArray[np.uint8],
+    layout: KvLayout,
+    blocks: BlockIds,
+    seed: int,
+    start: int = 0,
+    *,
+    tp: TpRank | None = None,
 ) -> None:
     """Write the content of logical blocks start..start+len(blocks)-1 of the request `seed`
     into the physical blocks `blocks` (all tokens of every block). `start` > 0 fills a later
-    part of a request, e.g. one prefill chunk's blocks as that chunk completes."""
+    part of a request, e.g. one prefill chunk's blocks as that chunk completes. `tp`: the pool
+    belongs to that tensor-parallel rank and holds its heads of the content."""
     ids = layout.check_blocks(blocks)
     access = _Pool(pool, layout)
     bases = _bases(seed, start + ids.shape[0], layout.pieces_per_block)[start:]
@@ -202,7 +235,10 @@ def fill_blocks(
     for j, chunk in access.chunks(ids):
         m = chunk.shape[0]
         first = access.consecutive_start(chunk)
-        if access.words and first is not None:
+        if _sliced(tp):
+            local = _local_expected(bases[j : j + m], layout, tp)
+            access.write(chunk, local.view(access.unit).reshape(m, layout.pieces_per_block, -1))
+        elif access.words and first is not None:
             # Straight into the pool, no temporary.
             np.add(bases[j : j + m, :, None], ramp, out=access.pieces[first : first + m])
         else:
@@ -228,9 +264,12 @@ def verify_blocks(
     blocks: BlockIds,
     seed: int,
     num_tokens: int,
+    *,
+    tp: TpRank | None = None,
 ) -> VerifyResult:
     """Check every byte of the first `num_tokens` tokens of the request `seed`, stored in the
-    physical blocks `blocks` (logical block i in blocks[i]).
+    physical blocks `blocks` (logical block i in blocks[i]); `tp`: the pool holds that
+    tensor-parallel rank's heads of the content.
 
     `blocks` must be exactly the ceil(num_tokens / tokens_per_block) blocks that hold them; the
     tokens of the last block past num_tokens are not checked. Raises LayoutError when the block
@@ -253,7 +292,11 @@ def verify_blocks(
     found: _Found | None = None
 
     for j, chunk in access.chunks(ids[:full]):
-        hit = _verify_chunk(access, bases[j : j + chunk.shape[0]], chunk)
+        chunk_bases = bases[j : j + chunk.shape[0]]
+        if _sliced(tp):
+            hit = _verify_chunk_bytes(access, _local_expected(chunk_bases, layout, tp), chunk)
+        else:
+            hit = _verify_chunk(access, chunk_bases, chunk)
         if hit is not None and found is None:
             found = (j + hit[0], *hit[1:])
     checked = full * layout.block_bytes
@@ -262,18 +305,30 @@ def verify_blocks(
     if tail_tokens:
         nbytes = tail_tokens * layout.token_bytes
         stored = access.bytes[int(ids[full])][:, :nbytes]
-        expected = _expected_bytes(bases[full], layout.piece_bytes)[:, :nbytes]
+        expected = _local_expected(bases[full], layout, tp)[:, :nbytes]
         wrong = stored != expected
         checked += wrong.size
         if found is None and wrong.any():
             r, off = (int(x) for x in np.unravel_index(int(np.argmax(wrong)), wrong.shape))
             found = (full, r, off, int(expected[r, off]), int(stored[r, off]))
-    mismatch = None if found is None else _describe(layout, ids, found)
+    mismatch = None if found is None else _describe(layout, ids, found, tp or TpRank())
     return VerifyResult(ok=found is None, bytes_checked=checked, first_mismatch=mismatch)
 
 
 # (logical block, region, byte offset in the piece, expected byte, found byte)
 _Found = tuple[int, int, int, int, int]
+
+
+def _verify_chunk_bytes(access: _Pool, expected: U8, ids: npt.NDArray[np.int64]) -> _Found | None:
+    """Check whole blocks `ids` against their expected bytes (m, regions, piece_bytes)."""
+    m = ids.shape[0]
+    stored = np.ascontiguousarray(access.read(ids)).view(np.uint8).reshape(expected.shape)
+    wrong = stored != expected
+    if not wrong.any():
+        return None
+    jj, r, off = (int(x) for x in np.unravel_index(int(np.argmax(wrong)), wrong.shape))
+    assert jj < m
+    return (jj, r, off, int(expected[jj, r, off]), int(stored[jj, r, off]))
 
 
 def _verify_chunk(access: _Pool, bases: U64, ids: npt.NDArray[np.int64]) -> _Found | None:
@@ -319,11 +374,17 @@ def _verify_chunk(access: _Pool, bases: U64, ids: npt.NDArray[np.int64]) -> _Fou
     return None
 
 
-def _describe(layout: KvLayout, ids: npt.NDArray[np.int64], found: _Found) -> str:
+def _describe(layout: KvLayout, ids: npt.NDArray[np.int64], found: _Found, tp: TpRank) -> str:
     j, region, off, want, got = found
     layer, kv = divmod(region, layout.kv_factor)
     token, byte = divmod(off, layout.token_bytes)
+    head_bytes = layout.head_dim * layout.itemsize
+    head = tp.rank * layout.num_kv_heads + byte // head_bytes
+    where = f"kv head {head} of {layout.num_kv_heads * tp.size}"
+    if tp.size > 1:
+        where += f", held by {tp}"
     return (
         f"logical block {j} (physical block {int(ids[j])}), layer {layer}, kv {kv}, "
-        f"token {token}, byte {byte} of the token: expected 0x{want:02x}, found 0x{got:02x}"
+        f"token {token}, byte {byte} of the token ({where}): "
+        f"expected 0x{want:02x}, found 0x{got:02x}"
     )
