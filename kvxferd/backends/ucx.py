@@ -168,10 +168,33 @@ _PEER_LOST_ERRORS = {
 }
 
 
+class _PeerGoneFilter(logging.Filter):
+    """ucxx logs an ERROR with a full traceback when a peer dies while its endpoint is
+    being accepted (the listener's handshake fails). For a daemon that is an expected
+    fault, reported through PeerLostError where it matters: keep one WARNING line
+    naming the exception instead of a traceback that reads like a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if (
+            record.levelno >= logging.ERROR
+            and isinstance(args, tuple)
+            and len(args) == 2
+            and str(args[0]).startswith("Unexpected error in listener handler")
+        ):
+            last = str(args[1]).rstrip().splitlines()[-1:] or ["?"]
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "UCX: accepting a peer's endpoint failed: %s", (last[0],)
+        return True
+
+
 def _load() -> Any:
     # ucxx sets UCX_MEMTYPE_CACHE for old UCX releases; the UCX it bundles no
     # longer knows it and would warn on every context creation.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ucx_log = logging.getLogger("ucx")
+    if not any(isinstance(f, _PeerGoneFilter) for f in ucx_log.filters):
+        ucx_log.addFilter(_PeerGoneFilter())
     try:
         # importlib keeps the untyped package out of mypy's sight.
         return importlib.import_module("ucxx")

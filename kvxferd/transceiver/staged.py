@@ -37,7 +37,7 @@ from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
 from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
-from kvxferd.transceiver.state import Reason, Status
+from kvxferd.transceiver.state import Reason, SessionState, Status
 
 DEFAULT_STAGING_TOKENS = 8192
 
@@ -94,6 +94,7 @@ class StagedSender(Sender):
             )
             return
         deadline = s.deadline if s.deadline is not None else math.inf
+        s.advance(SessionState.TRANSFERRING)  # status and metrics see staged rounds too
         first = start
         while first < end and s.terminal is None:
             stop = min(end, first + per_round)
