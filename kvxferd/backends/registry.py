@@ -18,16 +18,33 @@ BackendUnavailableError that says what to install.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvxferd.backends.base import Backend
 from kvxferd.backends.twosided import NoOneSidedBackend, TwoSidedTransport
 from kvxferd.errors import StartupError
 
 
-def _nixl(agent_name: str) -> Backend:
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a one-sided adapter may need from the daemon's configuration."""
+
+    host: str = "127.0.0.1"
+    """The host of daemon.peer_listen: where peers reach this daemon's data plane."""
+    transfer_timeout_ms: int | None = None
+    """kv_transfer_timeout_ms: an adapter keeps its library's own timeouts below it."""
+
+
+def _nixl(agent_name: str, options: BackendOptions) -> Backend:
     from kvxferd.backends.nixl import NixlBackend
 
     return NixlBackend(agent_name)
+
+
+def _mooncake(agent_name: str, options: BackendOptions) -> Backend:
+    from kvxferd.backends.mooncake import MooncakeBackend
+
+    return MooncakeBackend(agent_name, options.host, options.transfer_timeout_ms)
 
 
 def _ucx(daemon_name: str, incarnation: str) -> TwoSidedTransport:
@@ -36,9 +53,10 @@ def _ucx(daemon_name: str, incarnation: str) -> TwoSidedTransport:
     return UcxTransport(daemon_name, incarnation)
 
 
-# backend name -> factory(agent_name). One-sided: memory registration + writes.
-ONE_SIDED: dict[str, Callable[[str], Backend]] = {
+# backend name -> factory(agent_name, options). One-sided: memory registration + writes.
+ONE_SIDED: dict[str, Callable[[str, BackendOptions], Backend]] = {
     "NIXL": _nixl,
+    "MOONCAKE": _mooncake,
 }
 
 # backend name -> factory(daemon_name, incarnation). Two-sided: tagged send/recv.
@@ -74,14 +92,14 @@ def startup_problem(backend: str, runtime: str) -> str | None:
     return None
 
 
-def make_backend(backend: str, agent_name: str) -> Backend:
+def make_backend(backend: str, agent_name: str, options: BackendOptions | None = None) -> Backend:
     """The data plane's backend: the one-sided adapter, or a stand-in for two-sided ones."""
     if backend in TWO_SIDED:
         return NoOneSidedBackend(backend, agent_name)
     factory = ONE_SIDED.get(backend)
     if factory is None:
         raise StartupError(startup_problem(backend, "CPP") or f"backend {backend} is unknown")
-    return factory(agent_name)
+    return factory(agent_name, options or BackendOptions())
 
 
 def make_transport(backend: str, daemon_name: str, incarnation: str) -> TwoSidedTransport:

@@ -103,7 +103,11 @@ class Daemon:
             )
         self.secret_configured = secret is not None
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
-        self.dataplane = DataPlane(lambda: registry.make_backend(settings.backend, self.agent_name))
+        # MOONCAKE tells peers `host` and keeps its own timeouts below ours.
+        options = registry.BackendOptions(host, settings.kv_transfer_timeout_ms)
+        self.dataplane = DataPlane(
+            lambda: registry.make_backend(settings.backend, self.agent_name, options)
+        )
         self.pools = PoolRegistry(self.dataplane)
         self.peers = PeerManager(
             self.identity,

@@ -1,0 +1,639 @@
+"""MOONCAKE adapter for the staged (CPP) runtime: the only module that imports mooncake.
+
+One Mooncake transfer engine per daemon, over TCP, with P2PHANDSHAKE metadata
+(no etcd or other metadata server): each engine listens on an RPC port and
+serves its own segment descriptor from there; a peer is named by its session
+id "host:rpc_port". The engine is one-sided: a write goes into memory the
+peer registered with its engine, so this adapter implements `Backend` like
+the NIXL one.
+
+Peer metadata
+-------------
+`metadata()` is a small JSON document (never pickle): format version, our
+agent name, our session id, our Mooncake package version and the regions we
+registered. It travels inside kvxferd's authenticated peer handshake (Info,
+PoolsUpdate); `add_peer` decodes it strictly and raises TransferError on
+anything malformed. The
+regions let `post_write` refuse a write outside the peer's registered memory
+before it leaves, with a message that says which segment; the peer's engine
+refuses such writes too (it checks every request against its registrations).
+
+`add_peer` fetches the peer's segment descriptor from its RPC port once,
+while the peer is demonstrably alive (it is answering our handshake), and
+Mooncake caches it. Without this the first write would fetch it, on the
+data-plane thread, and a stopped peer would hold that fetch (and every other
+transfer of the daemon) for about a minute: Mooncake's handshake read has no
+shorter deadline.
+
+Writes
+------
+Each (local, remote) segment pair is one `transfer_submit_write` (it returns
+at once) and is polled with `transfer_check_status`, so the data-plane thread
+never waits for a transfer. The batch ids these return are pointers: Mooncake
+frees a batch the moment `transfer_check_status` reports it finished (1) or
+failed (-1), so a finished id is never touched again.
+(`batch_transfer_async_write` is no use here: its only status call,
+`get_batch_transfer_status`, blocks until the whole batch ends.)
+
+Completion means "applied at the destination": Mooncake 0.3.13's TCP
+transport speaks its acknowledged protocol (v2) to peers that advertise it,
+and the peer sends the acknowledgement only after the last chunk was written
+into the destination memory. Under the legacy framing a write "completes"
+when its last byte leaves our socket buffer, so MC_TCP_PROTO=1 (which forces
+it) is refused at start-up, and a peer running another Mooncake version is
+refused in `add_peer`: the acknowledged protocol is vouched for on the
+version this was verified with, on both sides.
+
+Failures arrive only as -1, without a reason (the reason goes to Mooncake's
+log on stderr). A failed write is classified by opening a TCP connection to
+the peer's RPC port: refused, unreachable or silent past `probe_timeout_s`
+means the peer is gone (PeerLostError, about 1 ms after a kill); otherwise it
+is alive and refused the write or stopped making progress (TransferError).
+
+Release, and what can still land
+--------------------------------
+Mooncake cannot cancel a write. `release` therefore refuses (raises
+TransferError) while any segment of the handle is still in flight; the caller
+retries, as the Backend contract requires, and the handle is marked released
+only once Mooncake has reported every segment finished or failed. From then
+on Mooncake neither reads the local source nor sends another byte of it: its
+client session for the write has ended, and on failure it closed the
+connection. A write that never finishes ends by Mooncake's own timeouts
+(below), so a release is refused for at most about that long.
+
+One thing no initiator can prevent: when the write failed because the PEER
+was stopped (SIGSTOP, a hung host), the bytes already delivered into the
+peer's kernel socket buffer (about 4 MiB on loopback, measured) are still
+applied to the peer's memory when it resumes. A killed peer applies nothing
+(its memory is gone), and a completed write has nothing left in flight.
+
+Timeouts
+--------
+kvxferd's kv_transfer_timeout_ms bounds a request; Mooncake's TCP transport
+has two timeouts of its own that bound one write: MC_TCP_PROGRESS_TIMEOUT_SEC
+(no payload progress for that long) and MC_TCP_STATUS_TIMEOUT_SEC (no
+acknowledgement that long after the last byte). Both default to 30 s. They
+are set, before the engine starts, to half of kv_transfer_timeout_ms in whole
+seconds (at least 1, Mooncake's granularity; at most its default of 30), so a
+write to a stopped peer fails, and its handle can be released, within half
+our deadline. With kv_transfer_timeout_ms null, Mooncake keeps its defaults.
+MC_TRANSFER_TIMEOUT, which bounds only Mooncake's blocking calls (not used
+here), is set to the same value but at least 5, Mooncake's minimum for it.
+A value the operator already set in the environment wins, with a warning
+when it is not below kv_transfer_timeout_ms. These variables are read by the
+whole process; a daemon has one engine.
+
+Limits
+------
+* The engine's RPC and data listeners bind every interface and authenticate
+  nothing: anyone who can reach those ports can write into registered memory.
+  Use it on a trusted network (or firewall the ports); the host given to the
+  engine is only the address peers are told to use.
+* A peer that restarts on the same RPC port (Mooncake picks ports at random
+  in a range of about 2000) keeps its stale cached descriptor here: writes to
+  it fail until this daemon restarts. Mooncake's Python API cannot evict it.
+* IPv4 addresses and host names only: a session id has no room for an IPv6
+  literal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import ipaddress
+import itertools
+import json
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxferd.backends.base import Segments, XferHandle, XferStatus
+from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
+
+log = logging.getLogger("kvxferd.backends.mooncake")
+
+PACKAGE = "mooncake-transfer-engine-non-cuda"
+SYSTEM_LIBRARIES = "libibverbs1 librdmacm1 libnuma1 liburing2 libnl-3-200 libnl-route-3-200"
+
+# Peer metadata: format version and bounds. It comes from the network, so
+# every field is checked and every size is bounded before anything is built.
+METADATA_VERSION = 1
+_METADATA_KEY = "kvxferd_mooncake"
+_MAX_METADATA_BYTES = 256 * 1024
+_MAX_REGIONS = 4096
+_MAX_AGENT_CHARS = 256
+_AGENT_RE = re.compile(r"[A-Za-z0-9._:@/-]+")
+_VERSION_RE = re.compile(r"[A-Za-z0-9.+_-]{1,64}")
+_HOSTNAME_RE = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+_ADDRESS_LIMIT = 1 << 64
+
+# Mooncake's TCP timeouts (seconds): its default, and the variables that set them.
+MOONCAKE_DEFAULT_TIMEOUT_S = 30
+_TCP_TIMEOUT_VARS = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+_SYNC_TIMEOUT_VAR = "MC_TRANSFER_TIMEOUT"
+_SYNC_TIMEOUT_MIN_S = 5  # Mooncake clamps MC_TRANSFER_TIMEOUT to at least this
+
+# transfer_check_status's answers.
+_MC_DONE, _MC_IN_PROGRESS, _MC_FAILED, _MC_TIMED_OUT = 1, 0, -1, -2
+
+
+def _load() -> Any:
+    # Mooncake logs every connection at INFO level to stderr; warnings and
+    # errors (a failed write's cause) are what an operator needs. Read when
+    # the engine starts; an operator's own setting wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    try:
+        return importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        if getattr(exc, "name", None) in ("mooncake", "mooncake.engine") and "No module" in str(
+            exc
+        ):
+            what = f"backend MOONCAKE needs the {PACKAGE} package, which is not installed"
+        else:
+            what = f"backend MOONCAKE's engine ({PACKAGE}) does not load"
+        hint = (
+            f"; install it with `pip install {PACKAGE}` (scripts/install.sh does this) and "
+            f"Debian's {SYSTEM_LIBRARIES} (scripts/system-deps.sh installs them)"
+        )
+        if "libcuda" in str(exc):
+            hint += (
+                "; the CUDA build (mooncake-transfer-engine) needs a GPU driver: on hosts "
+                f"without one, uninstall it and install {PACKAGE}"
+            )
+        raise BackendUnavailableError(f"{what} ({exc}){hint}") from exc
+
+
+def engine_version() -> str:
+    """The installed Mooncake engine's package version ("unknown" if neither build is)."""
+    for dist in (PACKAGE, "mooncake-transfer-engine"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def mooncake_timeout_s(transfer_timeout_ms: int | None) -> int | None:
+    """Mooncake's per-write TCP timeout for our kv_transfer_timeout_ms: half of it in
+    whole seconds, between 1 and Mooncake's default. None: keep Mooncake's default."""
+    if transfer_timeout_ms is None:
+        return None
+    return max(1, min(MOONCAKE_DEFAULT_TIMEOUT_S, transfer_timeout_ms // 2000))
+
+
+def apply_timeouts(transfer_timeout_ms: int | None) -> int:
+    """Set Mooncake's timeouts in the environment (before its engine starts) and
+    return the per-write timeout in effect, in seconds."""
+    chosen = mooncake_timeout_s(transfer_timeout_ms)
+    effective = MOONCAKE_DEFAULT_TIMEOUT_S if chosen is None else chosen
+    for var in _TCP_TIMEOUT_VARS:
+        mine = os.environ.get(var)
+        if mine is None:
+            if chosen is not None:
+                os.environ[var] = str(chosen)
+            continue
+        # The operator's value wins; Mooncake ignores what is not a positive integer.
+        value = int(mine) if mine.strip().isdigit() and int(mine) > 0 else None
+        seconds = MOONCAKE_DEFAULT_TIMEOUT_S if value is None else value
+        effective = max(effective, seconds)
+        if transfer_timeout_ms is not None and seconds * 1000 >= transfer_timeout_ms:
+            log.warning(
+                "%s=%s is not below kv_transfer_timeout_ms (%d ms): a write to a stopped peer "
+                "then outlives the request's deadline, and its staging stays in use until "
+                "Mooncake gives up",
+                var,
+                mine,
+                transfer_timeout_ms,
+            )
+    if chosen is not None and _SYNC_TIMEOUT_VAR not in os.environ:
+        os.environ[_SYNC_TIMEOUT_VAR] = str(max(_SYNC_TIMEOUT_MIN_S, chosen))
+    return effective
+
+
+def _check_host(host: str) -> str:
+    """The address peers are told to reach our engine at."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if host == "localhost":
+            return "127.0.0.1"
+        if _HOSTNAME_RE.fullmatch(host) is None:
+            raise StartupError(f"MOONCAKE: {host!r} is not an IPv4 address or host name") from None
+        return host
+    if ip.version != 4:
+        raise StartupError(
+            f"MOONCAKE: daemon.peer_listen's host {host} is IPv6; Mooncake's session ids "
+            "(host:port) take IPv4 addresses and host names only"
+        )
+    if ip.is_unspecified:
+        raise StartupError(
+            f"MOONCAKE: daemon.peer_listen's host {host} is a wildcard, and peers must be "
+            "told an address they can reach the transfer engine at; set daemon.peer_listen "
+            "to this host's address on the network the peers use"
+        )
+    return host
+
+
+def _split_session(session: str) -> tuple[str, int]:
+    host, sep, port = session.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or len(port) > 5:
+        raise ValueError(f"session id {session!r} is not HOST:PORT")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if _HOSTNAME_RE.fullmatch(host) is None:
+            raise ValueError(f"session id {session!r} has no valid host") from None
+    else:
+        if ip.version != 4 or ip.is_unspecified:
+            raise ValueError(f"session id {session!r} has no usable IPv4 host")
+    return host, int(port)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    agent: str
+    session: str
+    regions: tuple[tuple[int, int], ...]  # (address, nbytes), sorted by address
+    engine: str  # the peer's Mooncake package version
+
+
+def encode_metadata(agent: str, session: str, regions: list[tuple[int, int]], engine: str) -> bytes:
+    doc = {
+        _METADATA_KEY: METADATA_VERSION,
+        "agent": agent,
+        "session": session,
+        "engine": engine,
+        "regions": [[a, n] for a, n in sorted(regions)],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_metadata(data: bytes) -> PeerMetadata:
+    """Strictly decode a peer's metadata; ValueError says what is wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"metadata is {type(data).__name__}, not bytes")
+    if len(data) > _MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {len(data)} bytes, more than {_MAX_METADATA_BYTES}")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the decoder's stack allows.
+        raise ValueError(f"metadata is not JSON ({exc!r}); is the peer a MOONCAKE daemon?") from exc
+    if not isinstance(doc, dict):
+        raise ValueError("metadata is not a JSON object; is the peer a MOONCAKE daemon?")
+    if doc.get(_METADATA_KEY) != METADATA_VERSION:
+        raise ValueError(
+            f"metadata format {doc.get(_METADATA_KEY)!r} is not {METADATA_VERSION}; "
+            "is the peer a MOONCAKE daemon of this version?"
+        )
+    expected = {_METADATA_KEY, "agent", "session", "engine", "regions"}
+    if set(doc) != expected:
+        raise ValueError(f"metadata fields {sorted(doc)} are not {sorted(expected)}")
+    agent, session, engine, raw = doc["agent"], doc["session"], doc["engine"], doc["regions"]
+    if (
+        not isinstance(agent, str)
+        or len(agent) > _MAX_AGENT_CHARS
+        or _AGENT_RE.fullmatch(agent) is None
+    ):
+        raise ValueError(f"agent name {agent!r} is not a short printable name")
+    if not isinstance(engine, str) or _VERSION_RE.fullmatch(engine) is None:
+        raise ValueError(f"engine version {engine!r} is not a short version string")
+    if not isinstance(session, str) or len(session) > 300:
+        raise ValueError("session id is not a short string")
+    _split_session(session)
+    if not isinstance(raw, list) or len(raw) > _MAX_REGIONS:
+        raise ValueError(f"regions is not a list of at most {_MAX_REGIONS}")
+    regions: list[tuple[int, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
+            raise ValueError(f"region {item!r} is not [address, nbytes]")
+        address, nbytes = item
+        if not (address > 0 and nbytes > 0 and address + nbytes <= _ADDRESS_LIMIT):
+            raise ValueError(f"region [{address:#x}, +{nbytes}) is not a valid address range")
+        regions.append((address, nbytes))
+    regions.sort()
+    for (a0, n0), (a1, _) in itertools.pairwise(regions):
+        if a0 + n0 > a1:
+            raise ValueError(f"regions at {a0:#x} and {a1:#x} overlap")
+    return PeerMetadata(agent, session, tuple(regions), engine)
+
+
+def _inside(regions: tuple[tuple[int, int], ...], address: int, nbytes: int) -> bool:
+    return any(start <= address and address + nbytes <= start + length for start, length in regions)
+
+
+@dataclass(frozen=True)
+class _Registration:
+    address: int
+    nbytes: int
+
+
+@dataclass
+class _Peer:
+    meta: PeerMetadata
+
+
+@dataclass
+class _Write:
+    """The native handle: the batch ids (pointers) Mooncake has not finished yet."""
+
+    peer: str
+    session: str
+    pending: list[int]
+    failed: int = 0
+    timed_out: bool = False
+    error: TransferError | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+class MooncakeBackend:
+    """One Mooncake transfer engine (TCP, P2PHANDSHAKE), host (DRAM) memory."""
+
+    name = "MOONCAKE"
+
+    def __init__(
+        self,
+        agent_name: str,
+        host: str = "127.0.0.1",
+        transfer_timeout_ms: int | None = None,
+        probe_timeout_s: float = 1.0,
+    ) -> None:
+        self.agent_name = agent_name
+        self.host = _check_host(host)
+        self.probe_timeout_s = probe_timeout_s
+        if os.environ.get("MC_TCP_PROTO", "").strip() == "1":
+            raise StartupError(
+                "MOONCAKE: MC_TCP_PROTO=1 forces Mooncake's legacy, unacknowledged TCP framing, "
+                "under which a completed write may not have reached the peer's memory yet; "
+                "unset it"
+            )
+        mc = _load()
+        self.engine_version = engine_version()
+        # Before the engine exists: Mooncake reads MC_TRANSFER_TIMEOUT when it is built.
+        self.write_timeout_s = apply_timeouts(transfer_timeout_ms)
+        try:
+            self._engine: Any = mc.TransferEngine()
+            rc = self._engine.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
+        except Exception as exc:
+            raise StartupError(f"MOONCAKE transfer engine could not start: {exc}") from exc
+        if rc != 0:
+            raise StartupError(
+                f"MOONCAKE transfer engine could not start on {self.host} (initialize returned "
+                f"{rc}; Mooncake's log on stderr says why)"
+            )
+        self.session = f"{self.host}:{self._engine.get_rpc_port()}"
+        self._regions: dict[int, int] = {}  # address -> nbytes, what we registered
+        self._peers: dict[str, _Peer] = {}
+        log.info(
+            "MOONCAKE engine %s up (agent %s); a stuck write fails after %d s",
+            self.session,
+            agent_name,
+            self.write_timeout_s,
+        )
+
+    # ------------------------------------------------------------ memory
+
+    def register(self, address: int, nbytes: int) -> object:
+        if nbytes <= 0 or address <= 0:
+            raise StartupError(f"MOONCAKE cannot register {nbytes} bytes at {address:#x}")
+        for start, length in self._regions.items():
+            if start < address + nbytes and address < start + length:
+                raise StartupError(
+                    f"MOONCAKE: [{address:#x}, +{nbytes}) overlaps the registered region "
+                    f"[{start:#x}, +{length})"
+                )
+        rc = self._engine.register_memory(address, nbytes)
+        if rc != 0:
+            raise StartupError(
+                f"MOONCAKE could not register {nbytes} bytes at {address:#x} (returned {rc})"
+            )
+        self._regions[address] = nbytes
+        return _Registration(address, nbytes)
+
+    def deregister(self, registration: object) -> None:
+        if not isinstance(registration, _Registration):
+            raise TransferError(f"MOONCAKE: {registration!r} is not one of its registrations")
+        if self._regions.pop(registration.address, None) is None:
+            return
+        rc = self._engine.unregister_memory(registration.address)
+        if rc != 0:
+            raise TransferError(
+                f"MOONCAKE could not unregister {registration.nbytes} bytes at "
+                f"{registration.address:#x} (returned {rc})"
+            )
+
+    # ------------------------------------------------------------- peers
+
+    def metadata(self) -> bytes:
+        return encode_metadata(
+            self.agent_name, self.session, list(self._regions.items()), self.engine_version
+        )
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            meta = decode_metadata(metadata)
+        except ValueError as exc:
+            raise TransferError(f"MOONCAKE: the peer's agent metadata is invalid: {exc}") from exc
+        if meta.engine != self.engine_version:
+            # "Completed" means "in the peer's memory" only under the acknowledged TCP
+            # protocol, verified with one version; mixed versions are not vouched for.
+            raise TransferError(
+                f"MOONCAKE: peer {meta.agent} runs {PACKAGE} {meta.engine} and this daemon "
+                f"{self.engine_version}; run the same version on both"
+            )
+        known = self._peers.get(meta.agent)
+        if known is not None and known.meta.session == meta.session:
+            known.meta = meta  # new registrations (a pools update): nothing to fetch
+            return meta.agent
+        for name, peer in self._peers.items():
+            if peer.meta.session == meta.session and name != meta.agent:
+                log.warning(
+                    "MOONCAKE: peer %s reuses the engine address %s of %s; Mooncake may still "
+                    "hold that engine's descriptor",
+                    meta.agent,
+                    meta.session,
+                    name,
+                )
+        self._fetch_segment(meta)
+        self._peers[meta.agent] = _Peer(meta)
+        return meta.agent
+
+    def _fetch_segment(self, meta: PeerMetadata) -> None:
+        """Have Mooncake fetch and cache the peer's segment descriptor now (see the
+        module notes: a later fetch could hold the data-plane thread). No probe
+        first: a bare connection to the peer's RPC port makes it log a warning."""
+        first = self._engine.get_first_buffer_address(meta.session)
+        if meta.regions and not first:
+            raise TransferError(
+                f"MOONCAKE could not fetch the segment descriptor of {meta.agent} from "
+                f"{meta.session}: is its port reachable from here? (Mooncake's log on stderr "
+                "says why)"
+            )
+
+    def remove_peer(self, agent_name: str) -> None:
+        # Mooncake's Python API cannot drop its cached descriptor; forgetting the
+        # name is what stops further writes to this peer.
+        self._peers.pop(agent_name, None)
+
+    def connect(self, agent_name: str) -> None:
+        # The descriptor was fetched in add_peer; TCP connections open on first use.
+        if agent_name not in self._peers:
+            raise PeerLostError(f"MOONCAKE: no peer {agent_name} (never added, or removed)")
+
+    def _reachable(self, session: str) -> bool:
+        host, port = _split_session(session)
+        try:
+            with socket.create_connection((host, port), timeout=self.probe_timeout_s):
+                return True
+        except OSError:
+            return False
+
+    # ------------------------------------------------------------ writes
+
+    def post_write(
+        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+    ) -> tuple[XferHandle, XferStatus]:
+        if notif:
+            raise TransferError(
+                "MOONCAKE writes carry no notification (kvxferd reports completion on its "
+                "peer channel)"
+            )
+        peer = self._peers.get(agent_name)
+        if peer is None:
+            raise PeerLostError(f"MOONCAKE: no peer {agent_name} (never added, or removed)")
+        pairs = self._check_segments(local, remote, peer.meta)
+        write = _Write(peer=agent_name, session=peer.meta.session, pending=[])
+        handle = XferHandle(
+            native=write,
+            peer_agent=agent_name,
+            nbytes=sum(n for _, _, n in pairs),
+            descriptors=len(pairs),
+        )
+        for laddr, raddr, nbytes in pairs:
+            batch = self._engine.transfer_submit_write(peer.meta.session, laddr, raddr, nbytes)
+            if batch > 0:
+                write.pending.append(int(batch))
+                continue
+            if not write.pending:
+                # Nothing in flight: safe to raise (the caller holds no handle).
+                raise self._failure(write, nbytes, "could not be submitted")
+            # Some segments are in flight: the caller must release the handle.
+            write.failed += 1
+            write.error = self._failure(write, nbytes, "could not be submitted")
+            return handle, XferStatus.ERROR
+        return handle, XferStatus.IN_PROGRESS
+
+    def _check_segments(
+        self, local: Segments, remote: Segments, meta: PeerMetadata
+    ) -> list[tuple[int, int, int]]:
+        local = np.asarray(local)
+        remote = np.asarray(remote)
+        if local.ndim != 2 or local.shape[1] != 2 or local.shape != remote.shape or not len(local):
+            raise TransferError(
+                f"MOONCAKE: segments must be two equal, non-empty (N, 2) arrays, not "
+                f"{local.shape} and {remote.shape}"
+            )
+        own = tuple(sorted(self._regions.items()))
+        pairs: list[tuple[int, int, int]] = []
+        for (laddr, lnbytes), (raddr, rnbytes) in zip(local.tolist(), remote.tolist(), strict=True):
+            if lnbytes != rnbytes or lnbytes <= 0:
+                raise TransferError(
+                    f"MOONCAKE: segment lengths differ or are not positive ({lnbytes} local, "
+                    f"{rnbytes} remote)"
+                )
+            if not _inside(own, laddr, lnbytes):
+                raise TransferError(
+                    f"MOONCAKE: local segment [{laddr:#x}, +{lnbytes}) is outside the memory "
+                    "registered here"
+                )
+            if not _inside(meta.regions, raddr, rnbytes):
+                raise TransferError(
+                    f"MOONCAKE: remote segment [{raddr:#x}, +{rnbytes}) is outside the memory "
+                    f"{meta.agent} registered"
+                )
+            pairs.append((int(laddr), int(raddr), int(lnbytes)))
+        return pairs
+
+    def _advance(self, write: _Write) -> None:
+        """Ask Mooncake about every unfinished segment; forget the finished ones
+        (Mooncake has freed their batch ids)."""
+        still: list[int] = []
+        for batch in write.pending:
+            state = self._engine.transfer_check_status(batch)
+            if state == _MC_DONE:
+                continue
+            if state == _MC_FAILED:
+                write.failed += 1
+                continue
+            if state == _MC_TIMED_OUT:
+                # Not freed by Mooncake and maybe still moving: failed, not finished.
+                write.timed_out = True
+            elif state != _MC_IN_PROGRESS:
+                write.extra.append(f"unknown status {state}")
+            still.append(batch)
+        write.pending = still
+
+    def _failure(self, write: _Write, nbytes: int, what: str) -> TransferError:
+        if not self._reachable(write.session):
+            return PeerLostError(
+                f"MOONCAKE write to {write.peer} {what}: its transfer engine at {write.session} "
+                "no longer accepts connections (peer gone)"
+            )
+        return TransferError(
+            f"MOONCAKE write of {nbytes} bytes to {write.peer} {what}, though its engine at "
+            f"{write.session} still accepts connections: the peer refused the write (memory "
+            f"not registered there) or made no progress for {self.write_timeout_s} s (stopped "
+            "or overloaded); Mooncake's log on stderr has the cause"
+        )
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        write = handle.native
+        assert isinstance(write, _Write)
+        if write.error is not None:
+            raise write.error
+        self._advance(write)
+        if write.failed or write.timed_out or write.extra:
+            what = "failed" if write.failed else "timed out"
+            if write.extra:
+                what = f"failed ({', '.join(write.extra)})"
+            write.error = self._failure(write, handle.nbytes, what)
+            raise write.error
+        return XferStatus.IN_PROGRESS if write.pending else XferStatus.DONE
+
+    def release(self, handle: XferHandle) -> None:
+        """Mark the handle released once Mooncake has finished every segment.
+
+        Mooncake cannot cancel a write, so while any segment is in flight this
+        refuses (raises TransferError) and the caller retries; Mooncake's own
+        timeout ends a stuck write within `write_timeout_s`.
+        """
+        if handle.released:
+            return
+        write = handle.native
+        assert isinstance(write, _Write)
+        self._advance(write)
+        if write.pending:
+            raise TransferError(
+                f"MOONCAKE cannot cancel a write: {len(write.pending)} segment(s) to "
+                f"{write.peer} still in flight; Mooncake ends a stuck one after "
+                f"{self.write_timeout_s} s without progress"
+            )
+        handle.released = True
+
+    def close(self) -> None:
+        # The engine stops its threads and listeners when it is freed; the daemon
+        # closes the data plane only once every write is released.
+        self._engine = None
+        self._peers.clear()
