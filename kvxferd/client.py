@@ -169,8 +169,14 @@ class AsyncClient:
 
     # ------------------------------------------------------------- the calls
 
-    async def register_pool(self, pool_id: str, shm_name: str, layout: KvLayout) -> None:
-        """Share a pool (POSIX shm `shm_name`) with the daemon, which maps and registers it."""
+    async def register_pool(
+        self, pool_id: str, shm_name: str, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        """Share a pool (POSIX shm `shm_name`) with the daemon, which maps and registers it.
+
+        With tensor parallelism, the pool of rank `tp_rank` of `tp_size` holds the KV heads
+        [tp_rank * h, (tp_rank + 1) * h), h being `layout.num_kv_heads`.
+        """
         await self._call(
             RegisterPool(
                 call_id=next(self._ids),
@@ -178,6 +184,8 @@ class AsyncClient:
                 shm_name=shm_name,
                 nbytes=layout.pool_bytes,
                 layout=dict(layout.to_wire()),
+                tp_rank=tp_rank,
+                tp_size=tp_size,
             )
         )
 
@@ -189,21 +197,29 @@ class AsyncClient:
         request_id: str,
         pool_id: str,
         blocks: Sequence[int],
-        peer: str,
+        peer: str | Sequence[str],
         num_tokens: int | None = None,
         beam_width: int = 1,
     ) -> None:
         """Generation side: post a receive of `request_id` into `blocks`, from `peer`
-        (a static peer name of the daemon's config, or the context daemon's HOST:PORT)."""
+        (a static peer name of the daemon's config, or the context daemon's HOST:PORT).
+
+        A list of peers receives from several context daemons at once: the context ranks
+        whose KV heads this pool holds, when the context instance has more tensor-parallel
+        ranks than the generation instance (each writes its heads; the request is done when
+        all have).
+        """
+        single = isinstance(peer, str)
         await self._call(
             Recv(
                 call_id=next(self._ids),
                 request_id=request_id,
                 pool_id=pool_id,
                 blocks=[int(b) for b in blocks],
-                peer=peer,
+                peer=peer if isinstance(peer, str) else "",
                 num_tokens=num_tokens,
                 beam_width=beam_width,
+                peers=[] if single else list(peer),
             )
         )
 
@@ -296,8 +312,10 @@ class Client:
             future.cancel()
             raise TimeoutError("no answer from the kvxferd daemon in time") from None
 
-    def register_pool(self, pool_id: str, shm_name: str, layout: KvLayout) -> None:
-        self._run(self._client.register_pool(pool_id, shm_name, layout))
+    def register_pool(
+        self, pool_id: str, shm_name: str, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self._run(self._client.register_pool(pool_id, shm_name, layout, tp_rank, tp_size))
 
     def deregister_pool(self, pool_id: str) -> None:
         self._run(self._client.deregister_pool(pool_id))
@@ -307,7 +325,7 @@ class Client:
         request_id: str,
         pool_id: str,
         blocks: Sequence[int],
-        peer: str,
+        peer: str | Sequence[str],
         num_tokens: int | None = None,
     ) -> None:
         self._run(self._client.recv(request_id, pool_id, blocks, peer, num_tokens))

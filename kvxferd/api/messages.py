@@ -30,11 +30,16 @@ class DaemonHello(_Msg, tag="hello_ok"):
 
 
 class RegisterPool(_Msg, tag="register_pool"):
+    """`layout.num_kv_heads` counts the heads this rank holds: with tensor parallelism, rank
+    `tp_rank` of `tp_size` holds the global heads [tp_rank * h, (tp_rank + 1) * h)."""
+
     call_id: int
     pool_id: str
     shm_name: str
     nbytes: int
     layout: dict[str, object]
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class DeregisterPool(_Msg, tag="deregister_pool"):
@@ -43,13 +48,17 @@ class DeregisterPool(_Msg, tag="deregister_pool"):
 
 
 class Recv(_Msg, tag="recv"):
+    """From `peer` (one context daemon), or from every daemon of `peers` (head-merge: the
+    context instance has more tensor-parallel ranks than we do); exactly one of the two."""
+
     call_id: int
     request_id: str
     pool_id: str
     blocks: list[int]
-    peer: str
+    peer: str = ""
     num_tokens: int | None = None
     beam_width: int = 1
+    peers: list[str] = []
 
 
 class Send(_Msg, tag="send"):

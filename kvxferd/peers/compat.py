@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvxferd.config import ResolvedSettings
+from kvxferd.memory.heads import TpRank, mapping_problems
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import Info
@@ -11,12 +12,45 @@ SENDING_ROLES = ("context", "both")
 RECEIVING_ROLES = ("generation", "both")
 
 
+def tp_support_problem(
+    role: str, ours: TpRank, theirs: TpRank, runtime: str, pipelined: bool
+) -> str | None:
+    """Why pools of these tensor-parallel sizes cannot exchange KV with these settings.
+
+    Head-split and head-merge move each token's shared heads straight between the pools:
+    only the PYTHON runtime's per-block path does that. The staged runtime and the bounce
+    buffer move whole blocks through contiguous regions, and pipelined transfer moves one
+    leg per request; the bounce buffer is simply not used for such a pair, the other two
+    are refused here (and again per request, for pools registered after the handshake).
+    """
+    if ours.size == theirs.size:
+        return None
+    if role in SENDING_ROLES and role not in RECEIVING_ROLES:
+        sizes = f"ctx {ours.size}, gen {theirs.size}"
+    elif role in RECEIVING_ROLES and role not in SENDING_ROLES:
+        sizes = f"ctx {theirs.size}, gen {ours.size}"
+    else:
+        sizes = f"ours {ours.size}, peer {theirs.size}"
+    if runtime != "PYTHON":
+        return (
+            f"tensor-parallel sizes differ ({sizes}): supported by the PYTHON runtime's "
+            f"per-block path only, and this pair runs the {runtime} runtime"
+        )
+    if pipelined:
+        return (
+            f"tensor-parallel sizes differ ({sizes}): supported by the PYTHON runtime's "
+            "per-block path only, not with enable_pipelined_transfer"
+        )
+    return None
+
+
 def check_peer(
     role: str,
     settings: ResolvedSettings,
-    our_layouts: list[KvLayout],
+    our_pools: list[tuple[KvLayout, TpRank]],
     peer: PeerIdentity,
     info: Info,
+    pipeline_parallel_size: int = 1,
 ) -> tuple[str, str] | None:
     """None when compatible, else (reason code, message) for the Refused frame."""
     sends = role in SENDING_ROLES and peer.role in RECEIVING_ROLES
@@ -36,6 +70,12 @@ def check_peer(
             + ("; ".join(diffs) or "fingerprints differ")
             + "); keep context and generation configurations consistent",
         )
+    if info.pipeline_parallel_size != pipeline_parallel_size:
+        return (
+            "parallelism",
+            f"pipeline parallel sizes differ: ours {pipeline_parallel_size}, peer "
+            f"{info.pipeline_parallel_size}; not supported yet",
+        )
     if settings.pipelined_transfer and (
         info.pipeline_parallel_size != 1 or info.context_parallel_size != 1
     ):
@@ -49,14 +89,20 @@ def check_peer(
     for theirs in info.pools:
         try:
             their_layout = KvLayout.from_wire(theirs.layout)
+            their_tp = TpRank(theirs.tp_rank, theirs.tp_size)
         except LayoutError as exc:
             return ("layout", f"peer pool {theirs.pool_id!r} has a bad layout: {exc}")
-        for ours in our_layouts:
-            diffs = ours.same_geometry(their_layout)
+        for ours, our_tp in our_pools:
+            diffs = mapping_problems(ours, our_tp, their_layout, their_tp)
             if diffs:
                 return (
                     "layout",
                     f"KV geometry of peer pool {theirs.pool_id!r} and ours differ: "
                     + "; ".join(diffs),
                 )
+            problem = tp_support_problem(
+                role, our_tp, their_tp, settings.runtime, settings.pipelined_transfer
+            )
+            if problem is not None:
+                return ("parallelism", f"peer pool {theirs.pool_id!r}: {problem}")
     return None

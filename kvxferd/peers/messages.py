@@ -53,6 +53,10 @@ class PoolInfo(msgspec.Struct):
     layout: dict[str, object]
     base: int
     nbytes: int
+    # The pool's tensor-parallel rank (its layout's num_kv_heads are the heads it holds);
+    # defaults keep an older peer's message decodable.
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class Info(_Msg, tag="info"):

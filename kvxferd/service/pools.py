@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvxferd.backends.base import Backend
 from kvxferd.errors import KvxferdError
+from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.messages import PoolInfo
@@ -29,6 +30,7 @@ class LocalPool:
     registration: object
     owner: object  # the engine link that registered it
     users: set[str] = field(default_factory=set)  # active session keys holding blocks
+    tp: TpRank = field(default_factory=TpRank)  # which heads of the model it holds
 
     @property
     def base(self) -> int:
@@ -40,6 +42,8 @@ class LocalPool:
             layout=dict(self.layout.to_wire()),
             base=self.base,
             nbytes=self.layout.pool_bytes,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
         )
 
 
@@ -59,7 +63,13 @@ class PoolRegistry:
         return [p.info() for p in self.pools.values()]
 
     async def register(
-        self, pool_id: str, shm_name: str, nbytes: int, layout: KvLayout, owner: object
+        self,
+        pool_id: str,
+        shm_name: str,
+        nbytes: int,
+        layout: KvLayout,
+        owner: object,
+        tp: TpRank | None = None,
     ) -> LocalPool:
         if pool_id in self.pools:
             raise PoolError("pool_exists", f"pool {pool_id!r} is already registered")
@@ -79,15 +89,17 @@ class PoolRegistry:
         except KvxferdError as exc:
             region.close()
             raise PoolError("registration_failed", f"pool {pool_id!r}: {exc}") from exc
-        pool = LocalPool(pool_id, layout, region, registration, owner)
+        pool = LocalPool(pool_id, layout, region, registration, owner, tp=tp or TpRank())
         self.pools[pool_id] = pool
         log.info(
-            "registered pool %s: %d blocks x %d bytes (%s, shm %s)",
+            "registered pool %s: %d blocks x %d bytes (%s, shm %s, %d KV heads, %s)",
             pool_id,
             layout.num_blocks,
             layout.block_bytes,
             layout.major,
             shm_name,
+            layout.num_kv_heads,
+            pool.tp,
         )
         return pool
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvxferd import PROTOCOL_VERSION, __version__
+from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
@@ -36,10 +37,23 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
                 "role": c.peer.role,
                 "address": c.label,
                 "pools": sorted(c.pools),
+                "tensor_parallel": {
+                    p.pool_id: {"rank": p.tp_rank, "size": p.tp_size} for p in c.pools.values()
+                },
             }
             for c in daemon.peers.connections.values()
         ],
         "pools": sorted(daemon.pools.pools),
+        # Which KV heads each pool holds (tensor parallelism; rank 0 of 1 without it).
+        "tensor_parallel": {
+            p.pool_id: {
+                "rank": p.tp.rank,
+                "size": p.tp.size,
+                "heads": list(head_range(p.layout, p.tp)),
+                "total_heads": total_heads(p.layout, p.tp),
+            }
+            for p in daemon.pools.pools.values()
+        },
         "sessions": {
             "send": _count_states(daemon.sender.sessions.values()),
             "recv": _count_states(daemon.receiver.sessions.values()),

@@ -4,6 +4,10 @@ The general case is kvxferd.memory.layout.pair_segments (vectorised numpy).
 For the common case of block-major pools on both sides a plain loop over the
 blocks is several times cheaper for the short block lists of small requests,
 where numpy's fixed per-call cost dominates.
+
+Pools of different tensor-parallel ranks (head-split, head-merge) move only the
+heads both hold, one descriptor per token run (kvxferd.memory.heads); pools that
+hold the same heads keep the whole-piece paths above.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.heads import TpRank, pair_head_segments, same_heads
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, LayoutError, pair_segments
 
 Segments = npt.NDArray[np.int64]
@@ -43,12 +48,23 @@ def plan_write(
     dst: KvLayout,
     dst_base: int,
     dst_blocks: list[int],
+    src_tp: TpRank | None = None,
+    dst_tp: TpRank | None = None,
 ) -> tuple[Segments, Segments]:
-    """Absolute (address, length) pairs: local source, remote destination."""
+    """Absolute (address, length) pairs: local source, remote destination.
+
+    `src_tp`/`dst_tp`: the pools' tensor-parallel ranks (None: rank 0 of 1). Pools that hold
+    different heads get head-sliced segments; the others whole pieces or blocks.
+    """
     if len(src_blocks) != len(dst_blocks):
         raise LayoutError(
             f"context sends {len(src_blocks)} blocks, generation expects {len(dst_blocks)}"
         )
+    src_tp = src_tp or TpRank()
+    dst_tp = dst_tp or TpRank()
+    if not same_heads(src, src_tp, dst, dst_tp):
+        local, remote = pair_head_segments(src, src_tp, src_blocks, dst, dst_tp, dst_blocks)
+        return _absolute(local, src_base), _absolute(remote, dst_base)
     diffs = src.same_geometry(dst)
     if diffs:
         raise LayoutError("KV geometry differs: " + "; ".join(diffs))
@@ -59,11 +75,13 @@ def plan_write(
     ):
         return _block_major_runs(src, src_base, src_blocks, dst_base, dst_blocks)
     local, remote = pair_segments(src, src_blocks, dst, dst_blocks)
-    local = local.copy()
-    remote = remote.copy()
-    local[:, 0] += src_base
-    remote[:, 0] += dst_base
-    return local, remote
+    return _absolute(local, src_base), _absolute(remote, dst_base)
+
+
+def _absolute(segments: Segments, base: int) -> Segments:
+    out: Segments = segments.copy()
+    out[:, 0] += base
+    return out
 
 
 def _block_major_runs(

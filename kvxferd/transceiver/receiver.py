@@ -6,6 +6,13 @@ admission. When a request ends here while the context side may still be
 writing (timeout, cancel, engine gone, shutdown), the peer is told (Abort) and
 the blocks stay on loan until it confirms quiescence (AbortAck) or the
 connection is gone; only then is the outcome reported.
+
+Head-merge (the context instance has more tensor-parallel ranks than ours): the
+receive names every context daemon holding some of our heads; each is a *leg*
+that gets its own RequestData and writes its heads. The request is done when
+every leg delivered and the legs' ranks cover our heads exactly once; any leg
+failing fails the request, the other legs are aborted, and the blocks are handed
+back only once every leg is quiescent.
 """
 
 from __future__ import annotations
@@ -20,8 +27,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvxferd.errors import HandshakeError, IncompatiblePeerError, KvxferdError, RequestError
-from kvxferd.memory.layout import LayoutError
+from kvxferd.memory.heads import (
+    TpRank,
+    describe,
+    head_range,
+    overlapping_ranks,
+    same_heads,
+    total_heads,
+)
+from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.compat import tp_support_problem
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
@@ -36,6 +52,7 @@ from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncin
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
+    RxLeg,
     RxSession,
     Terminal,
     conclude,
@@ -62,6 +79,9 @@ class ReceiverTimeouts:
 
 
 class Receiver:
+    # The transceiver runtime (the daemon sets it): head-merge needs PYTHON.
+    runtime = "PYTHON"
+
     def __init__(
         self,
         timeouts: ReceiverTimeouts,
@@ -78,7 +98,8 @@ class Receiver:
         self.sessions: dict[str, RxSession] = {}
         self.accepting = True
         self._phase: dict[str, str] = {}
-        self._cancel_answers: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        # By (request id, rx_token, peer connection): the legs of a merge share the token.
+        self._cancel_answers: dict[tuple[str, int, str], asyncio.Future[bool]] = {}
 
     # ------------------------------------------------------------ engine calls
 
@@ -88,10 +109,16 @@ class Receiver:
         request_id: str,
         pool: LocalPool,
         blocks: list[int],
-        peer_address: str,
+        peers: str | list[str],
         num_tokens: int | None,
         beam_width: int = 1,
     ) -> None:
+        """Accept a receive from one context daemon, or from several (head-merge)."""
+        peers = [peers] if isinstance(peers, str) else list(peers)
+        if not peers:
+            raise RequestError("bad_request", "a receive needs at least one context peer")
+        if len(set(peers)) != len(peers):
+            raise RequestError("bad_request", f"the peers {peers} name a context daemon twice")
         if self.pipelined and beam_width != 1:
             raise RequestError(
                 "bad_request",
@@ -124,8 +151,8 @@ class Receiver:
             pool=pool,
             blocks=list(blocks),
             num_tokens=num_tokens,
-            peer_address=peer_address,
             rx_token=secrets.randbits(63),
+            legs=[RxLeg(peer) for peer in peers],
         )
         self.sessions[request_id] = s
         pool.users.add(f"rx:{request_id}")
@@ -147,30 +174,39 @@ class Receiver:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(s.task)
             return "cancelled"
-        conn = s.conn
-        if conn is None:
+        asked = [leg for leg in s.legs if leg.conn is not None and leg.request_sent]
+        if not asked:
             return "busy"
-        key = (request_id, s.rx_token)
-        answer = asyncio.get_running_loop().create_future()
-        self._cancel_answers[key] = answer
-        try:
-            if not await conn.send(CancelRequest(request_id=request_id, rx_token=s.rx_token)):
-                return "busy"
-            try:
-                cancelled = await asyncio.wait_for(answer, self.timeouts.answer_s)
-            except asyncio.TimeoutError:
-                return "busy"
-        finally:
-            self._cancel_answers.pop(key, None)
-        if not cancelled:
+        answers = await asyncio.gather(*(self._ask_cancel(s, leg) for leg in asked))
+        stopped = [leg for leg, cancelled in zip(asked, answers, strict=True) if cancelled]
+        if not stopped:
             return "busy"
-        if s.request_end(
-            Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
-        ):
-            s.peer_told = True
+        # A context daemon that agreed has ended its side and will write nothing more; the
+        # request cannot complete now, so it ends and the other legs are aborted (their
+        # in-flight writes quiesce first).
+        for leg in stopped:
+            s.mark_told(leg)
+        s.request_end(Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine"))
         if s.task is not None:
             await asyncio.shield(s.task)
         return "cancelled" if s.terminal and s.terminal.status == Status.CANCELLED else "finished"
+
+    async def _ask_cancel(self, s: RxSession, leg: RxLeg) -> bool:
+        """Ask one context daemon to cancel; True when nothing was or will be written."""
+        conn = leg.conn
+        assert conn is not None
+        key = (s.request_id, s.rx_token, conn.key)
+        answer = asyncio.get_running_loop().create_future()
+        self._cancel_answers[key] = answer
+        try:
+            if not await conn.send(CancelRequest(request_id=s.request_id, rx_token=s.rx_token)):
+                return False
+            try:
+                return await asyncio.wait_for(answer, self.timeouts.answer_s)
+            except asyncio.TimeoutError:
+                return False
+        finally:
+            self._cancel_answers.pop(key, None)
 
     def release(self, request_id: str) -> None:
         release_finished(self.sessions, request_id, "receive")
@@ -182,7 +218,7 @@ class Receiver:
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> RxSession | None:
         s = self.sessions.get(request_id)
-        if s is None or s.conn is not conn or s.rx_token != rx_token:
+        if s is None or s.rx_token != rx_token or s.leg_of(conn) is None:
             return None  # late or foreign: never revives a finished request
         return s
 
@@ -190,6 +226,8 @@ class Receiver:
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is None or s.terminal is not None:
             return
+        leg = s.leg_of(conn)
+        assert leg is not None
         if msg.status == Reason.OK:
             s.nbytes += msg.nbytes
             if msg.bounced:
@@ -198,13 +236,17 @@ class Receiver:
                 s.rounds.append((msg.first_block, end, msg.nbytes, msg.last))
                 s.wake.set()
             elif msg.last:
-                s.result = (msg.status, s.nbytes, msg.message)
-                s.wake.set()
+                leg.done = True
+                if len(s.legs) > 1:
+                    leg.told = True  # that context daemon is done with the request
+                if all(each.done for each in s.legs):
+                    s.result = (msg.status, s.nbytes, msg.message)
+                    s.wake.set()
             else:
                 s.advance(SessionState.TRANSFERRING)
         else:
             s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_FAILED, msg.message))
-            s.peer_told = True
+            s.mark_told(leg)
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -220,34 +262,38 @@ class Receiver:
             )
         # The context side sends Abort only once its write is quiescent.
         s.request_end(term)
-        s.peer_told = True
+        s.mark_told(s.leg_of(conn))
         s.wake.set()
 
     async def on_abort_ack(self, conn: PeerConnection, msg: AbortAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
-        if s is not None:
-            s.abort_acked = True
+        leg = s.leg_of(conn) if s is not None else None
+        if s is not None and leg is not None:
+            leg.abort_acked = True
             s.wake.set()
 
     async def on_cancel_answer(self, conn: PeerConnection, msg: CancelAnswer) -> None:
-        answer = self._cancel_answers.get((msg.request_id, msg.rx_token))
+        answer = self._cancel_answers.get((msg.request_id, msg.rx_token, conn.key))
         if answer is not None and not answer.done():
             answer.set_result(msg.cancelled)
 
     async def on_peer_closed(self, conn: PeerConnection) -> None:
         lost = []
         for s in self.sessions.values():
-            if s.conn is conn and not s.finished:
+            leg = s.leg_of(conn)
+            if leg is not None and not s.finished:
                 s.request_end(
                     Terminal.peer(
-                        Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}"
+                        Status.FAILED,
+                        Reason.PEER_LOST,
+                        f"peer lost: {conn.peer.name}: {conn.close_reason}",
                     )
                 )
-                s.peer_told = True  # nobody left to tell; a gone connection writes nothing
+                s.mark_told(leg)  # nobody left to tell; a gone connection writes nothing
                 s.wake.set()
                 lost.append(s)
-        for answer in self._cancel_answers.values():
-            if not answer.done():
+        for key, answer in self._cancel_answers.items():
+            if key[2] == conn.key and not answer.done():
                 answer.set_result(False)
         await settle(lost)
 
@@ -292,31 +338,38 @@ class Receiver:
             timeout_s = self.timeouts.timeout_s
             deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
             self._phase[s.request_id] = "connecting"
-            conn = await self._connect_peer(s)
-            if conn is None:
+            if not await self._connect_legs(s):
                 return
-            s.conn = conn
+            conn = s.conn
+            assert conn is not None
             # No await between this check and the write below: a cancel either
             # sees "connecting" (and no request is ever sent) or "sent".
             if s.terminal is not None:
+                return
+            problem = self._source_problem(s, final=False)
+            if problem is not None:
+                s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem))
                 return
             offer = await self._make_offer(s, conn, deadline)
             if s.terminal is not None:
                 return
             self._phase[s.request_id] = "sent"
-            s.request_sent = True
+            for leg in s.legs:
+                leg.request_sent = True
             s.advance(SessionState.READY)
-            await conn.send(
-                RequestData(
-                    request_id=s.request_id,
-                    rx_token=s.rx_token,
-                    pool_id=s.pool.pool_id if s.pool else "",
-                    blocks=s.blocks,
-                    num_tokens=s.num_tokens,
-                    bounce_offset=offer.offset if offer else 0,
-                    bounce_nbytes=offer.nbytes if offer else 0,
+            for leg in s.legs:
+                assert leg.conn is not None
+                await leg.conn.send(
+                    RequestData(
+                        request_id=s.request_id,
+                        rx_token=s.rx_token,
+                        pool_id=s.pool.pool_id if s.pool else "",
+                        blocks=s.blocks,
+                        num_tokens=s.num_tokens,
+                        bounce_offset=offer.offset if offer else 0,
+                        bounce_nbytes=offer.nbytes if offer else 0,
+                    )
                 )
-            )
             await self._await_result(s, deadline)
         except asyncio.CancelledError:
             if s.terminal is None:
@@ -344,6 +397,8 @@ class Receiver:
         """Reserve room in the receive region when bouncing this request pays off."""
         if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
             return None
+        if len(s.legs) > 1 or not self._whole_blocks_from(s, conn):
+            return None  # head slices move per token: the per-block path
         layout = s.pool.layout
         nbytes = len(s.blocks) * layout.block_bytes
         if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
@@ -356,9 +411,122 @@ class Receiver:
         s.bounce_res = res
         return Reservation(res.offset, nbytes)
 
-    async def _connect_peer(self, s: RxSession) -> PeerConnection | None:
+    async def _connect_legs(self, s: RxSession) -> bool:
+        """Connect to every context daemon of the receive (concurrently); False when one
+        cannot be reached or two of them turn out to be the same daemon."""
+        conns = await asyncio.gather(*(self._connect_peer(s, leg) for leg in s.legs))
+        for leg, conn in zip(s.legs, conns, strict=True):
+            leg.conn = conn
+        if s.terminal is not None or any(conn is None for conn in conns):
+            return False
+        names = [conn.peer.name for conn in conns if conn is not None]
+        if len(set(names)) != len(names):
+            s.request_end(
+                Terminal.local(
+                    Status.FAILED,
+                    "bad_request",
+                    f"the peers {s.peer_address} include the same context daemon twice "
+                    f"({', '.join(names)})",
+                )
+            )
+            return False
+        return True
+
+    @staticmethod
+    def _peer_tp(conn: PeerConnection) -> tuple[TpRank, KvLayout] | str | None:
+        """A context daemon's rank and pool layout (one engine rank per daemon, so its pools
+        agree); None while it has no pool; a string when its pools are unusable."""
+        found: tuple[TpRank, KvLayout] | None = None
+        for info in conn.pools.values():
+            layout = conn.layouts.get(info.pool_id)
+            try:
+                tp = TpRank(info.tp_rank, info.tp_size)
+            except LayoutError as exc:
+                return f"context daemon {conn.peer.name}, pool {info.pool_id!r}: {exc}"
+            if not isinstance(layout, KvLayout):
+                return f"context daemon {conn.peer.name}, pool {info.pool_id!r}: {layout}"
+            if found is not None and found[0] != tp:
+                return f"context daemon {conn.peer.name} has pools of two ranks ({found[0]}, {tp})"
+            found = (tp, layout)
+        return found
+
+    def _whole_blocks_from(self, s: RxSession, conn: PeerConnection) -> bool:
+        """The peer holds exactly our heads (or says nothing yet: the legacy case)."""
+        assert s.pool is not None
+        peer = self._peer_tp(conn)
+        if peer is None:
+            return True
+        if isinstance(peer, str):
+            return False
+        tp, layout = peer
+        return same_heads(layout, tp, s.pool.layout, s.pool.tp)
+
+    def _source_problem(self, s: RxSession, final: bool) -> str | None:
+        """Why the context daemons of this receive do not hold our heads exactly once.
+
+        Checked before asking (when their pools are known by then) and again when every leg
+        has delivered (final: their pools must be known, since each wrote from one). A single
+        context daemon whose pools are still unknown keeps the behaviour of a receive without
+        tensor parallelism.
+        """
+        assert s.pool is not None
+        ours, our_tp = s.pool.layout, s.pool.tp
+        ranks: list[tuple[RxLeg, TpRank, KvLayout]] = []
+        for leg in s.legs:
+            assert leg.conn is not None
+            peer = self._peer_tp(leg.conn)
+            if isinstance(peer, str):
+                return peer
+            if peer is None:
+                if final and len(s.legs) > 1:
+                    return (
+                        f"context daemon {leg.conn.peer.name} has announced no pool: "
+                        "cannot tell which KV heads it wrote"
+                    )
+                return None
+            ranks.append((leg, *peer))
+        if (
+            len(ranks) == 1
+            and ranks[0][1] == our_tp
+            and ranks[0][2].num_kv_heads == ours.num_kv_heads
+        ):
+            return None  # the plain case: the same heads on both sides
+        sizes = {tp.size for _, tp, _ in ranks}
+        if len(sizes) > 1:
+            return (
+                "the context daemons of this receive declare different tensor-parallel sizes: "
+                + ", ".join(
+                    f"{leg.conn.peer.name if leg.conn else leg.peer_address} ({tp})"
+                    for leg, tp, _ in ranks
+                )
+            )
+        src_tp, src_layout = ranks[0][1], ranks[0][2]
+        problem = tp_support_problem("generation", our_tp, src_tp, self.runtime, self.pipelined)
+        if problem is not None:
+            return problem
+        if total_heads(src_layout, src_tp) != total_heads(ours, our_tp):
+            return (
+                f"our pool holds {describe(ours, our_tp)}, but context daemon "
+                f"{ranks[0][0].conn.peer.name if ranks[0][0].conn else ''} holds "
+                f"{describe(src_layout, src_tp)}: the instances hold different heads in all"
+            )
+        needed = overlapping_ranks(head_range(ours, our_tp), src_layout.num_kv_heads, src_tp.size)
+        got = sorted(tp.rank for _, tp, _ in ranks)
+        if got != needed:
+            named = ", ".join(
+                f"{leg.conn.peer.name if leg.conn else leg.peer_address} (rank {tp.rank})"
+                for leg, tp, _ in ranks
+            )
+            return (
+                f"our pool holds {describe(ours, our_tp)}: it needs the context ranks "
+                f"{', '.join(map(str, needed))} of {src_tp.size} once each, and the receive "
+                f"names {named}"
+            )
+        return None
+
+    async def _connect_peer(self, s: RxSession, leg: RxLeg) -> PeerConnection | None:
         try:
-            return await self._connect(s.peer_address)
+            return await self._connect(leg.peer_address)
         except IncompatiblePeerError as exc:
             s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_REFUSED, str(exc)))
         except HandshakeError as exc:
@@ -368,7 +536,7 @@ class Receiver:
                 Terminal.peer(
                     Status.FAILED,
                     Reason.PEER_UNREACHABLE,
-                    f"cannot reach context peer {s.peer_address!r}: {exc or type(exc).__name__}",
+                    f"cannot reach context peer {leg.peer_address!r}: {exc or type(exc).__name__}",
                 )
             )
         return None
@@ -387,8 +555,13 @@ class Receiver:
             if s.terminal is not None:
                 return
             if s.result is not None:
-                s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
-                s.peer_told = True
+                # Every leg delivered: only heads exactly covered count as done.
+                problem = self._source_problem(s, final=True)
+                if problem is not None:
+                    s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem))
+                else:
+                    s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
+                s.mark_told(None)
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -423,24 +596,39 @@ class Receiver:
         raise RuntimeError("the peer sent a partial round to a receiver without rounds")
 
     async def _quiesce(self, s: RxSession) -> None:
-        """Tell the peer and wait until no write into our blocks can still land."""
-        conn = s.conn
-        if not s.request_sent or s.peer_told or conn is None:
+        """Tell every context daemon still writing and wait until no write into our blocks
+        can still land (each leg's AbortAck, or its connection gone)."""
+        if s.peer_told:
             return
         term = s.terminal
         assert term is not None
-        if await conn.send(
-            Abort(
-                request_id=s.request_id,
-                rx_token=s.rx_token,
-                reason=term.reason,
-                message=term.message,
+        waiting: list[tuple[RxLeg, PeerConnection]] = []
+        for leg in s.legs:
+            conn = leg.conn
+            if not leg.request_sent or leg.told or conn is None:
+                continue
+            sent = await conn.send(
+                Abort(
+                    request_id=s.request_id,
+                    rx_token=s.rx_token,
+                    reason=term.reason,
+                    message=term.message,
+                )
             )
-        ):
-            give_up = time.monotonic() + self.timeouts.answer_s
-            while not s.abort_acked and not conn.closed.is_set():
-                remaining = give_up - time.monotonic()
-                if remaining <= 0:
+            if sent:
+                waiting.append((leg, conn))
+        give_up = time.monotonic() + self.timeouts.answer_s
+        while True:
+            pending = [
+                (leg, conn)
+                for leg, conn in waiting
+                if not leg.abort_acked and not conn.closed.is_set()
+            ]
+            if not pending:
+                break
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                for _, conn in pending:
                     # The peer neither answers nor dies: cut it off so its writes stop.
                     log.error(
                         "request %s: peer %s did not confirm the abort; closing the connection",
@@ -448,11 +636,11 @@ class Receiver:
                         conn.key,
                     )
                     conn.close("no answer to an abort")
-                    break
-                s.wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(s.wake.wait(), remaining)
-        s.peer_told = True
+                break
+            s.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(s.wake.wait(), remaining)
+        s.mark_told(None)
 
     def _finish(self, s: RxSession) -> None:
         if s.terminal is None:

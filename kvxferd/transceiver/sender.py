@@ -8,6 +8,13 @@ kv_transfer_sender_future_timeout_ms, and between slices cancellation, peer
 health and the deadline are checked. A write that completes after the deadline
 is reported as timed out, never as success. A session's source blocks are
 handed back only after the backend confirmed that the write cannot move bytes.
+
+Head-split (the generation instance has more tensor-parallel ranks than the
+context instance): every generation rank whose heads overlap ours sends its own
+RequestData for the request; each is a *leg* of the session. The write starts
+once every expected leg is known, each leg gets only the heads it holds, and the
+engine hears `done` only when every leg was served. Any leg failing fails the
+request, and the other receivers are told (Abort).
 """
 
 from __future__ import annotations
@@ -24,8 +31,17 @@ import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
-from kvxferd.memory.layout import LayoutError
+from kvxferd.memory.heads import (
+    TpRank,
+    describe,
+    head_range,
+    mapping_problems,
+    overlapping_ranks,
+    same_heads,
+)
+from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.compat import tp_support_problem
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
@@ -41,6 +57,7 @@ from kvxferd.transceiver.plan import plan_write, validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
     Terminal,
+    TxLeg,
     TxSession,
     conclude,
     release_finished,
@@ -66,6 +83,9 @@ class SenderTimeouts:
 
 
 class Sender:
+    # The transceiver runtime (the daemon sets it): head-split needs PYTHON.
+    runtime = "PYTHON"
+
     def __init__(
         self,
         timeouts: SenderTimeouts,
@@ -228,6 +248,11 @@ class Sender:
             )
             return
         elif s.request is not None:
+            if self._another_rank(s, conn, msg):
+                # Head-split: one more generation rank asks for its heads of the request.
+                s.legs.append(TxLeg(conn, msg))
+                s.wake.set()
+                return
             await conn.send(
                 Abort(
                     request_id=msg.request_id,
@@ -239,12 +264,58 @@ class Sender:
             return
         s.request = msg
         s.conn = conn
+        s.legs = [TxLeg(conn, msg)]
         s.advance(SessionState.READY if s.engine is None else SessionState.WAITING_FOR_PEER)
         s.wake.set()
+
+    @staticmethod
+    def _dst_tp(leg: TxLeg) -> TpRank | None:
+        """The tensor-parallel rank of a leg's destination pool (None: unknown or invalid)."""
+        info = leg.conn.pools.get(leg.request.pool_id)
+        if info is None:
+            return None
+        try:
+            return TpRank(info.tp_rank, info.tp_size)
+        except LayoutError:
+            return None
+
+    def _another_rank(self, s: TxSession, conn: PeerConnection, msg: RequestData) -> bool:
+        """A second RequestData for a request is a head-split leg, not a duplicate, when it
+        comes from another daemon, for a pool of another rank of the same multi-rank
+        generation instance, before anything was written."""
+        if s.terminal is not None or s.writing or s.written or s.nbytes:
+            return False
+        new = self._dst_tp(TxLeg(conn, msg))
+        if new is None or new.size == 1:
+            return False
+        for leg in s.legs:
+            if leg.conn is conn or leg.conn.peer.name == conn.peer.name:
+                return False
+            known = self._dst_tp(leg)
+            if known is None or known.size != new.size or known.rank == new.rank:
+                return False
+        return True
+
+    async def _abort_legs(
+        self, s: TxSession, skip: TxLeg | None, reason: str, message: str
+    ) -> None:
+        """Tell every receiver of a request (but `skip`) that it ended here."""
+        for leg in s.legs:
+            if leg is not skip and not leg.told:
+                leg.told = True
+                await leg.conn.send(
+                    Abort(
+                        request_id=s.request_id,
+                        rx_token=leg.request.rx_token,
+                        reason=reason,
+                        message=message,
+                    )
+                )
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is not None:
+            leg = s.leg_of(conn, msg.rx_token)
             if s.engine is None:
                 # The engine never sent it; nothing to report to it, but say so here.
                 log.warning(
@@ -254,6 +325,9 @@ class Sender:
                     msg.message,
                 )
                 del self.sessions[s.request_id]
+                await self._abort_legs(
+                    s, leg, Reason.PEER_FAILED, f"another generation rank ended it: {msg.reason}"
+                )
             else:
                 status = Status.CANCELLED if msg.reason == Reason.CANCELLED else Status.FAILED
                 reason = {
@@ -263,7 +337,7 @@ class Sender:
                 s.request_end(
                     Terminal.peer(status, reason, f"generation side: {msg.reason}: {msg.message}")
                 )
-                s.peer_told = True
+                s.mark_told(leg)
                 if s.task is not None:
                     await asyncio.shield(s.task)
         # Acknowledge in every case: an unknown token has nothing in flight.
@@ -273,17 +347,21 @@ class Sender:
         s = self._match(conn, msg.request_id, msg.rx_token)
         cancelled = True
         if s is not None:
+            leg = s.leg_of(conn, msg.rx_token)
             if s.writing:
                 cancelled = False
             elif s.engine is None:
                 del self.sessions[s.request_id]
+                await self._abort_legs(
+                    s, leg, Reason.PEER_CANCELLED, "cancelled by another generation rank"
+                )
             elif not s.finished:
                 s.request_end(
                     Terminal.peer(
                         Status.CANCELLED, Reason.PEER_CANCELLED, "cancelled by the generation side"
                     )
                 )
-                s.peer_told = True
+                s.mark_told(leg)
                 if s.task is not None:
                     await asyncio.shield(s.task)
             else:
@@ -295,23 +373,31 @@ class Sender:
     async def on_peer_closed(self, conn: PeerConnection) -> None:
         lost = []
         for s in list(self.sessions.values()):
-            if s.conn is not conn:
+            leg = s.leg_of(conn)
+            if leg is None:
                 continue
+            leg.told = True  # nobody left to tell on that connection
             if s.engine is None:
                 del self.sessions[s.request_id]
+                await self._abort_legs(
+                    s,
+                    leg,
+                    Reason.PEER_FAILED,
+                    f"another generation rank was lost: {conn.close_reason}",
+                )
                 continue
-            if s.request_end(
+            s.request_end(
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, f"peer lost: {conn.close_reason}")
-            ):
-                s.peer_told = True
+            )
+            s.mark_told(leg)
             lost.append(s)
         await settle(lost)
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> TxSession | None:
         s = self.sessions.get(request_id)
-        if s is None or s.conn is not conn or s.request is None:
+        if s is None or s.request is None:
             return None
-        return s if s.request.rx_token == rx_token else None
+        return s if s.leg_of(conn, rx_token) is not None else None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -333,13 +419,11 @@ class Sender:
             if s.engine is None and s.conn is not None and s.request is not None:
                 # Requested by a receiver, never sent by our engine: tell the receiver why.
                 del self.sessions[s.request_id]
-                await s.conn.send(
-                    Abort(
-                        request_id=s.request_id,
-                        rx_token=s.request.rx_token,
-                        reason=Reason.SHUTDOWN,
-                        message="context daemon shut down before its engine sent the KV",
-                    )
+                await self._abort_legs(
+                    s,
+                    None,
+                    Reason.SHUTDOWN,
+                    "context daemon shut down before its engine sent the KV",
                 )
                 continue
             if not s.finished:
@@ -379,6 +463,8 @@ class Sender:
         """
         if s.request is None or s.pool is None:
             return None
+        if len(s.legs) < self._expected_legs(s):
+            return None  # head-split: another generation rank has yet to ask
         total = len(s.blocks)
         if not self.pipelined:
             return (0, total, True) if s.last_seen else None
@@ -390,7 +476,16 @@ class Sender:
     async def _wait_for_work(self, s: TxSession) -> None:
         remaining = None if s.deadline is None else s.deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            waiting_for = "the receiver's request" if s.request is None else "the last chunk"
+            expected = self._expected_legs(s)
+            if s.request is None:
+                waiting_for = "the receiver's request"
+            elif len(s.legs) < expected:
+                waiting_for = (
+                    f"the requests of every generation rank holding our heads "
+                    f"({len(s.legs)} of {expected} arrived)"
+                )
+            else:
+                waiting_for = "the last chunk"
             s.request_end(
                 Terminal.local(
                     Status.TIMED_OUT,
@@ -403,11 +498,47 @@ class Sender:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(s.wake.wait(), remaining)
 
-    def _plan(self, s: TxSession, start: int, end: int) -> tuple[np.ndarray, np.ndarray] | Terminal:
+    def _expected_legs(self, s: TxSession) -> int:
+        """How many receivers the request has: the generation ranks holding any of our
+        heads (1 unless the generation instance has more ranks than ours). Until our pool
+        and the first receiver's pool are known (or when they cannot be mapped, which the
+        plan reports), 1."""
+        if s.pool is None or not s.legs:
+            return 1
+        leg = s.legs[0]
+        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
+        dst_tp = self._dst_tp(leg)
+        if not isinstance(dst_layout, KvLayout) or dst_tp is None:
+            return 1
+        if mapping_problems(s.pool.layout, s.pool.tp, dst_layout, dst_tp):
+            return 1
+        ours = head_range(s.pool.layout, s.pool.tp)
+        return max(1, len(overlapping_ranks(ours, dst_layout.num_kv_heads, dst_tp.size)))
+
+    def _check_legs(self, s: TxSession) -> str | None:
+        """Why the receivers of a head-split do not cover our heads exactly once."""
+        assert s.pool is not None
+        expected = self._expected_legs(s)
+        ranks = [self._dst_tp(leg) for leg in s.legs]
+        if len(s.legs) != expected or len({tp.rank for tp in ranks if tp}) != len(ranks):
+            return (
+                f"our pool holds {describe(s.pool.layout, s.pool.tp)}: {expected} generation "
+                f"rank(s) must request it once each, got requests from "
+                + ", ".join(
+                    f"{leg.conn.peer.name} ({tp or 'unknown rank'})"
+                    for leg, tp in zip(s.legs, ranks, strict=True)
+                )
+            )
+        return None
+
+    def _plan(
+        self, s: TxSession, start: int, end: int, leg: TxLeg | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | Terminal:
         assert s.request is not None and s.conn is not None and s.pool is not None
-        req = s.request
-        info = s.conn.pools.get(req.pool_id)
-        dst_layout = s.conn.layouts.get(req.pool_id)
+        leg = leg or (s.legs[0] if s.legs else TxLeg(s.conn, s.request))
+        req = leg.request
+        info = leg.conn.pools.get(req.pool_id)
+        dst_layout = leg.conn.layouts.get(req.pool_id)
         if info is None or dst_layout is None:
             return Terminal.peer(
                 Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
@@ -422,6 +553,12 @@ class Sender:
         try:
             if isinstance(dst_layout, LayoutError):
                 raise dst_layout
+            dst_tp = TpRank(info.tp_rank, info.tp_size)
+            problem = tp_support_problem(
+                "context", s.pool.tp, dst_tp, self.runtime, self.pipelined
+            ) or (self._check_legs(s) if len(s.legs) > 1 or dst_tp != s.pool.tp else None)
+            if problem is not None:
+                raise LayoutError(problem)
             return plan_write(
                 s.pool.layout,
                 s.pool.base,
@@ -429,9 +566,22 @@ class Sender:
                 dst_layout,
                 info.base,
                 req.blocks[start:end],
+                s.pool.tp,
+                dst_tp,
             )
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+
+    def _whole_blocks(self, s: TxSession, leg: TxLeg) -> bool:
+        """The receiver holds exactly our heads: whole blocks move (the bounce buffer may)."""
+        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
+        dst_tp = self._dst_tp(leg)
+        return (
+            s.pool is not None
+            and isinstance(dst_layout, KvLayout)
+            and dst_tp is not None
+            and same_heads(s.pool.layout, s.pool.tp, dst_layout, dst_tp)
+        )
 
     async def _bounce_plan(
         self, s: TxSession, local: np.ndarray, remote: np.ndarray
@@ -442,6 +592,8 @@ class Sender:
         nbytes = int(local[:, 1].sum())
         if (
             bounce is None
+            or len(s.legs) > 1
+            or (s.legs and not self._whole_blocks(s, s.legs[0]))  # head slices: per block
             or req.bounce_nbytes < nbytes
             or conn.info.bounce_nbytes == 0
             or not worth_bouncing(len(local), nbytes)
@@ -458,11 +610,27 @@ class Sender:
         return one_local, one_remote, res
 
     async def _write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
+        """Write blocks [start, end) to every receiver (one, or each rank of a head-split)."""
         assert s.conn is not None and s.request is not None
+        legs = s.legs or [TxLeg(s.conn, s.request)]
+        if len(legs) > 1 and end > start:
+            for leg in legs:  # every plan first: a bad leg fails the request before any write
+                plan = self._plan(s, start, end, leg)
+                if isinstance(plan, Terminal):
+                    s.request_end(plan)
+                    return
+        for leg in legs:
+            if s.terminal is not None:
+                return
+            await self._write_leg(s, leg, start, end, last)
+        if s.terminal is None:
+            s.written = end
+
+    async def _write_leg(self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool) -> None:
         nbytes = 0
         bounced = False
         if end > start:
-            plan = self._plan(s, start, end)
+            plan = self._plan(s, start, end, leg)
             if isinstance(plan, Terminal):
                 s.request_end(plan)
                 return
@@ -471,7 +639,7 @@ class Sender:
             if start == 0 and last:
                 local, remote, reservation = await self._bounce_plan(s, local, remote)
             try:
-                status = await self._post_and_wait(s, local, remote)
+                status = await self._post_and_wait(s, local, remote, leg.conn)
             finally:
                 if reservation is not None and self.bounce is not None:
                     self.bounce.send.release(reservation)  # the write is quiescent now
@@ -488,12 +656,11 @@ class Sender:
                 return
             nbytes = int(local[:, 1].sum())
             bounced = reservation is not None
-            s.written = end
             s.nbytes += nbytes
-        sent = await s.conn.send(
+        sent = await leg.conn.send(
             Result(
                 request_id=s.request_id,
-                rx_token=s.request.rx_token,
+                rx_token=leg.request.rx_token,
                 status=Reason.OK,
                 nbytes=nbytes,
                 last=last,
@@ -504,13 +671,21 @@ class Sender:
             s.request_end(
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
             )
-            s.peer_told = True
+            s.mark_told(leg if s.legs else None)
+        elif last and len(s.legs) > 1:
+            leg.told = True  # that receiver is done: a later leg's failure is not its news
 
     async def _post_and_wait(
-        self, s: TxSession, local: np.ndarray, remote: np.ndarray
+        self,
+        s: TxSession,
+        local: np.ndarray,
+        remote: np.ndarray,
+        conn: PeerConnection | None = None,
     ) -> XferStatus:
-        """Post one WRITE and wait for it; always returns with the write quiescent."""
-        assert s.conn is not None
+        """Post one WRITE (to `conn`'s agent, by default the first receiver's) and wait for
+        it; always returns with the write quiescent."""
+        conn = conn or s.conn
+        assert conn is not None
         backend = self._dp.backend
         s.advance(SessionState.TRANSFERRING)
         # Marked before posting: from here a cancel answers "busy".
@@ -520,7 +695,7 @@ class Sender:
             posted = time.monotonic()
             try:
                 handle, status = await self._dp.call(
-                    backend.post_write, local, remote, s.conn.agent_name
+                    backend.post_write, local, remote, conn.agent_name
                 )
             except PeerLostError as exc:
                 s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
@@ -530,7 +705,7 @@ class Sender:
                 return XferStatus.ERROR
             s.xfer = handle
             self.open_handles += 1
-            status = await self._wait_write(s, status)
+            status = await self._wait_write(s, status, conn)
             if status is XferStatus.DONE and self.on_write_done is not None:
                 self.on_write_done(time.monotonic() - posted, len(local))
             if status is XferStatus.ERROR and s.terminal is None:
@@ -542,9 +717,11 @@ class Sender:
             await self._quiesce(s)
             s.posting = False
 
-    async def _wait_write(self, s: TxSession, status: XferStatus) -> XferStatus:
+    async def _wait_write(
+        self, s: TxSession, status: XferStatus, conn: PeerConnection
+    ) -> XferStatus:
         """Poll until done, error, or an end requested between/inside slices."""
-        assert s.xfer is not None and s.conn is not None
+        assert s.xfer is not None
         backend = self._dp.backend
         deadline = s.deadline if s.deadline is not None else math.inf
         slice_end = time.monotonic() + self.timeouts.slice_s
@@ -564,10 +741,8 @@ class Sender:
                 return status
             if now >= slice_end:
                 # One sender wait slice elapsed: check the peer before the next one.
-                if s.conn.closed.is_set():
-                    s.request_end(
-                        Terminal.peer(Status.FAILED, Reason.PEER_LOST, s.conn.close_reason)
-                    )
+                if conn.closed.is_set():
+                    s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, conn.close_reason))
                     return status
                 slice_end = now + self.timeouts.slice_s
             s.wake.clear()
@@ -603,14 +778,17 @@ class Sender:
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal
         assert term is not None
-        # The peer is always told; the write is already quiescent here.
+        # The peers are always told; the write is already quiescent here.
         if term.status != Status.DONE and s.request and s.conn and not s.peer_told:
-            await s.conn.send(
-                Abort(
-                    request_id=s.request_id,
-                    rx_token=s.request.rx_token,
-                    reason=term.reason,
-                    message=term.message,
+            if s.legs:
+                await self._abort_legs(s, None, term.reason, term.message)
+            else:
+                await s.conn.send(
+                    Abort(
+                        request_id=s.request_id,
+                        rx_token=s.request.rx_token,
+                        reason=term.reason,
+                        message=term.message,
+                    )
                 )
-            )
         conclude(s, "send", s.pool, log)

@@ -75,8 +75,37 @@ class _Session:
 
 
 @dataclass(eq=False)
+class TxLeg:
+    """One receiver of a request on the context side: a generation daemon's RequestData.
+
+    A request has one leg, or one per generation rank when the generation instance has more
+    tensor-parallel ranks than the context instance (head-split).
+    """
+
+    conn: PeerConnection
+    request: RequestData
+    told: bool = False  # this receiver knows the outcome (or cannot be told any more)
+
+
+@dataclass(eq=False)
+class RxLeg:
+    """One context daemon a receive reads from; several when the context instance has more
+    tensor-parallel ranks than the generation instance (head-merge)."""
+
+    peer_address: str
+    conn: PeerConnection | None = None
+    request_sent: bool = False
+    done: bool = False  # its last Result arrived
+    told: bool = False  # it knows the outcome (or cannot be told any more)
+    abort_acked: bool = False
+
+
+@dataclass(eq=False)
 class TxSession(_Session):
-    """Context side: the engine's send(s) and the peer's RequestData meet here."""
+    """Context side: the engine's send(s) and the peers' RequestData meet here.
+
+    `request` and `conn` are those of the first leg; `legs` lists every receiver.
+    """
 
     pool: LocalPool | None = None
     blocks: list[int] = field(default_factory=list)
@@ -89,29 +118,69 @@ class TxSession(_Session):
     posting: bool = False  # from just before the post until the write is quiescent
     acked_block: int = 0  # staged: the receiver scattered every block before this one
     written: int = 0  # blocks already written (pipelined slices)
+    legs: list[TxLeg] = field(default_factory=list)
 
     @property
     def writing(self) -> bool:
         return self.posting or self.xfer is not None
 
+    def leg_of(self, conn: PeerConnection, rx_token: int | None = None) -> TxLeg | None:
+        for leg in self.legs:
+            if leg.conn is conn and (rx_token is None or leg.request.rx_token == rx_token):
+                return leg
+        return None
+
+    def mark_told(self, leg: TxLeg | None) -> None:
+        """This receiver knows (it ended the request, or its connection is gone)."""
+        if leg is not None:
+            leg.told = True
+        if leg is None or all(other.told for other in self.legs):
+            self.peer_told = True
+
 
 @dataclass(eq=False)
 class RxSession(_Session):
-    """Generation side: one posted receive, its blocks on loan until the outcome."""
+    """Generation side: one posted receive, its blocks on loan until the outcome.
+
+    `legs` holds one entry per context daemon asked (one, or several for a head-merge);
+    `conn` is the first leg's connection (the staged runtime's rounds use it).
+    """
 
     pool: LocalPool | None = None
     blocks: list[int] = field(default_factory=list)
     num_tokens: int | None = None
-    peer_address: str = ""
     rx_token: int = 0
-    conn: PeerConnection | None = None
-    request_sent: bool = False
     admitted: bool = False
     result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
-    abort_acked: bool = False
+    legs: list[RxLeg] = field(default_factory=list)
     bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
     # Rounds reported in the reservation and not yet scattered: (first, end, nbytes, last).
     rounds: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+    @property
+    def conn(self) -> PeerConnection | None:
+        return self.legs[0].conn if self.legs else None
+
+    @property
+    def peer_address(self) -> str:
+        return ", ".join(leg.peer_address for leg in self.legs)
+
+    @property
+    def request_sent(self) -> bool:
+        return any(leg.request_sent for leg in self.legs)
+
+    def leg_of(self, conn: PeerConnection) -> RxLeg | None:
+        for leg in self.legs:
+            if leg.conn is conn:
+                return leg
+        return None
+
+    def mark_told(self, leg: RxLeg | None) -> None:
+        """That context daemon (None: every one) knows the outcome or cannot be told."""
+        for each in self.legs if leg is None else [leg]:
+            each.told = True
+        if all(each.told for each in self.legs):
+            self.peer_told = True
 
 
 async def settle(sessions: Iterable[_Session]) -> None:

@@ -51,7 +51,7 @@ def test_tp_rank_validation_names_the_field() -> None:
     with pytest.raises(LayoutError, match="tp_rank"):
         TpRank(-1, 2)
     with pytest.raises(LayoutError, match="tp_rank"):
-        TpRank(True, 2)  # type: ignore[arg-type]
+        TpRank(True, 2)
 
 
 def test_head_ranges_and_overlaps() -> None:

@@ -1,0 +1,406 @@
+"""Different tensor-parallel sizes on each side: head-merge (context TP 2 -> generation TP 1),
+head-split (TP 1 -> TP 2, TP 2 -> TP 4), and the refusals. Real daemons (one per rank) as
+separate processes, real NIXL on loopback; every byte of every rank's pool is verified."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from daemon_harness import GEOMETRY, SimEngine, assert_clean, layout_for, status, wait_for
+
+from kvxferd.client import AsyncClient, CallError
+from kvxferd.memory import ShmRegion, TpRank
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
+
+TOTAL_HEADS = GEOMETRY["num_kv_heads"]  # 4: two per rank at TP 2, one at TP 4
+TIMEOUT_MS = 20000
+
+
+class RankEngine(SimEngine):
+    """The reference engine of one tensor-parallel rank: its pool holds its heads."""
+
+    tp: TpRank = TpRank()
+
+    @classmethod
+    async def open_rank(
+        cls,
+        daemon: DaemonProc,
+        tp: TpRank,
+        major: str = "block-major",
+        num_blocks: int = 64,
+        heads: int | None = None,
+    ) -> RankEngine:
+        geometry = dict(GEOMETRY, num_kv_heads=heads or TOTAL_HEADS // tp.size)
+        client = await AsyncClient.connect(daemon.api_socket, engine=f"test-{daemon.name}")
+        engine = cls(client, layout_for(major, num_blocks, geometry), "pool0")
+        engine.tp = tp
+        name = f"kvxferd-tp-{daemon.name}-{os.getpid()}-{id(engine)}"
+        engine.region = ShmRegion.create(name, engine.layout.pool_bytes)
+        try:
+            await client.register_pool("pool0", name, engine.layout, tp.rank, tp.size)
+        finally:
+            engine.region.unlink()
+        return engine
+
+    def fill(self, request_id: str, tokens: int) -> list[int]:
+        blocks = self.blocks_for(tokens)
+        fill_blocks(self.pool, self.layout, blocks, request_seed(request_id), tp=self.tp)
+        return blocks
+
+    async def send(self, request_id: str, tokens: int) -> list[int]:
+        blocks = self.fill(request_id, tokens)
+        await self.client.send(request_id, self.pool_id, blocks, tokens)
+        return blocks
+
+    async def recv_from(self, request_id: str, tokens: int, peers: str | list[str]) -> list[int]:
+        blocks = self.blocks_for(tokens)
+        clear_blocks(self.pool, self.layout, blocks)
+        await self.client.recv(request_id, self.pool_id, blocks, peers, tokens)
+        return blocks
+
+    def verify(self, request_id: str, blocks: list[int], tokens: int) -> VerifyResult:
+        seed = request_seed(request_id)
+        return verify_blocks(self.pool, self.layout, blocks, seed, tokens, tp=self.tp)
+
+
+def _start(cluster: LocalCluster, name: str, role: str, tp_size: int, **kw: Any) -> DaemonProc:
+    engine = {
+        "tensor_parallel_size": tp_size,
+        "kv_layout": dict(GEOMETRY, num_kv_heads=TOTAL_HEADS // tp_size),
+    }
+    engine.update(kw.pop("engine", {}))
+    transceiver = {"kv_transfer_timeout_ms": TIMEOUT_MS, **kw.pop("transceiver", {})}
+    return cluster.start_daemon(name, role, engine=engine, transceiver=transceiver, **kw)
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DaemonProc]]:
+    """Context TP 2 (ctx0, ctx1), generation TP 1 (gen); context TP 1 (solo), generation
+    TP 2 (half0, half1). Shared by the well-behaved tests of this module."""
+    with LocalCluster(tmp_path_factory.mktemp("tp")) as c:
+        d = {
+            "ctx0": _start(c, "ctx0", "context", 2),
+            "ctx1": _start(c, "ctx1", "context", 2),
+            "gen": _start(c, "gen", "generation", 1),
+            "solo": _start(c, "solo", "context", 1),
+            "half0": _start(c, "half0", "generation", 2),
+            "half1": _start(c, "half1", "generation", 2),
+        }
+        yield d
+        codes = c.stop_all()
+        assert set(codes.values()) == {0}, codes
+
+
+# Odd block counts (1, 3, 5, 7 blocks of 32 tokens), partial tails included.
+LENGTHS = [1, 70, 150, 224]
+
+
+@contextlib.asynccontextmanager
+async def ranks(
+    daemons: list[DaemonProc], size: int, major: str
+) -> AsyncIterator[list[RankEngine]]:
+    engines = [
+        await RankEngine.open_rank(d, TpRank(rank, size), major) for rank, d in enumerate(daemons)
+    ]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.close()
+
+
+async def _outcomes(engine: SimEngine, request_id: str) -> Any:
+    outcome = await engine.client.wait(request_id, timeout_s=30)
+    await engine.client.release(request_id)
+    return outcome
+
+
+MAJOR_PAIRS = [
+    ("block-major", "block-major"),
+    ("layer-major", "layer-major"),
+    ("block-major", "layer-major"),
+]
+
+
+@pytest.mark.parametrize(("ctx_major", "gen_major"), MAJOR_PAIRS)
+def test_head_merge_two_context_ranks_into_one(
+    tp_cluster: dict[str, DaemonProc], ctx_major: str, gen_major: str
+) -> None:
+    d = tp_cluster
+    peers = [d["ctx0"].peer_address, d["ctx1"].peer_address]
+
+    async def scenario() -> None:
+        async with (
+            ranks([d["ctx0"], d["ctx1"]], 2, ctx_major) as ctx,
+            ranks([d["gen"]], 1, gen_major) as (gen,),
+        ):
+            dst = {}
+            for n in LENGTHS:
+                rid = f"merge-{ctx_major}-{gen_major}-{n}"
+                dst[rid] = (await gen.recv_from(rid, n, peers), n)
+            for rid, (_, n) in dst.items():
+                for c in ctx:
+                    await c.send(rid, n)
+            for rid, (blocks, n) in dst.items():
+                got = await _outcomes(gen, rid)
+                sent = [await _outcomes(c, rid) for c in ctx]
+                assert (got.status, got.reason) == ("done", "ok"), got
+                for s in sent:
+                    assert (s.status, s.reason) == ("done", "ok"), s
+                # Each context rank wrote its half of every token.
+                assert got.nbytes == sum(s.nbytes for s in sent)
+                assert sent[0].nbytes == sent[1].nbytes == len(blocks) * gen.layout.block_bytes // 2
+                result = gen.verify(rid, blocks, n)
+                assert result.ok, result.first_mismatch
+                assert result.bytes_checked > 0
+
+    asyncio.run(scenario())
+    for name in ("ctx0", "ctx1", "gen"):
+        assert_clean(d[name])
+
+
+@pytest.mark.parametrize(("ctx_major", "gen_major"), MAJOR_PAIRS)
+def test_head_split_one_context_rank_into_two(
+    tp_cluster: dict[str, DaemonProc], ctx_major: str, gen_major: str
+) -> None:
+    d = tp_cluster
+    solo = d["solo"].peer_address
+
+    async def scenario() -> None:
+        async with (
+            ranks([d["solo"]], 1, ctx_major) as (ctx,),
+            ranks([d["half0"], d["half1"]], 2, gen_major) as gen,
+        ):
+            dst: dict[str, tuple[list[list[int]], int]] = {}
+            for i, n in enumerate(LENGTHS):
+                rid = f"split-{ctx_major}-{gen_major}-{n}"
+                if i % 2:
+                    # Context first: the daemon holds the send until both ranks asked.
+                    await ctx.send(rid, n)
+                dst[rid] = ([await g.recv_from(rid, n, solo) for g in gen], n)
+                if not i % 2:
+                    await ctx.send(rid, n)
+            for rid, (blocks, n) in dst.items():
+                sent = await _outcomes(ctx, rid)
+                got = [await _outcomes(g, rid) for g in gen]
+                assert (sent.status, sent.reason) == ("done", "ok"), sent
+                for o in got:
+                    assert (o.status, o.reason) == ("done", "ok"), o
+                assert sent.nbytes == sum(o.nbytes for o in got)
+                assert sent.nbytes == len(blocks[0]) * ctx.layout.block_bytes
+                for g, b in zip(gen, blocks, strict=True):
+                    result = g.verify(rid, b, n)
+                    assert result.ok, (g.tp, result.first_mismatch)
+
+    asyncio.run(scenario())
+    for name in ("solo", "half0", "half1"):
+        assert_clean(d[name])
+
+
+def test_status_shows_each_pools_heads(tp_cluster: dict[str, DaemonProc]) -> None:
+    d = tp_cluster
+
+    async def scenario() -> None:
+        async with ranks([d["ctx0"], d["ctx1"]], 2, "block-major"):
+            doc = status(d["ctx1"])
+            assert doc["tensor_parallel"] == {
+                "pool0": {"rank": 1, "size": 2, "heads": [2, 4], "total_heads": 4}
+            }
+
+    asyncio.run(scenario())
+
+
+def test_registration_validates_the_rank(tp_cluster: dict[str, DaemonProc]) -> None:
+    d = tp_cluster
+
+    async def scenario() -> None:
+        client = await AsyncClient.connect(d["gen"].api_socket, engine="bad-rank")
+        region = ShmRegion.create(
+            f"kvxferd-tp-bad-{os.getpid()}", layout_for("block-major", 4).pool_bytes
+        )
+        try:
+            layout = layout_for("block-major", 4)
+            with pytest.raises(CallError) as err:
+                await client.register_pool("p", region.name, layout, tp_rank=2, tp_size=2)
+            assert err.value.code == "bad_request"
+            assert "tp_rank" in str(err.value) and "got 2" in str(err.value)
+            with pytest.raises(CallError) as err:
+                await client.register_pool("p", region.name, layout, tp_rank=0, tp_size=0)
+            assert "tp_size" in str(err.value)
+            # One daemon serves one engine rank: a second pool of another rank is refused.
+            await client.register_pool("p", region.name, layout, tp_rank=0, tp_size=1)
+            with pytest.raises(CallError) as err:
+                await client.register_pool("q", region.name, layout, tp_rank=1, tp_size=2)
+            assert "a daemon serves one engine rank" in str(err.value)
+            await client.deregister_pool("p")
+        finally:
+            region.unlink()
+            region.close()
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_merge_with_a_missing_or_repeated_context_rank_fails_clearly(
+    tp_cluster: dict[str, DaemonProc],
+) -> None:
+    d = tp_cluster
+
+    async def scenario() -> None:
+        async with (
+            ranks([d["ctx0"], d["ctx1"]], 2, "block-major"),
+            ranks([d["gen"]], 1, "block-major") as (gen,),
+        ):
+            # Only one of the two context ranks named: half the heads would be missing.
+            await gen.recv_from("merge-half", 64, d["ctx0"].peer_address)
+            got = await _outcomes(gen, "merge-half")
+            assert (got.status, got.reason) == ("failed", "block_mismatch"), got
+            assert "needs the context ranks 0, 1 of 2" in got.message, got
+            assert "ctx0 (rank 0)" in got.message, got
+            # The same daemon twice.
+            peer = d["ctx0"].peer_address
+            with pytest.raises(CallError) as err:
+                await gen.client.recv("merge-twice", "pool0", [0], [peer, peer], 10)
+            assert err.value.code == "bad_request" and "same context daemon" in str(err.value)
+            with pytest.raises(CallError) as err:
+                await gen.client.recv("merge-none", "pool0", [0], [], 10)
+            assert "needs a context peer" in str(err.value)
+
+    asyncio.run(scenario())
+    assert_clean(d["gen"])
+    assert_clean(d["ctx0"])
+
+
+def test_two_context_ranks_into_four_generation_ranks(cluster: LocalCluster) -> None:
+    ctx = [_start(cluster, f"c{r}", "context", 2) for r in range(2)]
+    gen = [_start(cluster, f"g{r}", "generation", 4) for r in range(4)]
+
+    async def scenario() -> None:
+        async with ranks(ctx, 2, "layer-major") as cs, ranks(gen, 4, "block-major") as gs:
+            n = 99  # 4 blocks
+            dst = [
+                await g.recv_from("two-four", n, ctx[r // 2].peer_address) for r, g in enumerate(gs)
+            ]
+            for c in cs:
+                await c.send("two-four", n)
+            for c in cs:
+                assert (await _outcomes(c, "two-four")).status == "done"
+            for g, blocks in zip(gs, dst, strict=True):
+                got = await _outcomes(g, "two-four")
+                assert (got.status, got.reason) == ("done", "ok"), got
+                result = g.verify("two-four", blocks, n)
+                assert result.ok, (g.tp, result.first_mismatch)
+
+    asyncio.run(scenario())
+    for p in ctx + gen:
+        assert_clean(p)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+async def _refused(gen: RankEngine, request_id: str, peers: str | list[str]) -> str:
+    await gen.recv_from(request_id, 64, peers)
+    got = await _outcomes(gen, request_id)
+    assert (got.status, got.reason) == ("failed", "peer_refused"), got
+    message: str = got.message
+    return message
+
+
+def test_heads_that_cannot_be_mapped_are_refused_at_the_handshake(cluster: LocalCluster) -> None:
+    """Context: 2 ranks of 2 heads (4 in all); generation: 1 rank of 2 heads."""
+    ctx = _start(cluster, "ctx", "context", 2)
+    gen = _start(
+        cluster, "gen", "generation", 1, engine={"kv_layout": dict(GEOMETRY, num_kv_heads=2)}
+    )
+
+    async def scenario() -> None:
+        async with ranks([ctx], 2, "block-major"):
+            g = await RankEngine.open_rank(gen, TpRank(), heads=2)
+            try:
+                message = await _refused(g, "narrow", ctx.peer_address)
+            finally:
+                await g.close()
+            assert "num_kv_heads" in message, message
+            assert "2 per rank x tensor-parallel size 1 = 2 heads here" in message, message
+            assert "2 x 2 = 4 there" in message, message
+
+    asyncio.run(scenario())
+    assert "num_kv_heads" in ctx.log_text() + gen.log_text()
+    assert_clean(ctx)
+    assert_clean(gen)
+
+
+def test_different_pipeline_parallel_sizes_are_refused(cluster: LocalCluster) -> None:
+    ctx = _start(cluster, "ctx", "context", 1, engine={"pipeline_parallel_size": 2})
+    gen = _start(cluster, "gen", "generation", 1)
+
+    async def scenario() -> None:
+        async with ranks([gen], 1, "block-major") as (g,):
+            message = await _refused(g, "pp", ctx.peer_address)
+            assert "pipeline parallel sizes differ: ours 1, peer 2; not supported yet" in message
+
+    asyncio.run(scenario())
+    assert_clean(gen)
+
+
+def test_staged_runtime_refuses_different_tensor_parallel_sizes(cluster: LocalCluster) -> None:
+    staged = {"transceiver_runtime": "CPP", "max_tokens_in_buffer": 512}
+    ctx = _start(cluster, "ctx", "context", 1, transceiver=staged)
+    gen = _start(cluster, "gen", "generation", 2, transceiver=staged)
+
+    async def scenario() -> None:
+        async with ranks([ctx], 1, "block-major"), ranks([gen], 2, "block-major") as (g,):
+            message = await _refused(g, "staged-split", ctx.peer_address)
+            assert (
+                "tensor-parallel sizes differ (ctx 1, gen 2): supported by the PYTHON runtime's "
+                "per-block path only"
+            ) in message, message
+
+    asyncio.run(scenario())
+    assert_clean(ctx)
+    assert_clean(gen)
+
+
+# ------------------------------------------------------------------------------- faults
+
+
+def test_context_rank_killed_during_a_merge(cluster: LocalCluster) -> None:
+    """One of two context ranks dies while a merged receive waits for it: the receive fails
+    with peer_lost naming it, the surviving rank's leg is aborted, nothing leaks."""
+    ctx0 = _start(cluster, "ctx0", "context", 2)
+    ctx1 = _start(cluster, "ctx1", "context", 2)
+    gen = _start(cluster, "gen", "generation", 1)
+    peers = [ctx0.peer_address, ctx1.peer_address]
+
+    async def scenario() -> None:
+        c1 = await RankEngine.open_rank(ctx1, TpRank(1, 2))
+        async with ranks([ctx0], 2, "block-major") as (c0,), ranks([gen], 1, "block-major") as (g,):
+            # "half-sent": rank 0 has written its heads; "unsent": nobody has sent yet.
+            await g.recv_from("half-sent", 100, peers)
+            await g.recv_from("unsent", 100, peers)
+            await c0.send("half-sent", 100)
+            assert (await c0.client.wait("half-sent", timeout_s=30)).status == "done"
+            await c0.client.release("half-sent")
+            wait_for(
+                lambda: status(ctx1)["sessions"]["send"].get("ready", 0) == 2,
+                what="both requests known to ctx1",
+            )
+            ctx1.kill(signal.SIGKILL)
+            await c1.close(deregister=False)  # its daemon is gone
+            for rid in ("half-sent", "unsent"):
+                got = await _outcomes(g, rid)
+                assert (got.status, got.reason) == ("failed", "peer_lost"), got
+                assert "ctx1" in got.message, got
+            wait_for(lambda: status(ctx0)["sessions"]["send"] == {}, what="ctx0 forgets 'unsent'")
+
+    asyncio.run(scenario())
+    assert_clean(gen)
+    assert_clean(ctx0)
