@@ -1,13 +1,22 @@
-"""`kvxferd demo`: two daemons move verified KV between two reference engines."""
+"""`kvxferd demo`: daemons move verified KV between two reference engines.
+
+One daemon per engine rank: `--ctx-tp N --gen-tp M` starts N context and M
+generation daemons, and each engine process drives all ranks of its instance
+(the model's `--kv-heads` split over the ranks); KV heads are split or merged
+between the two sides and every byte of every rank's pool is verified.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
 from typing import Any
+
+EXIT_USAGE = 2
 
 
 def add_parser(sub: Any) -> None:
@@ -41,12 +50,59 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="staging buffer / admission window in tokens (default: unset)",
     )
+    p.add_argument(
+        "--ctx-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of the context instance, 1 to 4 (one daemon per rank)",
+    )
+    p.add_argument(
+        "--gen-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of the generation instance, 1 to 4 (one daemon per rank)",
+    )
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="the model's KV heads, divisible by both sizes (default 4, or the smallest "
+        "multiple of 4 both sizes divide)",
+    )
     p.set_defaults(handler=_demo)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvxferd.sim.cluster import LocalCluster, default_workdir, summarise
+def _tp_problem(args: argparse.Namespace) -> str | None:
+    """Why the tensor-parallel arguments cannot describe one model (None: they can);
+    fills in the default --kv-heads."""
+    for flag, size in (("--ctx-tp", args.ctx_tp), ("--gen-tp", args.gen_tp)):
+        if not 1 <= size <= 4:
+            return f"{flag} must be 1 to 4, got {size}"
+    if args.kv_heads is None:
+        args.kv_heads = math.lcm(4, args.ctx_tp, args.gen_tp)
+    if args.kv_heads < 1:
+        return f"--kv-heads must be positive, got {args.kv_heads}"
+    for flag, size in (("--ctx-tp", args.ctx_tp), ("--gen-tp", args.gen_tp)):
+        if args.kv_heads % size:
+            return (
+                f"--kv-heads {args.kv_heads} cannot be split over {flag} {size} ranks: "
+                "the model's KV heads must be divisible by both tensor-parallel sizes"
+            )
+    return None
 
+
+def _names(prefix: str, size: int) -> list[str]:
+    # One rank keeps the plain name (demo-ctx, demo-gen).
+    return [prefix] if size == 1 else [f"{prefix}{r}" for r in range(size)]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir, summarise
+
+    problem = _tp_problem(args)
+    if problem is not None:
+        print(f"kvxferd demo: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     workdir = default_workdir("kvxferd-demo")
 
     def say(text: str) -> None:
@@ -59,16 +115,31 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(workdir) as cluster:
             cluster.geometry["layout"] = args.layout
+            cluster.geometry["num_kv_heads"] = args.kv_heads
             cluster.transceiver = {
                 "backend": args.backend,
                 "transceiver_runtime": args.runtime,
                 "max_tokens_in_buffer": args.max_tokens_in_buffer,
             }
-            say(f"kvxferd demo: starting a context and a generation daemon ({workdir})")
-            ctx = cluster.start_daemon("demo-ctx", "context")
-            gen = cluster.start_daemon("demo-gen", "generation")
-            say(f"  context daemon    peers on {ctx.peer_address}, engine API {ctx.api_socket}")
-            say(f"  generation daemon peers on {gen.peer_address}, engine API {gen.api_socket}")
+            tp = args.ctx_tp, args.gen_tp
+            if tp == (1, 1):
+                say(f"kvxferd demo: starting a context and a generation daemon ({workdir})")
+            else:
+                say(
+                    f"kvxferd demo: {args.kv_heads} KV heads, context TP {tp[0]} -> generation "
+                    f"TP {tp[1]}: starting one daemon per rank ({workdir})"
+                )
+
+            def start(name: str, role: str, size: int) -> DaemonProc:
+                heads = {**cluster.geometry, "num_kv_heads": args.kv_heads // size}
+                engine = {"tensor_parallel_size": size, "kv_layout": heads}
+                d = cluster.start_daemon(name, role, engine=engine)
+                label = f"{role} daemon {name}"
+                say(f"  {label:<26} peers on {d.peer_address}, engine API {d.api_socket}")
+                return d
+
+            ctx = [start(n, "context", tp[0]) for n in _names("demo-ctx", tp[0])]
+            gen = [start(n, "generation", tp[1]) for n in _names("demo-gen", tp[1])]
             say(f"running {args.requests} requests of {args.min_tokens}-{args.max_tokens} tokens")
             common = dict(
                 requests=args.requests,
@@ -90,7 +161,7 @@ def _demo(args: argparse.Namespace) -> int:
                 "generation",
                 pass_fds=(notify_fd,),
                 notify_fd=notify_fd,
-                peer=ctx.peer_address,
+                peer=[d.peer_address for d in ctx],
                 progress=not args.json and sys.stderr.isatty(),
                 **common,
             )
@@ -101,6 +172,8 @@ def _demo(args: argparse.Namespace) -> int:
             codes = cluster.stop_all()
             summary = summarise(ctx_report, gen_report)
             summary["daemon_exit_codes"] = codes
+            summary["ctx_tp"], summary["gen_tp"] = tp
+            summary["kv_heads"] = args.kv_heads
             ok = (
                 summary["failed"] == 0
                 and summary["verified"] == summary["requests"]
@@ -123,6 +196,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  requests   {s['requests']}")
     print(f"  verified   {s['verified']}  (every byte checked by the generation engine)")
     print(f"  failed     {s['failed']}" + (f"  {s['failures']}" if s["failures"] else ""))
+    if (s["ctx_tp"], s["gen_tp"]) != (1, 1):
+        print(
+            f"  parallel   context TP {s['ctx_tp']} -> generation TP {s['gen_tp']} "
+            f"({s['kv_heads']} KV heads)"
+        )
     print(f"  bytes      {s['bytes']:,}")
     print(f"  bandwidth  {s['gbps']:.2f} GB/s over {s['seconds']:.2f} s")
     print(f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms (send to completion)")

@@ -175,8 +175,13 @@ class LocalCluster:
             f"daemon {d.name} not ready after {timeout_s} s:\n{d.log_text()[-3000:]}"
         )
 
-    def engine_command(self, d: DaemonProc, role: str, **opts: Any) -> list[str]:
-        cmd = [sys.executable, "-m", "kvxferd.sim.engine", "--role", role, "--socket", d.api_socket]
+    def engine_command(self, d: DaemonProc | list[DaemonProc], role: str, **opts: Any) -> list[str]:
+        """The reference engine of `d`, or of every rank's daemon of a tensor-parallel
+        instance (rank order). A list option (the context peers) repeats its flag."""
+        daemons = d if isinstance(d, list) else [d]
+        cmd = [sys.executable, "-m", "kvxferd.sim.engine", "--role", role]
+        for each in daemons:
+            cmd += ["--socket", each.api_socket]
         geometry = {
             "layers": self.geometry["num_layers"],
             "kv_heads": self.geometry["num_kv_heads"],
@@ -189,11 +194,19 @@ class LocalCluster:
             if value is None or value is False:
                 continue
             flag = "--" + key.replace("_", "-")
-            cmd += [flag] if value is True else [flag, str(value)]
+            if isinstance(value, list):
+                for item in value:
+                    cmd += [flag, str(item)]
+            else:
+                cmd += [flag] if value is True else [flag, str(value)]
         return cmd
 
     def start_engine(
-        self, d: DaemonProc, role: str, pass_fds: tuple[int, ...] = (), **opts: Any
+        self,
+        d: DaemonProc | list[DaemonProc],
+        role: str,
+        pass_fds: tuple[int, ...] = (),
+        **opts: Any,
     ) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             self.engine_command(d, role, **opts),

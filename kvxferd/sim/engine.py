@@ -6,6 +6,13 @@ source block with content derived from (request, block, layer, kv, token) and
 sends it; as the generation engine it zeroes the destination blocks, posts the
 receive and verifies every byte that arrives.
 
+Tensor parallelism: one engine process drives every rank of its instance, as
+one scheduler does (the same block ids on every rank). Give `--socket` once per
+rank (rank order); each rank's pool holds its share of `--kv-heads` (the
+model's KV heads). The generation engine gets every context daemon as `--peer`
+(rank order) and names, for each of its ranks, the context ranks that hold its
+heads: one (head-split or equal sizes) or several (head-merge).
+
 Run as `python -m kvxferd.sim.engine --role context|generation ...`; it prints
 one JSON object with per-request records on stdout.
 """
@@ -19,15 +26,19 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from kvxferd.client import AsyncClient
+from kvxferd.memory.heads import TpRank, overlapping_ranks
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator, Item, fixed_workload, make_workload
-from kvxferd.transceiver.state import Status
+from kvxferd.transceiver.state import Outcome, Status
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,12 +62,42 @@ class EngineReport:
     pool_bytes: int = 0
 
 
+@dataclass
+class Rank:
+    """One tensor-parallel rank of the engine: its daemon link and its pool."""
+
+    client: AsyncClient
+    tp: TpRank
+    region: ShmRegion | None = None
+    peers: str | list[str] = ""  # generation: the context daemon(s) holding its heads
+
+
+def context_peers_for(
+    gen_tp: TpRank, heads_per_gen_rank: int, context_peers: Sequence[str]
+) -> str | list[str]:
+    """The context daemons (given in context rank order) that hold a generation rank's heads:
+    one name when one rank does (equal sizes, head-split), a list for a head-merge."""
+    ctx_size = len(context_peers)
+    total = heads_per_gen_rank * gen_tp.size
+    if total % ctx_size:
+        raise ValueError(f"{total} KV heads cannot be split over {ctx_size} context ranks")
+    heads = (gen_tp.rank * heads_per_gen_rank, (gen_tp.rank + 1) * heads_per_gen_rank)
+    names = [context_peers[r] for r in overlapping_ranks(heads, total // ctx_size, ctx_size)]
+    return names[0] if len(names) == 1 else names
+
+
 class ReferenceEngine:
-    def __init__(self, client: AsyncClient, layout: KvLayout, pool_id: str) -> None:
-        self.client = client
+    """`client`: one daemon link, or one per tensor-parallel rank (rank order); `layout` is
+    each rank's pool (num_kv_heads: the heads one rank holds)."""
+
+    def __init__(
+        self, client: AsyncClient | Sequence[AsyncClient], layout: KvLayout, pool_id: str
+    ) -> None:
+        clients = [client] if isinstance(client, AsyncClient) else list(client)
+        self.ranks = [Rank(c, TpRank(i, len(clients))) for i, c in enumerate(clients)]
+        self.client = clients[0]
         self.layout = layout
         self.pool_id = pool_id
-        self.region: ShmRegion | None = None
         self.alloc = BlockAllocator(layout.num_blocks)
         # Generation-first coordination between the two engines of a run: the
         # generation engine announces each posted receive; the context engine
@@ -64,75 +105,129 @@ class ReferenceEngine:
         self.notify: Callable[[str], None] | None = None
         self.posted: dict[str, asyncio.Event] | None = None
 
+    @property
+    def region(self) -> ShmRegion | None:
+        """Rank 0's pool (the only one without tensor parallelism)."""
+        return self.ranks[0].region
+
+    def set_context_peers(self, context_peers: Sequence[str]) -> None:
+        """Generation: the context daemons in context rank order; each rank reads from the
+        ones holding its heads."""
+        for rank in self.ranks:
+            rank.peers = context_peers_for(rank.tp, self.layout.num_kv_heads, context_peers)
+
     async def open(self) -> None:
-        name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}"
-        self.region = ShmRegion.create(name, self.layout.pool_bytes)
-        try:
-            await self.client.register_pool(self.pool_id, name, self.layout)
-        finally:
-            # Both mappings stay valid; the name is not needed any more and
-            # unlinking now means a crash leaves nothing behind in /dev/shm.
-            self.region.unlink()
+        for rank in self.ranks:
+            name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}-{rank.tp.rank}"
+            rank.region = ShmRegion.create(name, self.layout.pool_bytes)
+            try:
+                await rank.client.register_pool(
+                    self.pool_id, name, self.layout, rank.tp.rank, rank.tp.size
+                )
+            finally:
+                # Both mappings stay valid; the name is not needed any more and
+                # unlinking now means a crash leaves nothing behind in /dev/shm.
+                rank.region.unlink()
 
     async def close(self) -> None:
-        try:
-            await self.client.deregister_pool(self.pool_id)
-        finally:
-            if self.region is not None:
-                self.region.close()
+        for rank in self.ranks:
+            try:
+                if rank.region is not None:
+                    await rank.client.deregister_pool(self.pool_id)
+            finally:
+                if rank.region is not None:
+                    rank.region.close()
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.layout.tokens_per_block)
 
+    async def _each(self, call: Callable[[Rank], Awaitable[T]]) -> list[T]:
+        return list(await asyncio.gather(*(call(rank) for rank in self.ranks)))
+
+    @staticmethod
+    def _record(rec: Record, outcomes: list[Outcome]) -> None:
+        """One record for all ranks: done only if every rank is; else the first failure
+        (naming its rank when there are several)."""
+        bad = next((o for o in outcomes if o.status != Status.DONE), None)
+        first = bad or outcomes[0]
+        rec.status, rec.reason, rec.message = first.status, first.reason, first.message
+        if bad is not None and len(outcomes) > 1:
+            rec.message = f"rank {outcomes.index(bad)}: {bad.message}"
+        rec.nbytes = sum(o.nbytes for o in outcomes)
+
     async def send_one(self, item: Item) -> Record:
-        assert self.region is not None
         rec = Record(item.request_id, item.num_tokens)
         blocks = self.alloc.take(self.blocks_for(item.num_tokens))
+        seed = request_seed(item.request_id)
         try:
-            fill_blocks(self.region.array, self.layout, blocks, request_seed(item.request_id))
+            for rank in self.ranks:
+                assert rank.region is not None
+                fill_blocks(rank.region.array, self.layout, blocks, seed, tp=rank.tp)
             rec.t_start_ns = time.monotonic_ns()
-            await self.client.send(item.request_id, self.pool_id, blocks, item.num_tokens)
-            outcome = await self.client.wait(item.request_id)
+
+            async def send(rank: Rank) -> Outcome:
+                await rank.client.send(item.request_id, self.pool_id, blocks, item.num_tokens)
+                outcome = await rank.client.wait(item.request_id)
+                await rank.client.release(item.request_id)
+                return outcome
+
+            outcomes = await self._each(send)
             rec.t_end_ns = time.monotonic_ns()
-            rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
-            rec.nbytes = outcome.nbytes
-            await self.client.release(item.request_id)
+            self._record(rec, outcomes)
         finally:
             self.alloc.give(blocks)
         return rec
 
-    async def recv_one(self, item: Item, peer: str) -> Record:
-        assert self.region is not None
+    async def recv_one(self, item: Item, peer: str | None = None) -> Record:
         rec = Record(item.request_id, item.num_tokens)
         blocks = self.alloc.take(self.blocks_for(item.num_tokens))
+        seed = request_seed(item.request_id)
         try:
-            clear_blocks(self.region.array, self.layout, blocks)
+            for rank in self.ranks:
+                assert rank.region is not None
+                clear_blocks(rank.region.array, self.layout, blocks)
             rec.t_start_ns = time.monotonic_ns()
-            await self.client.recv(item.request_id, self.pool_id, blocks, peer, item.num_tokens)
+            for rank in self.ranks:
+                peers = peer if peer and len(self.ranks) == 1 else rank.peers
+                await rank.client.recv(
+                    item.request_id, self.pool_id, blocks, peers, item.num_tokens
+                )
             if self.notify is not None:
                 self.notify(item.request_id)  # generation-first: the context may send now
-            outcome = await self.client.wait(item.request_id)
-            rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
-            rec.nbytes = outcome.nbytes
+
+            async def wait(rank: Rank) -> Outcome:
+                return await rank.client.wait(item.request_id)
+
+            outcomes = await self._each(wait)
             rec.t_end_ns = time.monotonic_ns()
-            if outcome.status == Status.DONE:
-                result = verify_blocks(
-                    self.region.array,
-                    self.layout,
-                    blocks,
-                    request_seed(item.request_id),
-                    item.num_tokens,
-                )
-                rec.verified = result.ok
-                rec.verify_error = result.first_mismatch or ""
-            await self.client.release(item.request_id)
+            self._record(rec, outcomes)
+            if rec.status == Status.DONE:
+                rec.verified = True
+                for rank in self.ranks:
+                    assert rank.region is not None
+                    result = verify_blocks(
+                        rank.region.array, self.layout, blocks, seed, item.num_tokens, tp=rank.tp
+                    )
+                    if not result.ok:
+                        rec.verified = False
+                        rec.verify_error = f"rank {rank.tp.rank}: {result.first_mismatch}"
+                        break
+            for rank in self.ranks:
+                await rank.client.release(item.request_id)
         finally:
             self.alloc.give(blocks)
         return rec
 
     async def run(
-        self, items: list[Item], in_flight: int, peer: str | None, progress: bool = False
+        self,
+        items: list[Item],
+        in_flight: int,
+        peer: str | None,
+        progress: bool = False,
     ) -> list[Record]:
+        """Run the workload: as the generation engine when `peer` is given (a context
+        daemon, or "" when set_context_peers() named them per rank), else as the context
+        engine."""
         sem = asyncio.Semaphore(in_flight)
         done = 0
 
@@ -156,11 +251,16 @@ class ReferenceEngine:
         return list(records)
 
 
-def layout_from_args(args: argparse.Namespace) -> KvLayout:
+def layout_from_args(args: argparse.Namespace, ranks: int = 1) -> KvLayout:
+    """Each rank's pool: `--kv-heads` are the model's, split evenly over `ranks`."""
+    if args.kv_heads % ranks:
+        raise SystemExit(
+            f"--kv-heads {args.kv_heads} cannot be split evenly over {ranks} tensor-parallel ranks"
+        )
     return KvLayout(
         num_layers=args.layers,
         kv_factor=2,
-        num_kv_heads=args.kv_heads,
+        num_kv_heads=args.kv_heads // ranks,
         head_dim=args.head_dim,
         tokens_per_block=args.tokens_per_block,
         dtype=args.dtype,
@@ -171,7 +271,9 @@ def layout_from_args(args: argparse.Namespace) -> KvLayout:
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument(
+        "--kv-heads", type=int, default=4, help="the model's KV heads (split over the ranks)"
+    )
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--dtype", default="float16")
@@ -179,9 +281,21 @@ def add_geometry_args(p: argparse.ArgumentParser) -> None:
 
 
 async def _main(args: argparse.Namespace) -> EngineReport:
-    layout = layout_from_args(args)
-    client = await AsyncClient.connect(args.socket, engine=f"sim-{args.role}")
-    engine = ReferenceEngine(client, layout, args.pool_id)
+    sockets = args.socket
+    layout = layout_from_args(args, len(sockets))
+    clients = [
+        await AsyncClient.connect(path, engine=f"sim-{args.role}-{i}")
+        for i, path in enumerate(sockets)
+    ]
+    engine = ReferenceEngine(clients, layout, args.pool_id)
+    peer: str | None = None
+    if args.role == "generation":
+        peers = args.peer or []
+        if len(sockets) == 1 and len(peers) <= 1:
+            peer = peers[0] if peers else ""
+        else:
+            engine.set_context_peers(peers)
+            peer = ""
     if args.tokens is not None:
         items = fixed_workload(args.seed, args.requests, args.tokens, args.prefix)
     else:
@@ -201,14 +315,16 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         engine.posted = {}
         reader_task = asyncio.create_task(_read_posted(args.wait_fd, engine.posted))
     try:
-        peer = args.peer if args.role == "generation" else None
         records = await engine.run(items, args.in_flight, peer, args.progress)
     finally:
         if reader_task is not None:
             reader_task.cancel()
         await engine.close()
-        await client.close()
-    return EngineReport(role=args.role, records=records, pool_bytes=layout.pool_bytes)
+        for client in clients:
+            await client.close()
+    return EngineReport(
+        role=args.role, records=records, pool_bytes=layout.pool_bytes * len(sockets)
+    )
 
 
 async def _read_posted(fd: int, posted: dict[str, asyncio.Event]) -> None:
@@ -222,8 +338,18 @@ async def _read_posted(fd: int, posted: dict[str, asyncio.Event]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvxferd.sim.engine")
     p.add_argument("--role", choices=["context", "generation"], required=True)
-    p.add_argument("--socket", required=True, help="the daemon's engine API socket")
-    p.add_argument("--peer", default="", help="generation: the context daemon (name or HOST:PORT)")
+    p.add_argument(
+        "--socket",
+        action="append",
+        required=True,
+        help="the daemon's engine API socket; once per tensor-parallel rank, in rank order",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        help="generation: the context daemon (name or HOST:PORT); once per context rank, "
+        "in rank order",
+    )
     p.add_argument("--pool-id", default="pool0")
     p.add_argument("--pool-blocks", type=int, default=1024)
     p.add_argument("--requests", type=int, default=100)

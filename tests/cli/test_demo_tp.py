@@ -1,0 +1,58 @@
+"""`kvxferd demo --ctx-tp N --gen-tp M`: one daemon per rank, heads split or merged, every
+byte of every rank verified; bad sizes are a usage error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
+
+
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvxferd.cli", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_demo_merges_two_context_ranks_into_one() -> None:
+    proc = _demo(
+        "--ctx-tp", "2", "--gen-tp", "1", "--requests", "8", "--max-tokens", "300", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["requests"] == 8
+    assert summary["verified"] == 8 and summary["failed"] == 0, summary
+    assert (summary["ctx_tp"], summary["gen_tp"], summary["kv_heads"]) == (2, 1, 4)
+    assert summary["daemon_exit_codes"] == {"demo-ctx0": 0, "demo-ctx1": 0, "demo-gen": 0}
+
+
+def test_demo_splits_one_context_rank_into_two_table() -> None:
+    proc = _demo("--ctx-tp", "1", "--gen-tp", "2", "--requests", "6", "--max-tokens", "200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified   6" in proc.stdout, proc.stdout
+    assert "context TP 1 -> generation TP 2 (4 KV heads)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ctx-tp", "5"], "--ctx-tp must be 1 to 4, got 5"),
+        (["--gen-tp", "0"], "--gen-tp must be 1 to 4, got 0"),
+        (
+            ["--ctx-tp", "3", "--kv-heads", "4"],
+            "--kv-heads 4 cannot be split over --ctx-tp 3 ranks",
+        ),
+    ],
+)
+def test_demo_refuses_sizes_that_do_not_divide_the_heads(args: list[str], message: str) -> None:
+    proc = _demo(*args, "--requests", "1")
+    assert proc.returncode == 2
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
