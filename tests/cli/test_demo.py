@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
 
 
-def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvxferd.cli", "demo", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
 
 
@@ -51,8 +54,18 @@ def test_demo_staged_runtime_over_ucx() -> None:
     assert summary["verified"] == 8 and summary["failed"] == 0
 
 
-def test_demo_with_an_unavailable_backend_fails_clearly() -> None:
-    proc = _demo("--requests", "2", "--backend", "MOONCAKE", "--json")
+def test_demo_with_an_unavailable_backend_fails_clearly(tmp_path: Path) -> None:
+    # A package that does not load, as on a host where Mooncake's system libraries are
+    # missing: a `mooncake` package earlier on the path that fails to import.
+    shadow = tmp_path / "mooncake"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(
+        'raise ImportError("libibverbs.so.1: cannot open shared object file")\n'
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = _demo("--requests", "2", "--backend", "MOONCAKE", "--json", env=env)
     assert proc.returncode != 0
-    assert "backend MOONCAKE is not available" in proc.stderr + proc.stdout
+    out = proc.stderr + proc.stdout
+    assert "backend MOONCAKE's engine (mooncake-transfer-engine-non-cuda) does not load" in out
+    assert "libibverbs.so.1" in out and "scripts/system-deps.sh" in out
     assert "Traceback" not in proc.stderr
