@@ -138,14 +138,44 @@ class Copier(Protocol):
 
 
 class HostCopier:
-    """Gather/scatter on host memory: one slice copy (memcpy) per run of bytes.
+    """Gather/scatter on host memory: one numpy take/put of whole pieces.
 
-    The runs come from pair_segments between the pool and a block-major
-    "packed" layout of the request's blocks, so consecutive blocks coalesce into
-    one copy and either major works. Copies go through memoryviews: byte-wise
-    numpy fancy indexing is ~20x slower (FACTS), and per-element `take` on
-    whole-block void dtypes measured 5x slower than these slices here.
+    The pool and the packed buffer are viewed as arrays of `V{unit}` elements,
+    where a unit is a whole block (block-major pool) or one (layer, K/V) piece
+    (layer-major), and the copy is a single `np.take` (gather) or `np.put`
+    (scatter) with one index per unit: numpy then memmoves each unit in C with
+    the GIL released. Measured here for 16,000 4 KiB pieces (62.5 MiB) this
+    runs at memcpy speed (~10 ms), against ~23 ms for a Python loop of
+    memoryview slice copies (one interpreter round trip per piece) and ~4 ms
+    more to build that loop's run lists. Byte-wise fancy indexing would be ~20x
+    slower (FACTS); whole-unit elements avoid it.
     """
+
+    @staticmethod
+    def _units(
+        pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: list[int]
+    ) -> tuple[np.dtype[np.void], npt.NDArray[np.intp]] | None:
+        """The unit dtype and, in packed order, the pool index of each unit.
+
+        Packed order is (logical block, layer, K/V): block-major over the
+        request's blocks. None when the pool's units do not sit on multiples of
+        their own size (no current layout does that), so the caller copies runs.
+        """
+        if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
+            raise ValueError(
+                f"pool must be a 1-D uint8 array of at least {layout.pool_bytes} bytes, "
+                f"got shape {pool.shape} of {pool.dtype}"
+            )
+        ids = layout.check_blocks(blocks)
+        if layout.major == BLOCK_MAJOR:
+            # A block is contiguous in the pool and in the packed buffer alike.
+            return np.dtype(f"V{layout.block_bytes}"), ids.astype(np.intp)
+        unit = layout.piece_bytes
+        offsets = layout.piece_offsets(ids, block_first=True).ravel()
+        index, rest = np.divmod(offsets, unit)
+        if rest.any():
+            return None
+        return np.dtype(f"V{unit}"), index.astype(np.intp)
 
     @staticmethod
     def _runs(layout: KvLayout, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -169,10 +199,20 @@ class HostCopier:
         blocks: list[int],
         out: npt.NDArray[np.uint8],
     ) -> None:
-        src, dst = pool.data, out.data
-        pool_runs, packed_runs = self._runs(layout, blocks)
-        for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
-            dst[k_off : k_off + length] = src[p_off : p_off + length]
+        nbytes = len(blocks) * layout.block_bytes
+        units = self._units(pool, layout, blocks)
+        if units is None:
+            src, dst = pool.data, out.data
+            pool_runs, packed_runs = self._runs(layout, blocks)
+            for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
+                dst[k_off : k_off + length] = src[p_off : p_off + length]
+            return
+        unit, index = units
+        # mode="clip" skips numpy's bounds check, which would also make it copy
+        # through a temporary: check_blocks already bounded every index.
+        np.take(
+            pool[: layout.pool_bytes].view(unit), index, out=out[:nbytes].view(unit), mode="clip"
+        )
 
     def scatter(
         self,
@@ -181,10 +221,16 @@ class HostCopier:
         layout: KvLayout,
         blocks: list[int],
     ) -> None:
-        src, dst = packed.data, pool.data
-        pool_runs, packed_runs = self._runs(layout, blocks)
-        for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
-            dst[p_off : p_off + length] = src[k_off : k_off + length]
+        nbytes = len(blocks) * layout.block_bytes
+        units = self._units(pool, layout, blocks)
+        if units is None:
+            src, dst = packed.data, pool.data
+            pool_runs, packed_runs = self._runs(layout, blocks)
+            for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
+                dst[p_off : p_off + length] = src[k_off : k_off + length]
+            return
+        unit, index = units
+        np.put(pool[: layout.pool_bytes].view(unit), index, packed[:nbytes].view(unit), mode="clip")
 
 
 class BounceBuffers:
