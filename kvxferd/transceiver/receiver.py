@@ -359,7 +359,7 @@ class Receiver:
             s.advance(SessionState.READY)
             for leg in s.legs:
                 assert leg.conn is not None
-                await leg.conn.send(
+                sent = await leg.conn.send(
                     RequestData(
                         request_id=s.request_id,
                         rx_token=s.rx_token,
@@ -370,6 +370,17 @@ class Receiver:
                         bounce_nbytes=offer.nbytes if offer else 0,
                     )
                 )
+                if not sent:
+                    # Closed since we connected (its close handling may have run before
+                    # this leg knew the connection): a gone connection writes nothing.
+                    s.request_end(
+                        Terminal.peer(
+                            Status.FAILED,
+                            Reason.PEER_LOST,
+                            f"peer lost: {leg.conn.peer.name}: {leg.conn.close_reason}",
+                        )
+                    )
+                    s.mark_told(leg)
             await self._await_result(s, deadline)
         except asyncio.CancelledError:
             if s.terminal is None:
@@ -435,16 +446,17 @@ class Receiver:
     @staticmethod
     def _peer_tp(conn: PeerConnection) -> tuple[TpRank, KvLayout] | str | None:
         """A context daemon's rank and pool layout (one engine rank per daemon, so its pools
-        agree); None while it has no pool; a string when its pools are unusable."""
+        agree); None while it has no usable pool; a string when its pools disagree. A pool
+        with a bad layout is left out here: only requests into it fail, in the sender's plan."""
         found: tuple[TpRank, KvLayout] | None = None
         for info in conn.pools.values():
             layout = conn.layouts.get(info.pool_id)
             try:
                 tp = TpRank(info.tp_rank, info.tp_size)
-            except LayoutError as exc:
-                return f"context daemon {conn.peer.name}, pool {info.pool_id!r}: {exc}"
+            except LayoutError:
+                continue
             if not isinstance(layout, KvLayout):
-                return f"context daemon {conn.peer.name}, pool {info.pool_id!r}: {layout}"
+                continue
             if found is not None and found[0] != tp:
                 return f"context daemon {conn.peer.name} has pools of two ranks ({found[0]}, {tp})"
             found = (tp, layout)

@@ -73,6 +73,7 @@ _POLL_FIRST_S = 0.0001
 _POLL_MAX_S = 0.002
 # How long to keep retrying a release that NIXL refuses before giving up loudly.
 _RELEASE_RETRY_S = 0.01
+_RELEASE_RETRY_MAX_S = 0.2
 
 
 @dataclass
@@ -506,6 +507,9 @@ class Sender:
         if s.pool is None or not s.legs:
             return 1
         leg = s.legs[0]
+        info = leg.conn.pools.get(leg.request.pool_id)
+        if info is None or info.tp_size == s.pool.tp.size:
+            return 1  # equal sizes: rank i holds the heads of rank i (the common case)
         dst_layout = leg.conn.layouts.get(leg.request.pool_id)
         dst_tp = self._dst_tp(leg)
         if not isinstance(dst_layout, KvLayout) or dst_tp is None:
@@ -766,12 +770,17 @@ class Sender:
         if handle is None:
             return
         backend = self._dp.backend
+        pause = _RELEASE_RETRY_S
         while not handle.released:  # an inline completion was released in the post
             try:
                 await self._dp.call(backend.release, handle)
             except KvxferdError as exc:
-                log.warning("request %s: release refused, retrying: %s", s.request_id, exc)
-                await asyncio.sleep(_RELEASE_RETRY_S)
+                # A backend that cannot cancel (Mooncake) refuses until the write ends,
+                # which can take its whole timeout: say so once, then back off quietly.
+                level = logging.WARNING if pause == _RELEASE_RETRY_S else logging.DEBUG
+                log.log(level, "request %s: release refused, retrying: %s", s.request_id, exc)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _RELEASE_RETRY_MAX_S)
         s.xfer = None
         self.open_handles -= 1
 

@@ -16,6 +16,7 @@ from daemon_harness import GEOMETRY, SimEngine, assert_clean, layout_for, status
 
 from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory import ShmRegion, TpRank
+from kvxferd.peers.compat import tp_support_problem
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 
@@ -36,8 +37,10 @@ class RankEngine(SimEngine):
         major: str = "block-major",
         num_blocks: int = 64,
         heads: int | None = None,
+        base: dict[str, Any] | None = None,
     ) -> RankEngine:
-        geometry = dict(GEOMETRY, num_kv_heads=heads or TOTAL_HEADS // tp.size)
+        """`heads`: this rank's (default: its share of TOTAL_HEADS); `base`: the geometry."""
+        geometry = dict(base or GEOMETRY, num_kv_heads=heads or TOTAL_HEADS // tp.size)
         client = await AsyncClient.connect(daemon.api_socket, engine=f"test-{daemon.name}")
         engine = cls(client, layout_for(major, num_blocks, geometry), "pool0")
         engine.tp = tp
@@ -404,3 +407,102 @@ def test_context_rank_killed_during_a_merge(cluster: LocalCluster) -> None:
     asyncio.run(scenario())
     assert_clean(gen)
     assert_clean(ctx0)
+
+
+def test_split_waits_for_every_generation_rank_within_the_deadline(cluster: LocalCluster) -> None:
+    """Only one of the two generation ranks asks: the context side never writes half a
+    split; its deadline ends the request and the rank that asked is told."""
+    ctx = _start(cluster, "ctx", "context", 1, transceiver={"kv_transfer_timeout_ms": 1500})
+    gen = _start(cluster, "gen0", "generation", 2)
+
+    async def scenario() -> None:
+        async with ranks([ctx], 1, "block-major") as (c,), ranks([gen], 2, "block-major") as (g,):
+            await g.recv_from("lonely", 64, ctx.peer_address)
+            await c.send("lonely", 64)
+            sent = await _outcomes(c, "lonely")
+            assert (sent.status, sent.reason) == ("timed_out", "sender_deadline"), sent
+            assert "1 of 2 arrived" in sent.message, sent
+            got = await _outcomes(g, "lonely")
+            assert (got.status, got.reason) == ("failed", "peer_timed_out"), got
+
+    asyncio.run(scenario())
+    assert_clean(ctx)
+    assert_clean(gen)
+
+
+# Small pieces (32 tokens x 1 head x 16 dims x fp16 = 1 KiB per rank): what the bounce buffer
+# would take between equal sizes.
+SMALL = {**GEOMETRY, "num_kv_heads": 2, "head_dim": 16}
+
+
+def test_bounce_buffer_is_bypassed_for_head_slices(cluster: LocalCluster) -> None:
+    """With a bounce buffer configured, a head-split takes the per-block path, even when the
+    generation ranks offered a reservation (the context pool was not known yet)."""
+    cluster.geometry = dict(SMALL)
+    bounce = {"kv_cache_bounce_size_mb": 8}
+    ctx = cluster.start_daemon(
+        "ctx",
+        "context",
+        engine={"kv_layout": dict(SMALL)},
+        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **bounce},
+    )
+    gens = [
+        cluster.start_daemon(
+            f"gen{r}",
+            "generation",
+            engine={"tensor_parallel_size": 2, "kv_layout": {**SMALL, "num_kv_heads": 1}},
+            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **bounce},
+        )
+        for r in range(2)
+    ]
+
+    async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
+        return await RankEngine.open_rank(d, tp, "layer-major", 256, 2 // tp.size, SMALL)
+
+    async def scenario() -> None:
+        gs = [await open_small(g, TpRank(r, 2)) for r, g in enumerate(gens)]
+        for g in gs:
+            g.alloc.shuffle(5)  # scattered blocks: many small segments, worth bouncing
+        try:
+            n = 32 * 40 + 3  # 41 blocks
+            # Posted before the context engine registers its pool.
+            dst = [await g.recv_from("bypass", n, ctx.peer_address) for g in gs]
+            wait_for(
+                lambda: status(ctx)["sessions"]["send"].get("ready") == 1,
+                what="both ranks' requests at the context daemon",
+            )
+            c = await open_small(ctx, TpRank())
+            try:
+                await c.send("bypass", n)
+                assert (await _outcomes(c, "bypass")).status == "done"
+            finally:
+                await c.close()
+            for g, blocks in zip(gs, dst, strict=True):
+                got = await _outcomes(g, "bypass")
+                assert (got.status, got.reason) == ("done", "ok"), got
+                result = g.verify("bypass", blocks, n)
+                assert result.ok, (g.tp, result.first_mismatch)
+        finally:
+            for g in gs:
+                await g.close()
+
+    asyncio.run(scenario())
+    assert status(ctx)["bounce"]["reservations_made"] == 0
+    for g in gens:
+        b = status(g)["bounce"]
+        # Offered (the context pool was unknown when it asked), never used, released.
+        assert b["reservations_made"] == 1 and b["recv_in_use_bytes"] == 0, b
+    for d in (ctx, *gens):
+        assert_clean(d)
+
+
+def test_which_runtimes_take_different_sizes() -> None:
+    two, one = TpRank(0, 2), TpRank(0, 1)
+    assert tp_support_problem("context", two, TpRank(1, 2), "CPP", True) is None  # equal sizes
+    assert tp_support_problem("context", two, one, "PYTHON", False) is None
+    staged = tp_support_problem("generation", one, two, "CPP", False)
+    assert staged is not None and staged.startswith("tensor-parallel sizes differ (ctx 2, gen 1)")
+    assert "PYTHON runtime's per-block path only" in staged and "CPP" in staged
+    piped = tp_support_problem("context", two, one, "PYTHON", True)
+    assert piped is not None and "(ctx 2, gen 1)" in piped
+    assert "enable_pipelined_transfer" in piped
