@@ -35,6 +35,7 @@ from kvxferd.backends import registry
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
+from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES, check_peer
@@ -176,6 +177,9 @@ class Daemon:
             pipelined=settings.pipelined_transfer,
             bounce=self.bounce,
         )
+        # Head-split and head-merge check the runtime per request (pools may be registered
+        # after a handshake).
+        self.sender.runtime = self.receiver.runtime = settings.runtime
         self.api = ApiServer(d.api_socket_path(), self)
         # Operations: per-daemon metrics registry, sd_notify, loop lag, reload history.
         self.metrics = DaemonMetrics(
@@ -340,16 +344,9 @@ class Daemon:
             self._require_role(RECEIVING_ROLES, "recv")
             self._check_request_id(msg.request_id)
             pool = self._own_pool(engine, msg.pool_id)
-            try:
-                self.peers.resolve_address(msg.peer)
-            except Exception as exc:
-                raise RequestError(
-                    ApiError.BAD_REQUEST,
-                    f"peer {msg.peer!r} is neither a static peer name "
-                    f"({', '.join(self.peers.static_peers) or 'none configured'}) nor HOST:PORT",
-                ) from exc
+            peers = self._recv_peers(msg)
             self.receiver.recv(
-                engine, msg.request_id, pool, msg.blocks, msg.peer, msg.num_tokens, msg.beam_width
+                engine, msg.request_id, pool, msg.blocks, peers, msg.num_tokens, msg.beam_width
             )
             return ""
         if isinstance(msg, Send):
@@ -378,6 +375,32 @@ class Daemon:
             s = side.sessions[msg.request_id]
             return s.outcome.status if s.outcome else s.state.name.lower()
         raise RequestError(ApiError.BAD_REQUEST, f"unsupported call {type(msg).__name__}")
+
+    def _recv_peers(self, msg: Recv) -> list[str]:
+        """The context daemons of a receive: `peer`, or the list `peers` (head-merge)."""
+        if msg.peer and msg.peers:
+            raise RequestError(ApiError.BAD_REQUEST, "give either peer or peers (a list), not both")
+        peers = list(msg.peers) if msg.peers else [msg.peer] if msg.peer else []
+        if not peers:
+            raise RequestError(ApiError.BAD_REQUEST, "a receive needs a context peer")
+        seen: dict[str, str] = {}
+        for peer in peers:
+            try:
+                address = self.peers.resolve_address(peer)
+            except Exception as exc:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"peer {peer!r} is neither a static peer name "
+                    f"({', '.join(self.peers.static_peers) or 'none configured'}) nor HOST:PORT",
+                ) from exc
+            if address in seen:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"peers {seen[address]!r} and {peer!r} name the same context daemon "
+                    f"({address}); each context rank is named once",
+                )
+            seen[address] = peer
+        return peers
 
     @staticmethod
     def _check_request_id(request_id: str) -> None:
@@ -426,8 +449,29 @@ class Daemon:
                 f"engine.kv_layout.tokens_per_block is {self.tokens_per_block} in "
                 f"{self.cfg.source}",
             )
+        try:
+            tp = TpRank(msg.tp_rank, msg.tp_size)
+        except LayoutError as exc:
+            raise RequestError(ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: {exc}") from exc
+        for other in self.pools.pools.values():
+            # One daemon serves one engine rank: its peers map heads by the daemon's pools.
+            if other.tp != tp:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"pool {msg.pool_id!r} declares {tp}, but pool {other.pool_id!r} of this "
+                    f"daemon declares {other.tp}; a daemon serves one engine rank",
+                )
+        if tp.size != self.cfg.engine.tensor_parallel_size:
+            log.warning(
+                "pool %s declares %s, but engine.tensor_parallel_size is %d in %s; "
+                "KV heads are mapped by the pool's declaration",
+                msg.pool_id,
+                tp,
+                self.cfg.engine.tensor_parallel_size,
+                self.cfg.source,
+            )
         await self._pool_call(
-            self.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine)
+            self.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp)
         )
         await self._announce_pools()
         return ""
@@ -475,7 +519,12 @@ class Daemon:
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
         return check_peer(
-            self.role, self.settings, [p.layout for p in self.pools.pools.values()], peer, info
+            self.role,
+            self.settings,
+            [(p.layout, p.tp) for p in self.pools.pools.values()],
+            peer,
+            info,
+            self.cfg.engine.pipeline_parallel_size,
         )
 
     async def _on_peer_message(self, conn: PeerConnection, msg: PeerMessage) -> None:
