@@ -4,11 +4,14 @@
 #   docker run --rm --ipc=container:ENGINE -v /run/kvxferd:/run/kvxferd \
 #     -v ./kvxferd.yaml:/etc/kvxferd/kvxferd.yaml:ro kvxferd
 #
-# What this image supports: the PYTHON (v2) runtime over NIXL (its bundled UCX:
-# TCP and shared memory; RDMA when the host's devices are passed in), with the
-# engine's KV pools in host memory (POSIX shared memory, /dev/shm). Not in this
-# image: GPU (CUDA IPC) pools, the staged CPP runtime, and the UCX, MPI and
-# Mooncake backends - kvxferd refuses such a configuration at start-up.
+# What this image supports: NIXL under both runtimes (PYTHON and the staged CPP
+# runtime; NIXL's bundled UCX: TCP and shared memory, RDMA when the host's
+# devices are passed in), with the engine's KV pools in host memory (POSIX shared
+# memory, /dev/shm). The UCX, MPI and MOONCAKE backends' packages are not in it
+# (a daemon configured for one refuses to start, naming the package): to add
+# them, install kvxferd with the extras `.[ucx,mpi,mooncake]` in the build stage
+# and Mooncake's Debian libraries (scripts/system-deps.sh) in the final one.
+# GPU (CUDA IPC) pools are not supported yet.
 # Kubernetes example and probes: docs/operations.md.
 
 FROM python:3.11-slim AS build
