@@ -33,6 +33,7 @@ from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
 from kvxferd.memory.heads import (
     TpRank,
+    common_heads,
     describe,
     head_range,
     mapping_problems,
@@ -248,12 +249,10 @@ class Sender:
                 )
             )
             return
-        elif s.request is not None:
-            if self._another_rank(s, conn, msg):
-                # Head-split: one more generation rank asks for its heads of the request.
-                s.legs.append(TxLeg(conn, msg))
-                s.wake.set()
-                return
+        elif s.leg_of(conn, msg.rx_token) is not None:
+            await self._asked_twice(s, conn, msg)
+            return
+        elif s.request is not None and not self._another_rank(s, conn, msg):
             await conn.send(
                 Abort(
                     request_id=msg.request_id,
@@ -262,6 +261,23 @@ class Sender:
                     message=f"request {msg.request_id!r} is already requested by another receive",
                 )
             )
+            return
+        stray = self._no_common_heads(s, TxLeg(conn, msg))
+        if stray is not None:
+            # Refused alone: the request waits on for the ranks that hold our heads.
+            await conn.send(
+                Abort(
+                    request_id=msg.request_id,
+                    rx_token=msg.rx_token,
+                    reason=Reason.BLOCK_MISMATCH,
+                    message=stray,
+                )
+            )
+            return
+        if s.request is not None:
+            # Head-split: one more generation rank asks for its heads of the request.
+            s.legs.append(TxLeg(conn, msg))
+            s.wake.set()
             return
         s.request = msg
         s.conn = conn
@@ -296,6 +312,63 @@ class Sender:
             if known is None or known.size != new.size or known.rank == new.rank:
                 return False
         return True
+
+    def _no_common_heads(self, s: TxSession, leg: TxLeg) -> str | None:
+        """Why a receiver's pool holds none of our heads; None when it holds some, or when
+        that cannot be told yet (our pool unknown until the engine sends; a pool that cannot
+        be mapped at all is the plan's to report)."""
+        if s.pool is None:
+            return None
+        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
+        dst_tp = self._dst_tp(leg)
+        if not isinstance(dst_layout, KvLayout) or dst_tp is None:
+            return None
+        ours, our_tp = s.pool.layout, s.pool.tp
+        if mapping_problems(ours, our_tp, dst_layout, dst_tp):
+            return None
+        if common_heads(ours, our_tp, dst_layout, dst_tp) is not None:
+            return None
+        return (
+            f"pool {leg.request.pool_id!r} of {leg.conn.peer.name} holds "
+            f"{describe(dst_layout, dst_tp)} and this context daemon holds "
+            f"{describe(ours, our_tp)}: no KV head in common, so it has nothing to write there"
+        )
+
+    async def _refuse_strangers(self, s: TxSession) -> None:
+        """Refuse the receivers that asked before our pool was known and hold none of our
+        heads: counted as legs they would fail the request for the ranks that do."""
+        if s.pool is None or s.writing or s.written or s.terminal is not None:
+            return
+        strangers = [(leg, why) for leg in s.legs if (why := self._no_common_heads(s, leg))]
+        if not strangers:
+            return
+        for leg, _ in strangers:
+            s.legs.remove(leg)
+            leg.told = True
+        # `request` and `conn` are those of the first remaining leg (none: wait for one).
+        s.request = s.legs[0].request if s.legs else None
+        s.conn = s.legs[0].conn if s.legs else None
+        for leg, why in strangers:
+            await leg.conn.send(
+                Abort(
+                    request_id=s.request_id,
+                    rx_token=leg.request.rx_token,
+                    reason=Reason.BLOCK_MISMATCH,
+                    message=why,
+                )
+            )
+
+    async def _asked_twice(self, s: TxSession, conn: PeerConnection, msg: RequestData) -> None:
+        """One receive (same connection, same token) sent its RequestData again. Refusing it
+        tells that receive its request ended, so it ends here too: told (Abort) only once
+        no write into its blocks can land."""
+        message = f"{conn.peer.name} sent the RequestData of one receive twice"
+        log.warning("request %s: %s", s.request_id, message)
+        if s.engine is None:
+            del self.sessions[s.request_id]  # nothing was written: tell every receiver now
+            await self._abort_legs(s, None, Reason.DUPLICATE_REQUEST, message)
+        else:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.DUPLICATE_REQUEST, message))
 
     async def _abort_legs(
         self, s: TxSession, skip: TxLeg | None, reason: str, message: str
@@ -441,6 +514,7 @@ class Sender:
     async def _run(self, s: TxSession) -> None:
         try:
             while s.terminal is None:
+                await self._refuse_strangers(s)
                 work = self._next_slice(s)
                 if work is None:
                     await self._wait_for_work(s)

@@ -17,6 +17,8 @@ from daemon_harness import GEOMETRY, SimEngine, assert_clean, layout_for, status
 from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory import ShmRegion, TpRank
 from kvxferd.peers.compat import tp_support_problem
+from kvxferd.peers.handshake import Identity, client_handshake
+from kvxferd.peers.messages import PEER_CODEC, Abort, Info, Ping, Pong, PoolInfo, RequestData
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 
@@ -506,3 +508,169 @@ def test_which_runtimes_take_different_sizes() -> None:
     piped = tp_support_problem("context", two, one, "PYTHON", True)
     assert piped is not None and "(ctx 2, gen 1)" in piped
     assert "enable_pipelined_transfer" in piped
+
+
+# ----------------------------------------------------------------- legs: review fixes
+
+
+@pytest.mark.parametrize("gen_size", [2, 4])
+def test_a_rank_holding_none_of_the_heads_is_refused_alone(
+    cluster: LocalCluster, gen_size: int
+) -> None:
+    """Context rank 0 of 2 holds heads [0, 2) of 4. A generation rank holding none of them
+    (rank 1 of 2, or rank 2 of 4) names it by mistake before the context pool is known (so
+    the generation daemon cannot tell yet). Its receive is refused, naming the heads, and
+    the ranks that do hold those heads are served as if it had never asked."""
+    ctx = _start(cluster, "c0", "context", 2)
+    holders = gen_size // 2  # generation ranks holding some of heads [0, 2)
+    gens = [_start(cluster, f"g{r}", "generation", gen_size) for r in range(holders + 1)]
+    n = 99
+
+    async def scenario() -> None:
+        async with ranks(gens, gen_size, "block-major") as gs:
+            stray, served = gs[-1], gs[:-1]
+            # The stray rank asks first: the context daemon must not count it as a leg.
+            stray_blocks = await stray.recv_from("stray", n, ctx.peer_address)
+            wait_for(
+                lambda: status(ctx)["sessions"]["send"] == {"ready": 1},
+                what="the stray request at the context daemon",
+            )
+            dst = [await g.recv_from("stray", n, ctx.peer_address) for g in served]
+            async with ranks([ctx], 2, "block-major") as (c,):
+                await c.send("stray", n)
+                sent = await _outcomes(c, "stray")
+                assert (sent.status, sent.reason) == ("done", "ok"), sent
+            for g, blocks in zip(served, dst, strict=True):
+                got = await _outcomes(g, "stray")
+                assert (got.status, got.reason) == ("done", "ok"), got
+                result = g.verify("stray", blocks, n)
+                assert result.ok, (g.tp, result.first_mismatch)
+            got = await _outcomes(stray, "stray")
+            assert (got.status, got.reason, got.fault) == ("failed", "peer_failed", "peer"), got
+            assert "block_mismatch" in got.message and "no KV head in common" in got.message
+            assert "heads [0, 2) of 4" in got.message, got
+            assert all(not b.any() for b in stray.pool_blocks(stray_blocks)), "written"
+
+    asyncio.run(scenario())
+    for d in (ctx, *gens):
+        assert_clean(d)
+
+
+class _Intruder:
+    """A hand-driven generation peer: a real handshake (and NIXL agent metadata), then
+    whatever RequestData a test writes; Pings are answered while it reads."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, msg: Any) -> None:
+        self.writer.write(PEER_CODEC.encode(msg))
+        await self.writer.drain()
+
+    async def next(self, kind: type[Any], timeout_s: float = 10.0) -> Any:
+        async def read() -> Any:
+            while True:
+                msg = await PEER_CODEC.read(self.reader)
+                assert msg is not None, "the daemon closed the connection"
+                if isinstance(msg, Ping):
+                    await self.send(Pong(seq=msg.seq))
+                elif isinstance(msg, kind):
+                    return msg
+
+        return await asyncio.wait_for(read(), timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def _intruder(
+    cluster: LocalCluster, ctx: DaemonProc, like: DaemonProc, pools: list[PoolInfo]
+) -> AsyncIterator[_Intruder]:
+    nixl = pytest.importorskip("nixl_cu12")
+    agent = nixl.nixl_agent(
+        "intruder.1", nixl.nixl_agent_config(enable_listen_thread=False, backends=["UCX"])
+    )
+    doc = status(like)  # a real generation daemon's settings, so the handshake passes
+    info = Info(
+        agent_name="intruder.1",
+        agent_metadata=bytes(agent.get_agent_metadata()),
+        pools=pools,
+        fingerprint=doc["fingerprint"],
+        compat={k: doc["settings"][k] for k in ("backend", "runtime", "pipelined_transfer")},
+        transceiver={},
+        tensor_parallel_size=pools[0].tp_size if pools else 1,
+        pipeline_parallel_size=1,
+        context_parallel_size=1,
+    )
+
+    async def make_info() -> Info:
+        return info
+
+    secret = (cluster.workdir / f"{ctx.name}.secret").read_bytes().rstrip()
+    host, port = ctx.peer_address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        me = Identity("intruder", "1", "generation", secret)
+        await asyncio.wait_for(
+            client_handshake(reader, writer, me, make_info, lambda p, i: None, ctx.peer_address),
+            10,
+        )
+        yield _Intruder(reader, writer)
+    finally:
+        writer.close()
+        del agent
+
+
+def test_hostile_request_data_is_refused_and_changes_nothing_else(cluster: LocalCluster) -> None:
+    """A peer's RequestData naming a pool that holds none of our heads is refused at once,
+    and the request it names waits on for the rank that holds them; one receive sending its
+    RequestData twice ends that request (it was told so) instead of leaving it behind."""
+    ctx = _start(cluster, "c0", "context", 2)
+    gen = _start(cluster, "g0", "generation", 2)
+    n = 70
+
+    async def scenario() -> None:
+        async with ranks([ctx], 2, "block-major") as (c,), ranks([gen], 2, "block-major") as (g,):
+            await c.send("kv", n)  # the context daemon knows which heads it holds
+            # The heads of rank 1 of 2: [2, 4), none of rank 0's.
+            foreign = PoolInfo(
+                pool_id="p",
+                layout=dict(g.layout.to_wire()),
+                base=0,
+                nbytes=g.layout.pool_bytes,
+                tp_rank=1,
+                tp_size=2,
+            )
+            async with _intruder(cluster, ctx, gen, [foreign]) as peer:
+                await peer.send(
+                    RequestData(request_id="kv", rx_token=1, pool_id="p", blocks=[0, 1, 2])
+                )
+                abort = await peer.next(Abort)
+                assert (abort.request_id, abort.rx_token, abort.reason) == (
+                    "kv",
+                    1,
+                    "block_mismatch",
+                )
+                assert "no KV head in common" in abort.message, abort
+                assert status(ctx)["sessions"]["send"] == {"waiting_for_peer": 1}
+                # One receive (one token) asking twice: told once, and nothing left behind.
+                twice = RequestData(request_id="twice", rx_token=2, pool_id="p", blocks=[3])
+                await peer.send(twice)
+                await peer.send(twice)
+                abort = await peer.next(Abort)
+                assert (abort.request_id, abort.rx_token) == ("twice", 2), abort
+                assert abort.reason == "duplicate_request", abort
+                wait_for(
+                    lambda: status(ctx)["sessions"]["send"] == {"waiting_for_peer": 1},
+                    what="the context daemon forgets 'twice'",
+                )
+            # The rank that holds the heads is served as if nothing had happened.
+            blocks = await g.recv_from("kv", n, ctx.peer_address)
+            sent = await _outcomes(c, "kv")
+            assert (sent.status, sent.reason) == ("done", "ok"), sent
+            got = await _outcomes(g, "kv")
+            assert (got.status, got.reason) == ("done", "ok"), got
+            assert g.verify("kv", blocks, n).ok
+
+    asyncio.run(scenario())
+    assert_clean(ctx)
+    assert_clean(gen)
