@@ -242,6 +242,8 @@ class Receiver:
                 if all(each.done for each in s.legs):
                     s.result = (msg.status, s.nbytes, msg.message)
                     s.wake.set()
+                else:
+                    s.advance(SessionState.TRANSFERRING)  # some heads are in place
             else:
                 s.advance(SessionState.TRANSFERRING)
         else:
@@ -281,7 +283,9 @@ class Receiver:
         lost = []
         for s in self.sessions.values():
             leg = s.leg_of(conn)
-            if leg is not None and not s.finished:
+            # A leg that delivered everything wrote its last byte: its peer going away
+            # cannot touch our blocks, and what it wrote stays valid.
+            if leg is not None and not leg.done and not s.finished:
                 s.request_end(
                     Terminal.peer(
                         Status.FAILED,

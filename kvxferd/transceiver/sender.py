@@ -448,7 +448,9 @@ class Sender:
         lost = []
         for s in list(self.sessions.values()):
             leg = s.leg_of(conn)
-            if leg is None:
+            if leg is None or leg.served:
+                # A receiver already served has what we wrote; it going away changes
+                # nothing for the other ranks of a head-split.
                 continue
             leg.told = True  # nobody left to tell on that connection
             if s.engine is None:
@@ -750,8 +752,10 @@ class Sender:
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
             )
             s.mark_told(leg if s.legs else None)
-        elif last and len(s.legs) > 1:
-            leg.told = True  # that receiver is done: a later leg's failure is not its news
+        elif last:
+            leg.served = True
+            if len(s.legs) > 1:
+                leg.told = True  # that receiver is done: a later leg's failure is not its news
 
     async def _post_and_wait(
         self,

@@ -85,6 +85,7 @@ class TxLeg:
     conn: PeerConnection
     request: RequestData
     told: bool = False  # this receiver knows the outcome (or cannot be told any more)
+    served: bool = False  # its last Result went out: it has all it asked for
 
 
 @dataclass(eq=False)

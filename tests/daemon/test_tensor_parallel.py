@@ -674,3 +674,116 @@ def test_hostile_request_data_is_refused_and_changes_nothing_else(cluster: Local
     asyncio.run(scenario())
     assert_clean(ctx)
     assert_clean(gen)
+
+
+def test_a_served_leg_whose_context_rank_dies_does_not_fail_the_merge(
+    cluster: LocalCluster,
+) -> None:
+    """Context rank 0 delivered its heads (its last Result arrived), then its daemon dies
+    before rank 1 sends: what rank 0 wrote is in place and it can write nothing more, so
+    the merge completes when rank 1 delivers."""
+    ctx0 = _start(cluster, "ctx0", "context", 2)
+    ctx1 = _start(cluster, "ctx1", "context", 2)
+    gen = _start(cluster, "gen", "generation", 1)
+    peers = [ctx0.peer_address, ctx1.peer_address]
+    n = 150
+
+    async def scenario() -> None:
+        c0 = await RankEngine.open_rank(ctx0, TpRank(0, 2))
+        async with ranks([gen], 1, "block-major") as (g,):
+            c1 = await RankEngine.open_rank(ctx1, TpRank(1, 2))
+            try:
+                blocks = await g.recv_from("late-death", n, peers)
+                await c0.send("late-death", n)
+                assert (await c0.client.wait("late-death", timeout_s=30)).status == "done"
+                wait_for(
+                    lambda: status(gen)["sessions"]["recv"] == {"transferring": 1},
+                    what="rank 0's last Result at the generation daemon",
+                )
+                ctx0.kill(signal.SIGKILL)
+                await c0.close(deregister=False)  # its daemon is gone
+                wait_for(
+                    lambda: [p["name"] for p in status(gen)["peers"]] == ["ctx1"],
+                    what="the generation daemon sees rank 0 gone",
+                )
+                # Peers are forgotten after their requests were handled: still going.
+                assert status(gen)["sessions"]["recv"] == {"transferring": 1}
+                await c1.send("late-death", n)
+                sent = await _outcomes(c1, "late-death")
+                assert (sent.status, sent.reason) == ("done", "ok"), sent
+                got = await _outcomes(g, "late-death")
+                assert (got.status, got.reason) == ("done", "ok"), got
+                result = g.verify("late-death", blocks, n)
+                assert result.ok, result.first_mismatch
+            finally:
+                await c1.close()
+
+    asyncio.run(scenario())
+    assert_clean(gen)
+    assert_clean(ctx1)
+
+
+def test_a_served_leg_whose_generation_rank_dies_does_not_fail_the_split(
+    cluster: LocalCluster,
+) -> None:
+    """Head-split: rank 0 was served (its receive is done), then its daemon dies while the
+    write to rank 1 is still in flight. Rank 1 is still served and the context engine hears
+    `done`: the request did not fail.
+
+    To hold rank 1's write in flight its daemon is SIGSTOPped before the first write after
+    the handshake (see test_faults.test_cancel_busy_while_write_in_flight: the bytes land,
+    the completion waits for the stopped peer's wire-up reply)."""
+    cfg = {"daemon": {"heartbeat_timeout_ms": 30000}}
+    ctx = _start(cluster, "solo", "context", 1, **cfg)
+    half0 = _start(cluster, "half0", "generation", 2, **cfg)
+    half1 = _start(cluster, "half1", "generation", 2, **cfg)
+    n = 150
+
+    async def scenario() -> None:
+        g0 = await RankEngine.open_rank(half0, TpRank(0, 2))
+        async with ranks([ctx], 1, "block-major") as (c,):
+            g1 = await RankEngine.open_rank(half1, TpRank(1, 2))
+            try:
+                # Rank 0's request first (so it is served first), then rank 1's.
+                await g0.recv_from("split-death", n, ctx.peer_address)
+                wait_for(
+                    lambda: status(ctx)["sessions"]["send"] == {"ready": 1},
+                    what="rank 0's request at the context daemon",
+                )
+                blocks = await g1.recv_from("split-death", n, ctx.peer_address)
+                # Its RequestData is written once its state shows `ready`.
+                wait_for(
+                    lambda: status(half1)["sessions"]["recv"] == {"ready": 1},
+                    what="rank 1's request sent",
+                )
+                half1.kill(signal.SIGSTOP)
+                try:
+                    await c.send("split-death", n)
+                    got0 = await _outcomes(g0, "split-death")
+                    assert (got0.status, got0.reason) == ("done", "ok"), got0
+                    wait_for(
+                        lambda: status(ctx)["open_transfer_handles"] == 1,
+                        what="the write to rank 1 in flight",
+                    )
+                    half0.kill(signal.SIGKILL)
+                    await g0.close(deregister=False)
+                    wait_for(
+                        lambda: [p["name"] for p in status(ctx)["peers"]] == ["half1"],
+                        what="the context daemon sees rank 0 gone",
+                    )
+                    # Peers are forgotten after their requests were handled: still going.
+                    assert status(ctx)["sessions"]["send"] == {"transferring": 1}
+                finally:
+                    half1.kill(signal.SIGCONT)
+                sent = await _outcomes(c, "split-death")
+                assert (sent.status, sent.reason) == ("done", "ok"), sent
+                got1 = await _outcomes(g1, "split-death")
+                assert (got1.status, got1.reason) == ("done", "ok"), got1
+                result = g1.verify("split-death", blocks, n)
+                assert result.ok, result.first_mismatch
+            finally:
+                await g1.close()
+
+    asyncio.run(scenario())
+    assert_clean(ctx)
+    assert_clean(half1)
