@@ -358,11 +358,16 @@ class Receiver:
             if s.terminal is not None:
                 return
             self._phase[s.request_id] = "sent"
-            for leg in s.legs:
-                leg.request_sent = True
             s.advance(SessionState.READY)
             for leg in s.legs:
                 assert leg.conn is not None
+                if s.terminal is not None:
+                    # Ended while an earlier leg's send waited (a cancel one leg agreed to,
+                    # a lost leg): ask no one else, or that daemon would keep a request
+                    # for blocks handed back.
+                    break
+                # Marked as it is queued: a cancel or abort to this leg goes out after it.
+                leg.request_sent = True
                 sent = await leg.conn.send(
                     RequestData(
                         request_id=s.request_id,
