@@ -10,7 +10,8 @@ connection is gone; only then is the outcome reported.
 Head-merge (the context instance has more tensor-parallel ranks than ours): the
 receive names every context daemon holding some of our heads; each is a *leg*
 that gets its own RequestData and writes its heads. The request is done when
-every leg delivered and the legs' ranks cover our heads exactly once; any leg
+every leg delivered and the legs' ranks cover our heads exactly once (checked by
+kvxferd.transceiver.legs); any leg
 failing fails the request, the other legs are aborted, and the blocks are handed
 back only once every leg is quiescent.
 """
@@ -27,17 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvxferd.errors import HandshakeError, IncompatiblePeerError, KvxferdError, RequestError
-from kvxferd.memory.heads import (
-    TpRank,
-    describe,
-    head_range,
-    overlapping_ranks,
-    same_heads,
-    total_heads,
-)
-from kvxferd.memory.layout import KvLayout, LayoutError
+from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
-from kvxferd.peers.compat import tp_support_problem
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
@@ -49,10 +41,10 @@ from kvxferd.peers.messages import (
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.legs import RxLeg, source_problem, whole_blocks_from
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
-    RxLeg,
     RxSession,
     Terminal,
     conclude,
@@ -346,8 +338,8 @@ class Receiver:
                 return
             conn = s.conn
             assert conn is not None
-            # No await between this check and the write below: a cancel either
-            # sees "connecting" (and no request is ever sent) or "sent".
+            # A cancel either sees "connecting" (the task is cancelled before any
+            # request goes out) or "sent" (it asks the legs already asked).
             if s.terminal is not None:
                 return
             problem = self._source_problem(s, final=False)
@@ -359,37 +351,7 @@ class Receiver:
                 return
             self._phase[s.request_id] = "sent"
             s.advance(SessionState.READY)
-            for leg in s.legs:
-                assert leg.conn is not None
-                if s.terminal is not None:
-                    # Ended while an earlier leg's send waited (a cancel one leg agreed to,
-                    # a lost leg): ask no one else, or that daemon would keep a request
-                    # for blocks handed back.
-                    break
-                # Marked as it is queued: a cancel or abort to this leg goes out after it.
-                leg.request_sent = True
-                sent = await leg.conn.send(
-                    RequestData(
-                        request_id=s.request_id,
-                        rx_token=s.rx_token,
-                        pool_id=s.pool.pool_id if s.pool else "",
-                        blocks=s.blocks,
-                        num_tokens=s.num_tokens,
-                        bounce_offset=offer.offset if offer else 0,
-                        bounce_nbytes=offer.nbytes if offer else 0,
-                    )
-                )
-                if not sent:
-                    # Closed since we connected (its close handling may have run before
-                    # this leg knew the connection): a gone connection writes nothing.
-                    s.request_end(
-                        Terminal.peer(
-                            Status.FAILED,
-                            Reason.PEER_LOST,
-                            f"peer lost: {leg.conn.peer.name}: {leg.conn.close_reason}",
-                        )
-                    )
-                    s.mark_told(leg)
+            await self._ask_legs(s, offer)
             await self._await_result(s, deadline)
         except asyncio.CancelledError:
             if s.terminal is None:
@@ -407,6 +369,41 @@ class Receiver:
                 self.admission.release(len(s.blocks))
             self._finish(s)
 
+    async def _ask_legs(self, s: RxSession, offer: Reservation | None) -> None:
+        """Send the RequestData to each context daemon of the receive, in order."""
+        assert s.pool is not None
+        for leg in s.legs:
+            assert leg.conn is not None
+            if s.terminal is not None:
+                # Ended while an earlier leg's send waited (a cancel one leg agreed to, a
+                # lost leg): ask no one else, or that daemon would keep a request for
+                # blocks handed back.
+                return
+            # Marked as it is queued: a cancel or abort to this leg goes out after it.
+            leg.request_sent = True
+            sent = await leg.conn.send(
+                RequestData(
+                    request_id=s.request_id,
+                    rx_token=s.rx_token,
+                    pool_id=s.pool.pool_id,
+                    blocks=s.blocks,
+                    num_tokens=s.num_tokens,
+                    bounce_offset=offer.offset if offer else 0,
+                    bounce_nbytes=offer.nbytes if offer else 0,
+                )
+            )
+            if not sent:
+                # Closed since we connected (its close handling may have run before this
+                # leg knew the connection): a gone connection writes nothing.
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.PEER_LOST,
+                        f"peer lost: {leg.conn.peer.name}: {leg.conn.close_reason}",
+                    )
+                )
+                s.mark_told(leg)
+
     async def _make_offer(
         self, s: RxSession, conn: PeerConnection, deadline: float
     ) -> Reservation | None:
@@ -417,7 +414,7 @@ class Receiver:
         """Reserve room in the receive region when bouncing this request pays off."""
         if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
             return None
-        if len(s.legs) > 1 or not self._whole_blocks_from(s, conn):
+        if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn):
             return None  # head slices move per token: the per-block path
         layout = s.pool.layout
         nbytes = len(s.blocks) * layout.block_bytes
@@ -452,98 +449,10 @@ class Receiver:
             return False
         return True
 
-    @staticmethod
-    def _peer_tp(conn: PeerConnection) -> tuple[TpRank, KvLayout] | str | None:
-        """A context daemon's rank and pool layout (one engine rank per daemon, so its pools
-        agree); None while it has no usable pool; a string when its pools disagree. A pool
-        with a bad layout is left out here: only requests into it fail, in the sender's plan."""
-        found: tuple[TpRank, KvLayout] | None = None
-        for info in conn.pools.values():
-            layout = conn.layouts.get(info.pool_id)
-            try:
-                tp = TpRank(info.tp_rank, info.tp_size)
-            except LayoutError:
-                continue
-            if not isinstance(layout, KvLayout):
-                continue
-            if found is not None and found[0] != tp:
-                return f"context daemon {conn.peer.name} has pools of two ranks ({found[0]}, {tp})"
-            found = (tp, layout)
-        return found
-
-    def _whole_blocks_from(self, s: RxSession, conn: PeerConnection) -> bool:
-        """The peer holds exactly our heads (or says nothing yet: the legacy case)."""
-        assert s.pool is not None
-        peer = self._peer_tp(conn)
-        if peer is None:
-            return True
-        if isinstance(peer, str):
-            return False
-        tp, layout = peer
-        return same_heads(layout, tp, s.pool.layout, s.pool.tp)
-
     def _source_problem(self, s: RxSession, final: bool) -> str | None:
-        """Why the context daemons of this receive do not hold our heads exactly once.
-
-        Checked before asking (when their pools are known by then) and again when every leg
-        has delivered (final: their pools must be known, since each wrote from one). A single
-        context daemon whose pools are still unknown keeps the behaviour of a receive without
-        tensor parallelism.
-        """
+        """Why this receive's context daemons do not hold our heads exactly once."""
         assert s.pool is not None
-        ours, our_tp = s.pool.layout, s.pool.tp
-        ranks: list[tuple[RxLeg, TpRank, KvLayout]] = []
-        for leg in s.legs:
-            assert leg.conn is not None
-            peer = self._peer_tp(leg.conn)
-            if isinstance(peer, str):
-                return peer
-            if peer is None:
-                if final and len(s.legs) > 1:
-                    return (
-                        f"context daemon {leg.conn.peer.name} has announced no pool: "
-                        "cannot tell which KV heads it wrote"
-                    )
-                return None
-            ranks.append((leg, *peer))
-        if (
-            len(ranks) == 1
-            and ranks[0][1] == our_tp
-            and ranks[0][2].num_kv_heads == ours.num_kv_heads
-        ):
-            return None  # the plain case: the same heads on both sides
-        sizes = {tp.size for _, tp, _ in ranks}
-        if len(sizes) > 1:
-            return (
-                "the context daemons of this receive declare different tensor-parallel sizes: "
-                + ", ".join(
-                    f"{leg.conn.peer.name if leg.conn else leg.peer_address} ({tp})"
-                    for leg, tp, _ in ranks
-                )
-            )
-        src_tp, src_layout = ranks[0][1], ranks[0][2]
-        problem = tp_support_problem("generation", our_tp, src_tp, self.runtime, self.pipelined)
-        if problem is not None:
-            return problem
-        if total_heads(src_layout, src_tp) != total_heads(ours, our_tp):
-            return (
-                f"our pool holds {describe(ours, our_tp)}, but context daemon "
-                f"{ranks[0][0].conn.peer.name if ranks[0][0].conn else ''} holds "
-                f"{describe(src_layout, src_tp)}: the instances hold different heads in all"
-            )
-        needed = overlapping_ranks(head_range(ours, our_tp), src_layout.num_kv_heads, src_tp.size)
-        got = sorted(tp.rank for _, tp, _ in ranks)
-        if got != needed:
-            named = ", ".join(
-                f"{leg.conn.peer.name if leg.conn else leg.peer_address} (rank {tp.rank})"
-                for leg, tp, _ in ranks
-            )
-            return (
-                f"our pool holds {describe(ours, our_tp)}: it needs the context ranks "
-                f"{', '.join(map(str, needed))} of {src_tp.size} once each, and the receive "
-                f"names {named}"
-            )
-        return None
+        return source_problem(s.pool, s.legs, final, self.runtime, self.pipelined)
 
     async def _connect_peer(self, s: RxSession, leg: RxLeg) -> PeerConnection | None:
         try:

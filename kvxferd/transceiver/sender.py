@@ -11,7 +11,8 @@ handed back only after the backend confirmed that the write cannot move bytes.
 
 Head-split (the generation instance has more tensor-parallel ranks than the
 context instance): every generation rank whose heads overlap ours sends its own
-RequestData for the request; each is a *leg* of the session. The write starts
+RequestData for the request; each is a *leg* of the session (kvxferd.transceiver.legs
+decides which RequestData are legs and how many the request needs). The write starts
 once every expected leg is known, each leg gets only the heads it holds, and the
 engine hears `done` only when every leg was served. Any leg failing fails the
 request, and the other receivers are told (Abort).
@@ -31,18 +32,9 @@ import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
-from kvxferd.memory.heads import (
-    TpRank,
-    common_heads,
-    describe,
-    head_range,
-    mapping_problems,
-    overlapping_ranks,
-    same_heads,
-)
-from kvxferd.memory.layout import KvLayout, LayoutError
+from kvxferd.memory.heads import TpRank
+from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
-from kvxferd.peers.compat import tp_support_problem
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
@@ -54,11 +46,19 @@ from kvxferd.peers.messages import (
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.legs import (
+    TxLeg,
+    abort_legs,
+    drop_strangers,
+    expected_legs,
+    refusal,
+    split_problem,
+    whole_blocks,
+)
 from kvxferd.transceiver.plan import plan_write, validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
     Terminal,
-    TxLeg,
     TxSession,
     conclude,
     release_finished,
@@ -225,14 +225,7 @@ class Sender:
         s = self.sessions.get(msg.request_id)
         if s is None:
             if not self.accepting:
-                await conn.send(
-                    Abort(
-                        request_id=msg.request_id,
-                        rx_token=msg.rx_token,
-                        reason=Reason.SHUTDOWN,
-                        message="context daemon is shutting down",
-                    )
-                )
+                await _refuse(conn, msg, Reason.SHUTDOWN, "context daemon is shutting down")
                 return
             # Generation-first: remember the request until the engine sends.
             s = TxSession(request_id=msg.request_id, engine=None)
@@ -240,123 +233,39 @@ class Sender:
         elif s.finished and s.terminal is not None:
             # The engine's send already ended (e.g. its deadline passed before the
             # receiver asked): say why, so the generation side can tell the operator.
-            await conn.send(
-                Abort(
-                    request_id=msg.request_id,
-                    rx_token=msg.rx_token,
-                    reason=s.terminal.reason,
-                    message=f"the context side already ended this request: {s.terminal.message}",
-                )
-            )
+            why = f"the context side already ended this request: {s.terminal.message}"
+            await _refuse(conn, msg, s.terminal.reason, why)
             return
         elif s.leg_of(conn, msg.rx_token) is not None:
             await self._asked_twice(s, conn, msg)
             return
-        elif s.request is not None and not self._another_rank(s, conn, msg):
-            await conn.send(
-                Abort(
-                    request_id=msg.request_id,
-                    rx_token=msg.rx_token,
-                    reason=Reason.DUPLICATE_REQUEST,
-                    message=f"request {msg.request_id!r} is already requested by another receive",
-                )
-            )
+        leg = TxLeg(conn, msg)
+        # A further RequestData is another generation rank of a head-split only before
+        # anything was written.
+        still_open = s.terminal is None and not (s.writing or s.written or s.nbytes)
+        refused = refusal(s.pool, s.legs, leg, still_open)
+        if refused is not None:
+            await _refuse(conn, msg, *refused)
             return
-        stray = self._no_common_heads(s, TxLeg(conn, msg))
-        if stray is not None:
-            # Refused alone: the request waits on for the ranks that hold our heads.
-            await conn.send(
-                Abort(
-                    request_id=msg.request_id,
-                    rx_token=msg.rx_token,
-                    reason=Reason.BLOCK_MISMATCH,
-                    message=stray,
-                )
-            )
-            return
-        if s.request is not None:
-            # Head-split: one more generation rank asks for its heads of the request.
-            s.legs.append(TxLeg(conn, msg))
-            s.wake.set()
-            return
-        s.request = msg
-        s.conn = conn
-        s.legs = [TxLeg(conn, msg)]
-        s.advance(SessionState.READY if s.engine is None else SessionState.WAITING_FOR_PEER)
+        if s.request is None:
+            s.request = msg
+            s.conn = conn
+            s.advance(SessionState.READY if s.engine is None else SessionState.WAITING_FOR_PEER)
+        s.legs.append(leg)
         s.wake.set()
-
-    @staticmethod
-    def _dst_tp(leg: TxLeg) -> TpRank | None:
-        """The tensor-parallel rank of a leg's destination pool (None: unknown or invalid)."""
-        info = leg.conn.pools.get(leg.request.pool_id)
-        if info is None:
-            return None
-        try:
-            return TpRank(info.tp_rank, info.tp_size)
-        except LayoutError:
-            return None
-
-    def _another_rank(self, s: TxSession, conn: PeerConnection, msg: RequestData) -> bool:
-        """A second RequestData for a request is a head-split leg, not a duplicate, when it
-        comes from another daemon, for a pool of another rank of the same multi-rank
-        generation instance, before anything was written."""
-        if s.terminal is not None or s.writing or s.written or s.nbytes:
-            return False
-        new = self._dst_tp(TxLeg(conn, msg))
-        if new is None or new.size == 1:
-            return False
-        for leg in s.legs:
-            if leg.conn is conn or leg.conn.peer.name == conn.peer.name:
-                return False
-            known = self._dst_tp(leg)
-            if known is None or known.size != new.size or known.rank == new.rank:
-                return False
-        return True
-
-    def _no_common_heads(self, s: TxSession, leg: TxLeg) -> str | None:
-        """Why a receiver's pool holds none of our heads; None when it holds some, or when
-        that cannot be told yet (our pool unknown until the engine sends; a pool that cannot
-        be mapped at all is the plan's to report)."""
-        if s.pool is None:
-            return None
-        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
-        dst_tp = self._dst_tp(leg)
-        if not isinstance(dst_layout, KvLayout) or dst_tp is None:
-            return None
-        ours, our_tp = s.pool.layout, s.pool.tp
-        if mapping_problems(ours, our_tp, dst_layout, dst_tp):
-            return None
-        if common_heads(ours, our_tp, dst_layout, dst_tp) is not None:
-            return None
-        return (
-            f"pool {leg.request.pool_id!r} of {leg.conn.peer.name} holds "
-            f"{describe(dst_layout, dst_tp)} and this context daemon holds "
-            f"{describe(ours, our_tp)}: no KV head in common, so it has nothing to write there"
-        )
 
     async def _refuse_strangers(self, s: TxSession) -> None:
         """Refuse the receivers that asked before our pool was known and hold none of our
         heads: counted as legs they would fail the request for the ranks that do."""
         if s.pool is None or s.writing or s.written or s.terminal is not None:
             return
-        strangers = [(leg, why) for leg in s.legs if (why := self._no_common_heads(s, leg))]
-        if not strangers:
-            return
-        for leg, _ in strangers:
-            s.legs.remove(leg)
-            leg.told = True
-        # `request` and `conn` are those of the first remaining leg (none: wait for one).
-        s.request = s.legs[0].request if s.legs else None
-        s.conn = s.legs[0].conn if s.legs else None
+        strangers = drop_strangers(s.pool, s.legs)
+        if strangers:
+            # `request` and `conn` are those of the first remaining leg (none: wait for one).
+            s.request = s.legs[0].request if s.legs else None
+            s.conn = s.legs[0].conn if s.legs else None
         for leg, why in strangers:
-            await leg.conn.send(
-                Abort(
-                    request_id=s.request_id,
-                    rx_token=leg.request.rx_token,
-                    reason=Reason.BLOCK_MISMATCH,
-                    message=why,
-                )
-            )
+            await abort_legs(s.request_id, [leg], None, Reason.BLOCK_MISMATCH, why)
 
     async def _asked_twice(self, s: TxSession, conn: PeerConnection, msg: RequestData) -> None:
         """One receive (same connection, same token) sent its RequestData again. Refusing it
@@ -366,25 +275,9 @@ class Sender:
         log.warning("request %s: %s", s.request_id, message)
         if s.engine is None:
             del self.sessions[s.request_id]  # nothing was written: tell every receiver now
-            await self._abort_legs(s, None, Reason.DUPLICATE_REQUEST, message)
+            await abort_legs(s.request_id, s.legs, None, Reason.DUPLICATE_REQUEST, message)
         else:
             s.request_end(Terminal.peer(Status.FAILED, Reason.DUPLICATE_REQUEST, message))
-
-    async def _abort_legs(
-        self, s: TxSession, skip: TxLeg | None, reason: str, message: str
-    ) -> None:
-        """Tell every receiver of a request (but `skip`) that it ended here."""
-        for leg in s.legs:
-            if leg is not skip and not leg.told:
-                leg.told = True
-                await leg.conn.send(
-                    Abort(
-                        request_id=s.request_id,
-                        rx_token=leg.request.rx_token,
-                        reason=reason,
-                        message=message,
-                    )
-                )
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -399,8 +292,12 @@ class Sender:
                     msg.message,
                 )
                 del self.sessions[s.request_id]
-                await self._abort_legs(
-                    s, leg, Reason.PEER_FAILED, f"another generation rank ended it: {msg.reason}"
+                await abort_legs(
+                    s.request_id,
+                    s.legs,
+                    leg,
+                    Reason.PEER_FAILED,
+                    f"another generation rank ended it: {msg.reason}",
                 )
             else:
                 status = Status.CANCELLED if msg.reason == Reason.CANCELLED else Status.FAILED
@@ -426,8 +323,12 @@ class Sender:
                 cancelled = False
             elif s.engine is None:
                 del self.sessions[s.request_id]
-                await self._abort_legs(
-                    s, leg, Reason.PEER_CANCELLED, "cancelled by another generation rank"
+                await abort_legs(
+                    s.request_id,
+                    s.legs,
+                    leg,
+                    Reason.PEER_CANCELLED,
+                    "cancelled by another generation rank",
                 )
             elif not s.finished:
                 s.request_end(
@@ -455,8 +356,9 @@ class Sender:
             leg.told = True  # nobody left to tell on that connection
             if s.engine is None:
                 del self.sessions[s.request_id]
-                await self._abort_legs(
-                    s,
+                await abort_legs(
+                    s.request_id,
+                    s.legs,
                     leg,
                     Reason.PEER_FAILED,
                     f"another generation rank was lost: {conn.close_reason}",
@@ -495,8 +397,9 @@ class Sender:
             if s.engine is None and s.conn is not None and s.request is not None:
                 # Requested by a receiver, never sent by our engine: tell the receiver why.
                 del self.sessions[s.request_id]
-                await self._abort_legs(
-                    s,
+                await abort_legs(
+                    s.request_id,
+                    s.legs,
                     None,
                     Reason.SHUTDOWN,
                     "context daemon shut down before its engine sent the KV",
@@ -540,7 +443,7 @@ class Sender:
         """
         if s.request is None or s.pool is None:
             return None
-        if len(s.legs) < self._expected_legs(s):
+        if len(s.legs) < expected_legs(s.pool, s.legs):
             return None  # head-split: another generation rank has yet to ask
         total = len(s.blocks)
         if not self.pipelined:
@@ -553,7 +456,7 @@ class Sender:
     async def _wait_for_work(self, s: TxSession) -> None:
         remaining = None if s.deadline is None else s.deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            expected = self._expected_legs(s)
+            expected = expected_legs(s.pool, s.legs)
             if s.request is None:
                 waiting_for = "the receiver's request"
             elif len(s.legs) < expected:
@@ -574,42 +477,6 @@ class Sender:
         s.wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(s.wake.wait(), remaining)
-
-    def _expected_legs(self, s: TxSession) -> int:
-        """How many receivers the request has: the generation ranks holding any of our
-        heads (1 unless the generation instance has more ranks than ours). Until our pool
-        and the first receiver's pool are known (or when they cannot be mapped, which the
-        plan reports), 1."""
-        if s.pool is None or not s.legs:
-            return 1
-        leg = s.legs[0]
-        info = leg.conn.pools.get(leg.request.pool_id)
-        if info is None or info.tp_size == s.pool.tp.size:
-            return 1  # equal sizes: rank i holds the heads of rank i (the common case)
-        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
-        dst_tp = self._dst_tp(leg)
-        if not isinstance(dst_layout, KvLayout) or dst_tp is None:
-            return 1
-        if mapping_problems(s.pool.layout, s.pool.tp, dst_layout, dst_tp):
-            return 1
-        ours = head_range(s.pool.layout, s.pool.tp)
-        return max(1, len(overlapping_ranks(ours, dst_layout.num_kv_heads, dst_tp.size)))
-
-    def _check_legs(self, s: TxSession) -> str | None:
-        """Why the receivers of a head-split do not cover our heads exactly once."""
-        assert s.pool is not None
-        expected = self._expected_legs(s)
-        ranks = [self._dst_tp(leg) for leg in s.legs]
-        if len(s.legs) != expected or len({tp.rank for tp in ranks if tp}) != len(ranks):
-            return (
-                f"our pool holds {describe(s.pool.layout, s.pool.tp)}: {expected} generation "
-                f"rank(s) must request it once each, got requests from "
-                + ", ".join(
-                    f"{leg.conn.peer.name} ({tp or 'unknown rank'})"
-                    for leg, tp in zip(s.legs, ranks, strict=True)
-                )
-            )
-        return None
 
     def _plan(
         self, s: TxSession, start: int, end: int, leg: TxLeg | None = None
@@ -634,9 +501,7 @@ class Sender:
             if isinstance(dst_layout, LayoutError):
                 raise dst_layout
             dst_tp = TpRank(info.tp_rank, info.tp_size)
-            problem = tp_support_problem(
-                "context", s.pool.tp, dst_tp, self.runtime, self.pipelined
-            ) or (self._check_legs(s) if len(s.legs) > 1 or dst_tp != s.pool.tp else None)
+            problem = split_problem(s.pool, s.legs, dst_tp, self.runtime, self.pipelined)
             if problem is not None:
                 raise LayoutError(problem)
             return plan_write(
@@ -652,17 +517,6 @@ class Sender:
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
-    def _whole_blocks(self, s: TxSession, leg: TxLeg) -> bool:
-        """The receiver holds exactly our heads: whole blocks move (the bounce buffer may)."""
-        dst_layout = leg.conn.layouts.get(leg.request.pool_id)
-        dst_tp = self._dst_tp(leg)
-        return (
-            s.pool is not None
-            and isinstance(dst_layout, KvLayout)
-            and dst_tp is not None
-            and same_heads(s.pool.layout, s.pool.tp, dst_layout, dst_tp)
-        )
-
     async def _bounce_plan(
         self, s: TxSession, local: np.ndarray, remote: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, Reservation | None]:
@@ -673,7 +527,7 @@ class Sender:
         if (
             bounce is None
             or len(s.legs) > 1
-            or (s.legs and not self._whole_blocks(s, s.legs[0]))  # head slices: per block
+            or (s.legs and not whole_blocks(s.pool, s.legs[0]))  # head slices: per block
             or req.bounce_nbytes < nbytes
             or conn.info.bounce_nbytes == 0
             or not worth_bouncing(len(local), nbytes)
@@ -868,7 +722,7 @@ class Sender:
         # The peers are always told; the write is already quiescent here.
         if term.status != Status.DONE and s.request and s.conn and not s.peer_told:
             if s.legs:
-                await self._abort_legs(s, None, term.reason, term.message)
+                await abort_legs(s.request_id, s.legs, None, term.reason, term.message)
             else:
                 await s.conn.send(
                     Abort(
@@ -879,3 +733,10 @@ class Sender:
                     )
                 )
         conclude(s, "send", s.pool, log)
+
+
+async def _refuse(conn: PeerConnection, msg: RequestData, reason: str, message: str) -> None:
+    """Answer a RequestData that is not taken: this request ends for that receive."""
+    await conn.send(
+        Abort(request_id=msg.request_id, rx_token=msg.rx_token, reason=reason, message=message)
+    )

@@ -15,6 +15,7 @@ from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RequestData
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import Reservation
+from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
 
 
@@ -72,33 +73,6 @@ class _Session:
         self.terminal = terminal
         self.wake.set()
         return True
-
-
-@dataclass(eq=False)
-class TxLeg:
-    """One receiver of a request on the context side: a generation daemon's RequestData.
-
-    A request has one leg, or one per generation rank when the generation instance has more
-    tensor-parallel ranks than the context instance (head-split).
-    """
-
-    conn: PeerConnection
-    request: RequestData
-    told: bool = False  # this receiver knows the outcome (or cannot be told any more)
-    served: bool = False  # its last Result went out: it has all it asked for
-
-
-@dataclass(eq=False)
-class RxLeg:
-    """One context daemon a receive reads from; several when the context instance has more
-    tensor-parallel ranks than the generation instance (head-merge)."""
-
-    peer_address: str
-    conn: PeerConnection | None = None
-    request_sent: bool = False
-    done: bool = False  # its last Result arrived
-    told: bool = False  # it knows the outcome (or cannot be told any more)
-    abort_acked: bool = False
 
 
 @dataclass(eq=False)
