@@ -1,6 +1,8 @@
 """Different tensor-parallel sizes on each side: head-merge (context TP 2 -> generation TP 1),
-head-split (TP 1 -> TP 2, TP 2 -> TP 4), and the refusals. Real daemons (one per rank) as
-separate processes, real NIXL on loopback; every byte of every rank's pool is verified."""
+head-split (TP 1 -> TP 2, TP 2 -> TP 4), the refusals, and the faults of one leg (a peer
+dying before or after it was served, a stray or hostile RequestData). Real daemons (one per
+rank) as separate processes, real NIXL on loopback; every byte of every rank's pool is
+verified."""
 
 from __future__ import annotations
 
