@@ -35,12 +35,12 @@ import numpy.typing as npt
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, pair_segments
 
 # Bounce only when the per-block path would need at least this many
-# descriptors of this average size or less. Measured here (docs/benchmarks.md)
-# the gather + one write + scatter path moves ~1 GB/s, about what NIXL does
-# with 4 KiB segments and a third of what it does with 64 KiB ones, so the
-# buffer is only offered for segments of 8 KiB and below.
+# descriptors of this average size or less. Measured here (docs/benchmarks.md,
+# issue 5): each NIXL descriptor costs ~1.6 us beyond its bytes, while gather +
+# scatter cost ~15 ms per 62.5 MiB, so bouncing pays below ~5-6 KiB per
+# segment: 1.3-1.6x the per-block path at 4 KiB, 0.5-1.2x at 8 KiB.
 MIN_DESCRIPTORS = 8
-MAX_AVG_SEGMENT_BYTES = 8 << 10
+MAX_AVG_SEGMENT_BYTES = 6 << 10
 
 _ALIGN = 4096
 
