@@ -53,6 +53,12 @@ def _ucx(daemon_name: str, incarnation: str) -> TwoSidedTransport:
     return UcxTransport(daemon_name, incarnation)
 
 
+def _mpi(daemon_name: str, incarnation: str) -> TwoSidedTransport:
+    from kvxferd.backends.mpi import MpiTransport
+
+    return MpiTransport(daemon_name, incarnation)
+
+
 # backend name -> factory(agent_name, options). One-sided: memory registration + writes.
 ONE_SIDED: dict[str, Callable[[str, BackendOptions], Backend]] = {
     "NIXL": _nixl,
@@ -62,6 +68,7 @@ ONE_SIDED: dict[str, Callable[[str, BackendOptions], Backend]] = {
 # backend name -> factory(daemon_name, incarnation). Two-sided: tagged send/recv.
 TWO_SIDED: dict[str, Callable[[str, str], TwoSidedTransport]] = {
     "UCX": _ucx,
+    "MPI": _mpi,
 }
 
 # The one backend the PYTHON runtime runs on (the seed: "Requires Python NIXL").

@@ -518,7 +518,7 @@ class Daemon:
         )
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
-        return check_peer(
+        refusal = check_peer(
             self.role,
             self.settings,
             [(p.layout, p.tp) for p in self.pools.pools.values()],
@@ -526,6 +526,25 @@ class Daemon:
             info,
             self.cfg.engine.pipeline_parallel_size,
         )
+        # MPI: link now, not at the first round; a peer dying during MPI's link
+        # set-up can crash this process (docs/backends-mpi.md).
+        transport = self.transport
+        if (
+            refusal is None
+            and transport is not None
+            and getattr(transport, "link_ahead", False)
+            and self.role in SENDING_ROLES
+            and info.transport_address
+        ):
+            key = f"{peer.name}/{peer.incarnation}"
+            self._background(self._link_ahead(transport, key, info.transport_address))
+        return refusal
+
+    async def _link_ahead(self, transport: TwoSidedTransport, key: str, address: str) -> None:
+        try:
+            await transport.connect(key, address, 10.0)
+        except KvxferdError as exc:
+            log.info("%s link to %s not made ahead: %s", transport.name, key, exc)
 
     async def _on_peer_message(self, conn: PeerConnection, msg: PeerMessage) -> None:
         if isinstance(msg, RequestData):
