@@ -90,7 +90,9 @@ class PeerConnection:
         except (ConnectionError, OSError) as exc:
             self.close(f"write failed: {exc}")
             return False
-        return True
+        # A drain can end because the connection was closed (and its unsent frames
+        # dropped) meanwhile: then the message may never have left.
+        return not self.closed.is_set()
 
     def close(self, reason: str) -> None:
         if self.closed.is_set():

@@ -33,6 +33,7 @@ class CorkedWriter:
     """
 
     FLUSH_AT_BYTES = 256 << 10
+    ABORT_GRACE_S = 1.0
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
@@ -74,8 +75,18 @@ class CorkedWriter:
             await self.writer.drain()
 
     def close(self) -> None:
+        """Close after the buffered frames, or drop them if the peer will not take them.
+
+        A peer that stopped reading (SIGSTOP, hung) keeps the transport open as long as
+        its buffer holds data, and every `drain` waits with it, past any deadline. The
+        frames get ABORT_GRACE_S to leave; then the transport is aborted, which ends
+        the waiting drains instead of leaving them hanging.
+        """
         self.flush()
         self.writer.close()
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() > 0:
+            asyncio.get_running_loop().call_later(self.ABORT_GRACE_S, transport.abort)
 
 
 class FrameCodec(Generic[T]):
