@@ -461,15 +461,15 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
     """A client that says hello, takes the MPI port and disappears: the
     listener's MPI_Comm_accept is released (it would spin forever), and the
     listener still takes real peers."""
-    from kvxferd.backends.mpi import _ACK, _HELLO, _frame
+    from kvxferd.backends.mpi.wire import ACK, HELLO, frame
 
     rx = Child("gen")
     try:
         host, port = rx.ok("start")["address"].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(_frame(_HELLO, b"ghost/1"))
+            s.sendall(frame(HELLO, b"ghost/1"))
             head = s.recv(7)
-            assert head[:4] == b"KVXM" and head[5] == _ACK, head
+            assert head[:4] == b"KVXM" and head[5] == ACK, head
             (n,) = struct.unpack("!H", s.recv(2))
             s.recv(n)
         _wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the abandoned accept ending")
@@ -489,9 +489,9 @@ def test_a_daemon_under_mpiexec_and_a_singleton_connect() -> None:
     """Started by `mpiexec -n 1` the adapter uses that process manager; with
     the bootstrap off a process is an MPI singleton, which can still connect
     to a peer that has a process manager."""
-    from kvxferd.backends.mpi import _find_mpiexec
+    from kvxferd.backends.mpi.bootstrap import find_mpiexec
 
-    mpiexec = _find_mpiexec()
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec")
     rx = Child("gen", prefix=[mpiexec, "-n", "1"])

@@ -1,0 +1,461 @@
+"""Links to peers: the TCP rendezvous that makes them and watches them.
+
+A link is one intercommunicator with a peer, plus the TCP connection it was
+made over, which stays open for the life of the link.
+
+Connections
+-----------
+`listen` opens a TCP listener ("host:port" is the address the daemon
+advertises). `connect` opens a TCP connection to it and sends a hello with
+our key ("daemon_name/incarnation"); the listener opens an MPI port just for
+this connection, starts MPI_Comm_accept on it in a thread, and answers with
+its own key and the port name; the connecting side checks the key (a
+restarted peer answers with a new incarnation and is refused), runs
+MPI_Comm_connect in a thread, and waits for the listener's "ready", sent once
+the intercommunicator is registered. Either side may then send to and
+receive from the other. Why TCP beside MPI:
+
+* a blocked MPI_Comm_accept spins (half a core here), so accept runs only
+  while a peer is known to be connecting, on a port of its own;
+* MPICH does not notice a dead peer: a receive from a SIGKILLed process stays
+  pending forever (measured with both the ucx and the ofi netmod, 20 s+). The
+  TCP connection stays open for the life of the link; the kernel closes it
+  when the peer dies, and its EOF marks the link lost, which fails that
+  peer's pending sends and receives with PeerLostError within milliseconds.
+  remove_peer closes it, which tells the peer.
+
+The frames are in wire.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvxferd.backends.mpi import wire
+from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
+from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
+
+log = logging.getLogger("kvxferd.backends.mpi")
+
+# How long a listener waits for a connecting peer's hello, and for its MPI side.
+HELLO_TIMEOUT_S = 10.0
+
+# Run (under mpiexec when there is one) to end an MPI_Comm_accept whose peer
+# never connected: connecting completes it. Exits without MPI_Finalize.
+_ACCEPT_RELEASER = """
+import sys, mpi4py
+mpi4py.rc.finalize = False
+from mpi4py import MPI
+MPI.COMM_SELF.Connect(sys.argv[1])
+"""
+
+T = TypeVar("T")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TransferError(f"MPI peer address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """Run a blocking MPI call in a daemon thread (never joined: an MPI call
+    that never returns must not hold up the exit of the process)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
+
+    def run() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _free_comm(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        with contextlib.suppress(Exception):
+            fut.result().Free()
+
+
+@dataclass(eq=False)
+class Link:
+    """One intercommunicator with a peer, and the TCP connection that watches it."""
+
+    comm: Any
+    writer: asyncio.StreamWriter
+    tag_ub: int
+    lost: str | None = None
+    # The receive of the next message header (transport.py reads them).
+    header_buf: bytearray = field(default_factory=lambda: bytearray(wire.HEADER_SIZE))
+    header_req: Any = None
+    last_tag: int = 0
+    watcher: asyncio.Task[None] | None = None
+
+    def next_tag(self) -> int:
+        self.last_tag = wire.next_data_tag(self.last_tag, self.tag_ub)
+        return self.last_tag
+
+
+@dataclass(eq=False)
+class Peer:
+    key: str
+    links: list[Link] = field(default_factory=list)
+    # 64-bit tag -> headers arrived and not yet received: (link, size, data tag).
+    pending: dict[int, deque[tuple[Link, int, int]]] = field(default_factory=dict)
+
+    def live_link(self) -> Link | None:
+        for link in self.links:
+            if link.lost is None:
+                return link
+        return None
+
+    def lost_reason(self) -> str:
+        reasons = [link.lost for link in self.links if link.lost]
+        return reasons[-1] if reasons else "no connection"
+
+
+class Links:
+    """The rendezvous listener and the peers it linked, by key.
+
+    `runtime` gives the process's MPI (TransferError once the transport is
+    closed); `on_link` is called whenever a link is registered. Runs on the
+    event loop.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        runtime: Callable[[], Awaitable[Runtime]],
+        on_link: Callable[[], None],
+    ) -> None:
+        self.key = key
+        self._runtime = runtime
+        self._on_link = on_link
+        self.peers: dict[str, Peer] = {}
+        self.closed = False
+        self._server: asyncio.base_events.Server | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._connecting: dict[str, asyncio.Future[None]] = {}
+
+    # -- listening side ------------------------------------------------------
+
+    async def listen(self, host: str, port: int) -> str:
+        """Listen for peers; returns "host:port" to advertise."""
+        if self._server is not None:
+            raise StartupError(f"MPI transport {self.key} is already listening")
+        try:
+            self._server = await asyncio.start_server(self._on_client, host, port)
+        except OSError as exc:
+            raise StartupError(f"MPI could not listen on {host}:{port}: {exc}") from exc
+        bound = self._server.sockets[0].getsockname()[1]
+        return f"{host}:{bound}"
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handshakes.add(task)
+        try:
+            await self._accept(reader, writer)
+        finally:
+            self._handshakes.discard(task)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Listener side of the rendezvous: hello, MPI accept, register, ready."""
+        rt = await self._runtime()
+        MPI = rt.MPI
+        key: str | None = None
+        port: str | None = None
+        accepting: asyncio.Future[Any] | None = None
+        try:
+            (raw_key,) = await asyncio.wait_for(
+                wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S
+            )
+            key = raw_key.decode()
+            port = MPI.Open_port()
+            accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
+            writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode()))
+            await writer.drain()
+            # The peer now connects; if its TCP side closes first, it never will.
+            closed = asyncio.ensure_future(reader.read(1))
+            done, _ = await asyncio.wait(
+                {accepting, closed}, timeout=HELLO_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if accepting not in done:
+                closed.cancel()
+                raise TransferError("the peer did not complete MPI_Comm_connect")
+            if closed in done:
+                raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
+            closed.cancel()
+            comm = accepting.result()
+            accepting = None
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+            if self.closed:
+                raise TransferError("transport closed")
+            self._register(key, comm, reader, writer, rt)
+            writer.write(wire.frame(wire.READY))
+            await writer.drain()
+        except (Exception, asyncio.CancelledError) as exc:
+            log.warning("MPI: refused an incoming connection (peer %s): %s", key, exc)
+            if key is not None and key in self.peers:
+                self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
+            writer.close()
+            if accepting is not None and port is not None:
+                self._release_accept(accepting, port, rt)
+            elif port is not None:
+                with contextlib.suppress(Exception):
+                    MPI.Close_port(port)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        with contextlib.suppress(Exception):
+            MPI.Close_port(port)
+        log.info("MPI: peer %s connected to us", key)
+
+    def _release_accept(self, accepting: asyncio.Future[Any], port: str, rt: Runtime) -> None:
+        """End an MPI_Comm_accept whose peer will never connect: it would spin forever.
+
+        MPI has no way to cancel it; a throwaway process connecting to the port
+        completes it. Its intercommunicator is freed, the port closed.
+        """
+        MPI = rt.MPI
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                with contextlib.suppress(Exception):
+                    fut.result().Free()
+            with contextlib.suppress(Exception):
+                MPI.Close_port(port)
+
+        accepting.add_done_callback(done)
+        if accepting.done():
+            return
+        mpiexec = find_mpiexec()
+        cmd = [sys.executable, "-c", _ACCEPT_RELEASER, port]
+        if mpiexec is not None and rt.mode != "singleton":
+            cmd = [mpiexec, "-n", "1", *cmd]
+
+        def run() -> None:
+            try:
+                subprocess.run(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=120,
+                    start_new_session=True,
+                    check=False,
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("MPI: could not release an abandoned MPI_Comm_accept: %s", exc)
+
+        log.info("MPI: releasing an MPI_Comm_accept whose peer went away")
+        threading.Thread(target=run, name="kvxferd-mpi-release", daemon=True).start()
+
+    # -- connecting side -----------------------------------------------------
+
+    async def connect(self, rt: Runtime, peer_key: str, address: str, timeout_s: float) -> None:
+        """Rendezvous with the peer listening at `address`; ends with an intercommunicator.
+
+        Returns at once when a live link to that peer exists (in either
+        direction); concurrent calls for one peer share one rendezvous.
+        """
+        peer = self.peers.get(peer_key)
+        if peer is not None and peer.live_link() is not None:
+            return
+        pending = self._connecting.get(peer_key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(rt, peer_key, address, timeout_s))
+            self._connecting[peer_key] = pending
+            pending.add_done_callback(lambda f: self._connected(peer_key, f))
+        # Shielded: one caller giving up must not abandon the others' rendezvous.
+        await asyncio.shield(pending)
+
+    def _connected(self, peer_key: str, fut: asyncio.Future[None]) -> None:
+        self._connecting.pop(peer_key, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved, even when every caller gave up waiting
+
+    async def _connect(self, rt: Runtime, peer_key: str, address: str, timeout_s: float) -> None:
+        MPI = rt.MPI
+        host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def remaining() -> float:
+            return max(deadline - loop.time(), 0.001)
+
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), remaining()
+            )
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise TransferTimeoutError(
+                f"MPI connect to {peer_key} at {address}: no answer within {timeout_s:g}s"
+            ) from exc
+        except OSError as exc:
+            raise PeerLostError(
+                f"MPI connect to {peer_key} at {address} failed ({exc}); is the peer running?"
+            ) from exc
+        connecting: asyncio.Future[Any] | None = None
+        try:
+            writer.write(wire.frame(wire.HELLO, self.key.encode()))
+            await writer.drain()
+            raw_key, raw_port = await asyncio.wait_for(
+                wire.read_frame(reader, wire.ACK), remaining()
+            )
+            got = raw_key.decode()
+            if got != peer_key:
+                raise PeerLostError(
+                    f"MPI: {address} is {got}, not {peer_key} (the peer restarted or the "
+                    "address was reused)"
+                )
+            port_name = raw_port.decode()
+            connecting = in_thread(lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect")
+            done, _ = await asyncio.wait({connecting}, timeout=remaining())
+            if not done:
+                raise asyncio.TimeoutError()
+            comm = connecting.result()
+            connecting = None
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+            try:
+                await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    comm.Free()
+                raise
+        except BaseException as exc:
+            writer.close()
+            if connecting is not None:
+                # Finishes later (MPICH bounds it): free what it makes.
+                connecting.add_done_callback(_free_comm)
+            if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+                raise TransferTimeoutError(
+                    f"MPI connect to {peer_key} at {address}: no rendezvous within {timeout_s:g}s"
+                ) from exc
+            if isinstance(exc, asyncio.IncompleteReadError | ConnectionError):
+                raise PeerLostError(
+                    f"MPI connect to {peer_key} at {address}: the peer closed the rendezvous"
+                ) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, TransferError):
+                raise TransferError(
+                    f"MPI connect to {peer_key} at {address} failed ({type(exc).__name__}: {exc})"
+                ) from exc
+            raise
+        if self.closed:
+            writer.close()
+            with contextlib.suppress(Exception):
+                comm.Free()
+            raise TransferError(f"MPI transport {self.key} is closed")
+        self._register(peer_key, comm, reader, writer, rt)
+
+    # -- links ---------------------------------------------------------------
+
+    def _register(
+        self,
+        key: str,
+        comm: Any,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        rt: Runtime,
+    ) -> None:
+        peer = self.peers.get(key)
+        if peer is None:
+            peer = self.peers[key] = Peer(key)
+        # Lost links stay only while headers that came over them wait for a recv.
+        waiting = {id(entry[0]) for queue in peer.pending.values() for entry in queue}
+        peer.links = [x for x in peer.links if x.lost is None or id(x) in waiting]
+        link = Link(comm, writer, rt.tag_ub)
+        peer.links.append(link)
+        link.watcher = asyncio.ensure_future(self._watch(peer, link, reader))
+        self._on_link()
+
+    async def _watch(self, peer: Peer, link: Link, reader: asyncio.StreamReader) -> None:
+        """The TCP connection's end is the link's end (the peer died, or closed it)."""
+        try:
+            data = await reader.read(1)
+            reason = (
+                "the peer sent data on the MPI rendezvous connection"
+                if data
+                else "the peer closed the connection (exited, died, or removed us)"
+            )
+        except (ConnectionError, OSError) as exc:
+            reason = f"the connection to the peer failed ({exc})"
+        except asyncio.CancelledError:
+            return
+        if link.lost is None:
+            link.lost = reason
+            log.info("MPI: link to %s lost: %s", peer.key, reason)
+        link.writer.close()
+
+    def drop_links(self, peer: Peer, reason: str, writer: Any = None) -> None:
+        """Close the peer's links (only the one over `writer`, if given): tells the peer."""
+        for link in peer.links:
+            if writer is not None and link.writer is not writer:
+                continue
+            if link.lost is None:
+                link.lost = reason
+            link.writer.close()  # tells the peer
+            if link.watcher is not None:
+                link.watcher.cancel()
+            if link.header_req is not None:
+                # Unmatched: cancelled at once. Matched: its header lands in our
+                # own buffer; either way nobody waits for it.
+                with contextlib.suppress(Exception):
+                    link.header_req.Cancel()
+
+    def peer(self, peer_key: str) -> Peer:
+        peer = self.peers.get(peer_key)
+        if peer is None:
+            raise PeerLostError(
+                f"MPI: no link to peer {peer_key}: it never connected (or its rendezvous "
+                "has not finished yet), or it was removed"
+            )
+        return peer
+
+    def live_keys(self) -> list[str]:
+        """Keys of the peers with at least one live link."""
+        return [k for k, p in self.peers.items() if p.live_link() is not None]
+
+    def remove(self, peer_key: str) -> None:
+        """Forget that peer and close its links."""
+        peer = self.peers.pop(peer_key, None)
+        if peer is not None:
+            self.drop_links(peer, "the peer was removed")
+
+    # -- teardown ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop listening and abandon rendezvous in progress; links stay (drop_all)."""
+        self.closed = True
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._handshakes):
+            task.cancel()
+
+    def drop_all(self, reason: str) -> None:
+        for key in list(self.peers):
+            self.drop_links(self.peers.pop(key), reason)

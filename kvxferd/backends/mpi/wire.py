@@ -1,0 +1,78 @@
+"""What crosses between two daemons: rendezvous frames, message headers, data tags.
+
+The TCP rendezvous (link.py) speaks frames: magic, version, kind, then
+length-prefixed fields (HELLO with the connecting side's key; ACK with the
+listener's key and its MPI port name; READY once the listener registered the
+link).
+
+Messages and tags
+-----------------
+MPI tags stop at MPI_TAG_UB (2**29 - 1 with MPICH; the standard only promises
+32767), the staged runtime's are 63-bit. So a message is two MPI messages on
+the link's intercommunicator: a 24-byte header with tag 0 (magic, the 64-bit
+tag, the size, a data tag) and the payload with the data tag, a per-link
+sequence number in 1..MPI_TAG_UB. Receiving a tag means reading headers (in
+arrival order, into a per-peer table) until that tag's header is there, then
+receiving the payload by its data tag (transport.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from kvxferd.errors import StartupError, TransferError
+
+# The TCP rendezvous: frames of magic, version, kind, then length-prefixed fields.
+_MAGIC = b"KVXM"
+_VERSION = 1
+_FRAME_HEAD = struct.Struct("!4sBBB")  # magic, version, kind, number of fields
+_FIELD_LEN = struct.Struct("!H")
+MAX_FIELD = 4096
+HELLO, ACK, READY = 1, 2, 3
+
+# Per message, tag 0 on the intercommunicator: magic, 64-bit tag, size, data tag.
+_HEADER = struct.Struct("<4sQQI")
+_HEADER_MAGIC = b"KVXH"
+HEADER_SIZE = _HEADER.size
+HEADER_TAG = 0
+
+
+def frame(kind: int, *fields: bytes) -> bytes:
+    out = [_FRAME_HEAD.pack(_MAGIC, _VERSION, kind, len(fields))]
+    for f in fields:
+        if len(f) > MAX_FIELD:
+            raise StartupError(f"MPI rendezvous field of {len(f)} bytes is too long")
+        out += [_FIELD_LEN.pack(len(f)), f]
+    return b"".join(out)
+
+
+async def read_frame(reader: asyncio.StreamReader, expect: int) -> list[bytes]:
+    magic, version, kind, n = _FRAME_HEAD.unpack(await reader.readexactly(_FRAME_HEAD.size))
+    if magic != _MAGIC or version != _VERSION or kind != expect:
+        raise TransferError(
+            f"not a kvxferd MPI rendezvous frame (magic {magic!r}, version {version}, "
+            f"kind {kind}); another program, or another kvxferd version, is on that port"
+        )
+    fields = []
+    for _ in range(n):
+        (length,) = _FIELD_LEN.unpack(await reader.readexactly(_FIELD_LEN.size))
+        fields.append(await reader.readexactly(length))
+    return fields
+
+
+def pack_header(tag: int, nbytes: int, data_tag: int) -> bytes:
+    return _HEADER.pack(_HEADER_MAGIC, tag, nbytes, data_tag)
+
+
+def unpack_header(buf: bytes | bytearray) -> tuple[int, int, int] | None:
+    """(tag, size, data tag) of a header; None if `buf` does not hold one."""
+    magic, tag, nbytes, data_tag = _HEADER.unpack(buf)
+    if magic != _HEADER_MAGIC:
+        return None
+    return tag, nbytes, data_tag
+
+
+def next_data_tag(last: int, tag_ub: int) -> int:
+    """The data tag after `last` on a link: 1..tag_ub in turn, never HEADER_TAG."""
+    return last % tag_ub + 1
