@@ -457,6 +457,49 @@ def test_removed_peer_fails_pending_receives_and_tells_the_peer(
     assert tx.wait(send)["ok"]
 
 
+def test_a_link_closed_by_its_own_side_leaves_no_stale_header(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Closing a link cancels its pending header receive; that receive, once
+    complete, is not a header. It was read as one: the last header that came
+    over the link went back into the table (a later recv of that tag, over the
+    next link, took it and failed), or, where none had come, it was logged as
+    a malformed header. (The pair is made here so that capfd has its stderr.)"""
+    rx, tx = Child("gen"), Child("ctx")
+    try:
+        _connected(rx, tx)
+        send = tx.submit("send", peer=rx.key, tag=7, size=1000, seed=7)
+        assert rx.ok("recv", peer=tx.key, tag=7, size=1000, deadline=20, seed=7)["verified"]
+        assert tx.wait(send)["ok"]
+        # A send nobody receives, cancelled: stall_grace_s later rx closes the link.
+        back = rx.submit("send", peer=tx.key, tag=8, size=64 * MIB, seed=8)
+        assert rx.event(back) == "sending"
+        time.sleep(0.3)
+        rx.submit("cancel", target=back)
+        assert rx.wait(back, timeout=20)["error"] == "CancelledError"
+        _wait_until(lambda: tx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
+        time.sleep(0.2)  # rx's tick completes its cancelled header receive
+        tx.ok("remove_peer", peer=rx.key)
+        tx.ok("connect", peer=rx.key, address=rx.address)
+        send = tx.submit("send", peer=rx.key, tag=7, size=1000, seed=70)
+        res = rx.call("recv", peer=tx.key, tag=7, size=1000, deadline=20, seed=70)
+        assert res["ok"] and res["verified"], res
+        assert tx.wait(send)["ok"]
+        # The same from tx, which never received over its link.
+        back = tx.submit("send", peer=rx.key, tag=9, size=64 * MIB, seed=9)
+        assert tx.event(back) == "sending"
+        time.sleep(0.3)
+        tx.submit("cancel", target=back)
+        assert tx.wait(back, timeout=20)["error"] == "CancelledError"
+        _wait_until(lambda: rx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
+        time.sleep(0.2)
+        err = capfd.readouterr().err
+        assert err.count("cancelled and not done") == 2 and "malformed" not in err, err
+    finally:
+        tx.stop()
+        rx.stop()
+
+
 def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() -> None:
     """A client that says hello, takes the MPI port and disappears: the
     listener's MPI_Comm_accept is released (it would spin forever), and the

@@ -111,6 +111,8 @@ class Link:
     # The receive of the next message header (transport.py reads them).
     header_buf: bytearray = field(default_factory=lambda: bytearray(wire.HEADER_SIZE))
     header_req: Any = None
+    # drop_links cancelled header_req: what completes it is no header to read.
+    header_cancelled: bool = False
     last_tag: int = 0
     watcher: asyncio.Task[None] | None = None
 
@@ -422,7 +424,9 @@ class Links:
                 link.watcher.cancel()
             if link.header_req is not None:
                 # Unmatched: cancelled at once. Matched: its header lands in our
-                # own buffer; either way nobody waits for it.
+                # own buffer; either way nobody waits for it (transport.py's
+                # pump completes it and reads nothing).
+                link.header_cancelled = True
                 with contextlib.suppress(Exception):
                     link.header_req.Cancel()
 

@@ -410,6 +410,10 @@ class MpiTransport:
                     link.header_req = None
                     break
                 link.header_req = None
+                if link.header_cancelled:
+                    # The buffer holds the last header read, or nothing: not a
+                    # new message (nor a malformed one).
+                    break
                 header = wire.unpack_header(link.header_buf)
                 if header is None:
                     log.error("MPI: peer %s sent a malformed header; closing the link", peer.key)
