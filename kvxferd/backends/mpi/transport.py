@@ -466,33 +466,44 @@ class MpiTransport:
         only inside MPI calls), read headers, drain late messages of abandoned
         tags, and forget requests MPI is done with."""
         while not self._links.closed:
-            rt = self._rt
-            assert rt is not None
-            now = time.monotonic()
-            for key, expires in list(self._abandoned.items()):
-                if now > expires:
-                    self._abandoned.pop(key, None)
-            live = False
-            for peer in list(self._links.peers.values()):
-                self._pump(peer, rt)
-                live = live or peer.live_link() is not None
-            waiting = False  # on a request that may still end
-            for z in list(self._zombies):
-                try:
-                    finished = z.req.Test()
-                except Exception:
-                    finished = True
-                if finished:
-                    self._zombies.remove(z)
-                elif z.link.lost is None or now - z.since < 1.0:
-                    waiting = True
-            if live or waiting or self._abandoned:
-                await asyncio.sleep(_TICK_S)
-            elif self._zombies:
-                # Only receives from peers that are gone, which may never end.
-                await asyncio.sleep(_STUCK_PERIOD_S)
-            else:
+            try:
+                pause = self._tick_once()
+            except Exception:
+                # A stopped tick would stall every link without a word: say why, go on.
+                log.exception("MPI progress tick failed; retrying")
+                pause = _STUCK_PERIOD_S
+            if pause is None:
                 return
+            await asyncio.sleep(pause)
+
+    def _tick_once(self) -> float | None:
+        """One pass of the tick; how long to pause before the next, None to stop."""
+        rt = self._rt
+        assert rt is not None
+        now = time.monotonic()
+        for key, expires in list(self._abandoned.items()):
+            if now > expires:
+                self._abandoned.pop(key, None)
+        live = False
+        for peer in list(self._links.peers.values()):
+            self._pump(peer, rt)
+            live = live or peer.live_link() is not None
+        waiting = False  # on a request that may still end
+        for z in list(self._zombies):
+            try:
+                finished = z.req.Test()
+            except Exception:
+                finished = True
+            if finished:
+                self._zombies.remove(z)
+            elif z.link.lost is None or now - z.since < 1.0:
+                waiting = True
+        if live or waiting or self._abandoned:
+            return _TICK_S
+        if self._zombies:
+            # Only receives from peers that are gone, which may never end.
+            return _STUCK_PERIOD_S
+        return None
 
     # -- teardown ------------------------------------------------------------
 
