@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvxferd.memory.layout import (
     BLOCK_MAJOR,
@@ -40,10 +41,13 @@ __all__ = [
     "common_heads",
     "describe",
     "head_range",
+    "head_slice_offsets",
+    "local_heads",
     "mapping_problems",
     "overlapping_ranks",
     "pair_head_segments",
     "same_heads",
+    "slice_block_bytes",
     "total_heads",
 ]
 
@@ -113,6 +117,49 @@ def common_heads(
 def same_heads(src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank) -> bool:
     """Both pools hold exactly the same heads: whole pieces move, as without TP."""
     return head_range(src, src_tp) == head_range(dst, dst_tp)
+
+
+def local_heads(
+    layout: KvLayout, tp: TpRank, other: KvLayout, other_tp: TpRank
+) -> tuple[int, int] | None:
+    """The heads this pool shares with the other one, as [start, end) among its own
+    num_kv_heads (not global); None when they share none."""
+    common = common_heads(layout, tp, other, other_tp)
+    if common is None:
+        return None
+    first = head_range(layout, tp)[0]
+    return common[0] - first, common[1] - first
+
+
+def slice_block_bytes(layout: KvLayout, heads: int) -> int:
+    """Bytes of `heads` heads of every token of every (layer, K/V) piece of one block: what a
+    block contributes to a leg that moves that many heads."""
+    return (
+        layout.pieces_per_block
+        * layout.tokens_per_block
+        * heads
+        * layout.head_dim
+        * (layout.itemsize)
+    )
+
+
+def head_slice_offsets(
+    layout: KvLayout, blocks: BlockIds, heads: tuple[int, int]
+) -> npt.NDArray[np.int64]:
+    """Pool offset of each (block, layer, K/V, token) run of the pool's heads [start, end)
+    (local indices), in the canonical packed order: logical block, then layer and K/V, then
+    token. Each run is (end - start) * head_dim * itemsize bytes long."""
+    start, end = heads
+    if not (_is_int(start) and _is_int(end) and 0 <= start < end <= layout.num_kv_heads):
+        raise LayoutError(
+            f"head slice [{start}, {end}) is not within the pool's {layout.num_kv_heads} heads"
+        )
+    ids = layout.check_blocks(blocks)
+    tokens = np.arange(layout.tokens_per_block, dtype=np.int64) * layout.token_bytes
+    skip = int(start) * layout.head_dim * layout.itemsize
+    pieces = layout.piece_offsets(ids, block_first=True)
+    offsets: npt.NDArray[np.int64] = (pieces[..., None] + (tokens + skip)).ravel()
+    return offsets
 
 
 def overlapping_ranks(heads: tuple[int, int], heads_per_rank: int, size: int) -> list[int]:

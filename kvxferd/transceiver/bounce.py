@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.heads import head_slice_offsets
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, pair_segments
 
 # Bounce only when the per-block path would need at least this many
@@ -123,7 +125,13 @@ class Copier(Protocol):
     """Gathers blocks into, and scatters them out of, a packed buffer.
 
     HostCopier works on host memory with numpy; a GPU pool would provide a cupy
-    implementation of the same two calls.
+    implementation of the same calls.
+
+    `gather`/`scatter` move whole blocks, packed as (logical block, layer, K/V).
+    `gather_heads`/`scatter_heads` move only the pool's heads [start, end) (local
+    indices), packed as (logical block, layer, K/V, token, heads): what one leg of a
+    head-split or head-merge moves under the staged runtime. With every head of the
+    pool they pack the same bytes as `gather`/`scatter`.
     """
 
     def gather(
@@ -140,6 +148,24 @@ class Copier(Protocol):
         pool: npt.NDArray[np.uint8],
         layout: KvLayout,
         blocks: list[int],
+    ) -> None: ...
+
+    def gather_heads(
+        self,
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
+        out: npt.NDArray[np.uint8],
+    ) -> None: ...
+
+    def scatter_heads(
+        self,
+        packed: npt.NDArray[np.uint8],
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
     ) -> None: ...
 
 
@@ -161,6 +187,11 @@ class HostCopier:
     2-core host two concurrent copies take ~12 ms where two in a row take ~21,
     and a daemon's copy runs while the NIXL write it feeds or follows is not
     running, so the second core is otherwise idle.
+
+    A head slice (`gather_heads`/`scatter_heads`) is copied the same way with one
+    element per (block, layer, K/V, token) run of the slice's heads, or, when the
+    runs do not all sit on multiples of their length (heads that do not divide
+    evenly), with smaller elements of at least one head.
     """
 
     def __init__(self, threads: int | None = None) -> None:
@@ -283,6 +314,84 @@ class HostCopier:
 
         self._split(copy, index.size, nbytes)
 
+    @staticmethod
+    def _check_pool(pool: npt.NDArray[np.uint8], layout: KvLayout) -> None:
+        if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
+            raise ValueError(
+                f"pool must be a 1-D uint8 array of at least {layout.pool_bytes} bytes, "
+                f"got shape {pool.shape} of {pool.dtype}"
+            )
+
+    @staticmethod
+    def _head_units(
+        layout: KvLayout, blocks: list[int], heads: tuple[int, int]
+    ) -> tuple[np.dtype[np.void], npt.NDArray[np.intp], int]:
+        """The element dtype, the pool index of each element in packed order, and the
+        packed bytes, for the heads [start, end) of `blocks`.
+
+        An element is one token's run of the slice when every run starts on a multiple
+        of its length (the pool's heads divide evenly into slices of that size: the
+        usual TP case); otherwise a common divisor of the run length and every run's
+        offset (at least one head), each run then taking consecutive elements.
+        """
+        offsets = head_slice_offsets(layout, blocks, heads)
+        start, end = heads
+        head_bytes = layout.head_dim * layout.itemsize
+        run = (end - start) * head_bytes
+        # Every run offset is a sum of multiples of the token size (pieces and blocks are
+        # whole tokens) plus the skipped heads: this divides them all, and the pool size.
+        unit = math.gcd(run, layout.token_bytes, start * head_bytes)
+        index = offsets // unit
+        if unit != run:
+            index = (index[:, None] + np.arange(run // unit, dtype=np.int64)).ravel()
+        return np.dtype(f"V{unit}"), index.astype(np.intp), offsets.size * run
+
+    def gather_heads(
+        self,
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
+        out: npt.NDArray[np.uint8],
+    ) -> None:
+        if tuple(heads) == (0, layout.num_kv_heads):
+            self.gather(pool, layout, blocks, out)  # whole pieces: the same packed bytes
+            return
+        self._check_pool(pool, layout)
+        unit, index, nbytes = self._head_units(layout, blocks, heads)
+        if out.size < nbytes:
+            raise ValueError(f"the packed buffer holds {out.size} bytes, {nbytes} needed")
+        src_units = pool[: layout.pool_bytes].view(unit)
+        out_units = out[:nbytes].view(unit)
+
+        def copy(share: slice) -> None:
+            np.take(src_units, index[share], out=out_units[share], mode="clip")
+
+        self._split(copy, index.size, nbytes)
+
+    def scatter_heads(
+        self,
+        packed: npt.NDArray[np.uint8],
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
+    ) -> None:
+        if tuple(heads) == (0, layout.num_kv_heads):
+            self.scatter(packed, pool, layout, blocks)
+            return
+        self._check_pool(pool, layout)
+        unit, index, nbytes = self._head_units(layout, blocks, heads)
+        if packed.size < nbytes:
+            raise ValueError(f"the packed buffer holds {packed.size} bytes, {nbytes} needed")
+        pool_units = pool[: layout.pool_bytes].view(unit)
+        packed_units = packed[:nbytes].view(unit)
+
+        def copy(share: slice) -> None:
+            np.put(pool_units, index[share], packed_units[share], mode="clip")
+
+        self._split(copy, index.size, nbytes)
+
 
 class BounceBuffers:
     """A daemon's two regions (send and receive), their copier and counters."""
@@ -306,11 +415,18 @@ class BounceBuffers:
         blocks: list[int],
         res: Reservation,
         nbytes: int,
+        heads: tuple[int, int] | None = None,
     ) -> None:
+        """Gather `blocks` (only the pool's heads [start, end) when `heads` is given) into
+        the send reservation."""
         out = self.send.view(res, nbytes)
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.copier.gather, pool, layout, blocks, out
-        )
+        loop = asyncio.get_running_loop()
+        if heads is None:
+            await loop.run_in_executor(self._pool, self.copier.gather, pool, layout, blocks, out)
+        else:
+            await loop.run_in_executor(
+                self._pool, self.copier.gather_heads, pool, layout, blocks, heads, out
+            )
 
     async def scatter(
         self,
@@ -319,11 +435,20 @@ class BounceBuffers:
         pool: npt.NDArray[np.uint8],
         layout: KvLayout,
         blocks: list[int],
+        heads: tuple[int, int] | None = None,
     ) -> None:
+        """Scatter the receive reservation into `blocks` (only into the pool's heads
+        [start, end) when `heads` is given)."""
         packed = self.recv.view(res, nbytes)
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.copier.scatter, packed, pool, layout, blocks
-        )
+        loop = asyncio.get_running_loop()
+        if heads is None:
+            await loop.run_in_executor(
+                self._pool, self.copier.scatter, packed, pool, layout, blocks
+            )
+        else:
+            await loop.run_in_executor(
+                self._pool, self.copier.scatter_heads, packed, pool, layout, blocks, heads
+            )
 
     def status(self) -> dict[str, object]:
         return {
