@@ -2,17 +2,15 @@
 
 Every transport runs in its own child process (this file run as a script:
 `python test_mpi.py child NAME INCARNATION`), driven over JSON lines on
-stdin/stdout, so that a peer can be SIGKILLed mid-transfer. Each child is
-started like a daemon (no mpiexec) unless a test says otherwise.
+stdin/stdout, so that a peer can be SIGKILLed mid-transfer (the harness,
+shared with test_ucx.py, is twosided_harness.py). Each child is started like a
+daemon (no mpiexec) unless a test says otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import os
-import queue
 import signal
 import socket
 import struct
@@ -24,238 +22,60 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from twosided_harness import (
+    MIB,
+    REPO,
+    TransportChild,
+    child_main,
+    connected,
+    connected_pair,
+    importable,
+    wait_until,
+)
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
-MIB = 1 << 20
-SENTINEL = 0xAB
 
 
-def _pattern(seed: int, size: int) -> bytes:
-    return np.random.default_rng(seed).bytes(size)
-
-
-# ---------------------------------------------------------------------------
-# Child side: one transport, commands from stdin, answers on stdout.
-# ---------------------------------------------------------------------------
-
-
-async def _child_main(name: str, incarnation: str) -> None:
+def _make_transport(name: str, incarnation: str) -> Any:
     from kvxferd.backends.mpi import MpiTransport
 
-    loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[str | None] = asyncio.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(lines.put_nowait, None)
-
-    threading.Thread(target=read_stdin, daemon=True).start()
-    transport = MpiTransport(name, incarnation, stall_grace_s=2.0)
-    buffers: dict[str, bytearray] = {}
-    running: dict[int, asyncio.Task[None]] = {}
-
-    def answer(msg: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(msg) + "\n")
-        sys.stdout.flush()
-
-    async def run(cmd: dict[str, Any]) -> dict[str, Any]:
-        op = cmd["op"]
-        if op == "start":
-            return {"address": await transport.start()}
-        if op == "connect":
-            await transport.connect(cmd["peer"], cmd["address"], cmd.get("deadline", 10.0))
-            return {}
-        if op == "send":
-            data = memoryview(_pattern(cmd["seed"], cmd["size"]))
-            answer({"id": cmd["id"], "event": "sending"})
-            await transport.send(cmd["peer"], cmd["tag"], data)
-            return {}
-        if op == "recv":
-            buf = bytearray([SENTINEL]) * cmd["size"]
-            if "keep" in cmd:
-                buffers[cmd["keep"]] = buf
-            n = await transport.recv(cmd["peer"], cmd["tag"], memoryview(buf), cmd["deadline"])
-            res: dict[str, Any] = {"n": n}
-            if "seed" in cmd:
-                res["verified"] = bytes(buf[:n]) == _pattern(cmd["seed"], n)
-            return res
-        if op == "untouched":
-            return {"untouched": buffers[cmd["keep"]].count(SENTINEL) == len(buffers[cmd["keep"]])}
-        if op == "digest":
-            return {"digest": hashlib.sha256(buffers[cmd["keep"]]).hexdigest()}
-        if op == "cancel":
-            running[cmd["target"]].cancel()
-            return {}
-        if op == "remove_peer":
-            await transport.remove_peer(cmd["peer"])
-            return {}
-        if op == "idle_cpu":
-            cpu0, wall0 = time.process_time(), time.monotonic()
-            await asyncio.sleep(cmd["seconds"])
-            return {"percent": 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)}
-        if op == "info":
-            return {
-                "mode": transport.mode,
-                "peers": transport.peers(),
-                "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
-                "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
-            }
-        if op == "close":
-            await transport.close()
-            return {}
-        raise ValueError(f"unknown op {op}")
-
-    async def handle(cmd: dict[str, Any]) -> None:
-        t0 = time.monotonic()
-        try:
-            res = await run(cmd)
-            res["ok"] = True
-        except (Exception, asyncio.CancelledError) as exc:
-            res = {"ok": False, "error": type(exc).__name__, "msg": str(exc)}
-            if "keep" in cmd and cmd["keep"] in buffers:
-                # The buffer as it was when the call returned.
-                res["digest"] = hashlib.sha256(buffers[cmd["keep"]]).hexdigest()
-        res["id"] = cmd["id"]
-        res["elapsed"] = time.monotonic() - t0
-        answer(res)
-
-    answer({"id": 0, "ok": True, "ready": True})
-    while (line := await lines.get()) is not None:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
-        running[cmd["id"]] = asyncio.ensure_future(handle(cmd))
-    await transport.close()
+    return MpiTransport(name, incarnation, stall_grace_s=2.0)
 
 
-# ---------------------------------------------------------------------------
-# Parent side.
-# ---------------------------------------------------------------------------
+def _info(transport: Any) -> dict[str, Any]:
+    return {
+        "mode": transport.mode,
+        "peers": transport.peers(),
+        "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
+        "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
+    }
 
 
-class Child:
-    def __init__(
-        self,
-        name: str,
-        incarnation: str = "1",
-        env: dict[str, str] | None = None,
-        prefix: list[str] | None = None,
-    ) -> None:
-        self.key = f"{name}/{incarnation}"
-        self.address = ""
-        self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, str(HERE), "child", name, incarnation],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
-        )
-        self._answers: dict[int | str, queue.Queue[dict[str, Any]]] = {}
-        self._lock = threading.Lock()
-        self._next = 1
-        threading.Thread(target=self._read, daemon=True).start()
-        self.wait(0, timeout=60)
-
-    def _queue(self, id_: int | str) -> queue.Queue[dict[str, Any]]:
-        with self._lock:
-            return self._answers.setdefault(id_, queue.Queue())
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                msg = json.loads(line)
-                self._queue(f"event {msg['id']}" if "event" in msg else msg["id"]).put(msg)
-
-    def submit(self, op: str, **kw: Any) -> int:
-        with self._lock:
-            id_, self._next = self._next, self._next + 1
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "id": id_, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return id_
-
-    def wait(self, id_: int | str, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return self._queue(id_).get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"{self.key}: no answer to command {id_} in {timeout}s") from None
-
-    def event(self, id_: int, timeout: float = 30.0) -> str:
-        return str(self.wait(f"event {id_}", timeout)["event"])
-
-    def call(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
-        return self.wait(self.submit(op, **kw), timeout)
-
-    def ok(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
-        res = self.call(op, timeout, **kw)
-        assert res["ok"], res
-        return res
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.submit("exit")
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+class Child(TransportChild):
+    script = HERE
+    ready_timeout = 60.0
 
 
-def _wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout}s")
-        time.sleep(0.05)
-
-
-def _mpi_importable() -> bool:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import mpi4py"], capture_output=True, timeout=60, cwd=REPO
-    )
-    return probe.returncode == 0
-
-
-if __name__ != "__main__" and not _mpi_importable():
+if __name__ != "__main__" and not importable("mpi4py"):
     pytest.skip(
         "mpi4py does not import here (pip install mpi4py mpich); the MPI backend is untestable",
         allow_module_level=True,
     )
 
 
-def _connected(rx: Child, tx: Child) -> None:
-    rx.address = rx.ok("start")["address"]
-    tx.ok("connect", peer=rx.key, address=rx.address)
-
-
 @pytest.fixture(scope="module")
 def shared_pair() -> Iterator[tuple[Child, Child]]:
     """A receiver listening and a sender connected to it, for well-behaved tests."""
-    rx, tx = Child("gen"), Child("ctx")
-    try:
-        _connected(rx, tx)
-        yield rx, tx
-    finally:
-        tx.stop()
-        rx.stop()
+    with connected_pair(Child) as rx_tx:
+        yield rx_tx
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Child, Child]]:
     """A pair of its own, for tests that kill or disconnect a side."""
-    rx, tx = Child("gen"), Child("ctx")
-    try:
-        _connected(rx, tx)
-        yield rx, tx
-    finally:
-        tx.stop()
-        rx.stop()
+    with connected_pair(Child) as rx_tx:
+        yield rx_tx
 
 
 def test_both_sides_run_under_a_process_manager_of_their_own(
@@ -269,7 +89,7 @@ def test_both_sides_run_under_a_process_manager_of_their_own(
         assert info["pmi_env"] == [], info
     # The accept thread ends with the rendezvous.
     rx = shared_pair[0]
-    _wait_until(lambda: rx.ok("info")["accepting"] == 0, 10, "the accept thread ending")
+    wait_until(lambda: rx.ok("info")["accepting"] == 0, 10, "the accept thread ending")
 
 
 def test_messages_of_every_size_arrive_intact_in_any_order(
@@ -467,7 +287,7 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header(
     a malformed header. (The pair is made here so that capfd has its stderr.)"""
     rx, tx = Child("gen"), Child("ctx")
     try:
-        _connected(rx, tx)
+        connected(rx, tx)
         send = tx.submit("send", peer=rx.key, tag=7, size=1000, seed=7)
         assert rx.ok("recv", peer=tx.key, tag=7, size=1000, deadline=20, seed=7)["verified"]
         assert tx.wait(send)["ok"]
@@ -477,7 +297,7 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header(
         time.sleep(0.3)
         rx.submit("cancel", target=back)
         assert rx.wait(back, timeout=20)["error"] == "CancelledError"
-        _wait_until(lambda: tx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
+        wait_until(lambda: tx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
         time.sleep(0.2)  # rx's tick completes its cancelled header receive
         tx.ok("remove_peer", peer=rx.key)
         tx.ok("connect", peer=rx.key, address=rx.address)
@@ -491,7 +311,7 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header(
         time.sleep(0.3)
         tx.submit("cancel", target=back)
         assert tx.wait(back, timeout=20)["error"] == "CancelledError"
-        _wait_until(lambda: rx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
+        wait_until(lambda: rx.ok("info")["peers"] == [], 10, "the peer seeing the link closed")
         time.sleep(0.2)
         err = capfd.readouterr().err
         assert err.count("cancelled and not done") == 2 and "malformed" not in err, err
@@ -515,7 +335,7 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
             assert head[:4] == b"KVXM" and head[5] == ACK, head
             (n,) = struct.unpack("!H", s.recv(2))
             s.recv(n)
-        _wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the abandoned accept ending")
+        wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the abandoned accept ending")
         tx = Child("ctx")
         try:
             tx.ok("connect", peer=rx.key, address=f"{host}:{port}")
@@ -540,7 +360,7 @@ def test_a_daemon_under_mpiexec_and_a_singleton_connect() -> None:
     rx = Child("gen", prefix=[mpiexec, "-n", "1"])
     tx = Child("ctx", env={"KVXFERD_MPI_BOOTSTRAP": "off"})
     try:
-        _connected(rx, tx)
+        connected(rx, tx)
         assert rx.ok("info")["mode"] == "process manager"
         assert tx.ok("info")["mode"] == "singleton"
         send = tx.submit("send", peer=rx.key, tag=2, size=3 * MIB, seed=2)
@@ -578,4 +398,4 @@ def test_the_registry_builds_it_lazily() -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
-    asyncio.run(_child_main(sys.argv[2], sys.argv[3]))
+    asyncio.run(child_main(sys.argv[2], sys.argv[3], _make_transport, _info))

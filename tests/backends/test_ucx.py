@@ -2,203 +2,45 @@
 
 Every transport runs in its own child process (this file run as a script:
 `python test_ucx.py child NAME INCARNATION`), driven over JSON lines on
-stdin/stdout, so that a peer can be SIGKILLed mid-transfer.
+stdin/stdout, so that a peer can be SIGKILLed mid-transfer (the harness,
+shared with test_mpi.py, is twosided_harness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from twosided_harness import MIB, REPO, TransportChild, child_main, connected_pair, importable
+from twosided_harness import pattern as _pattern
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
-MIB = 1 << 20
-SENTINEL = 0xAB
 
 
-def _pattern(seed: int, size: int) -> bytes:
-    return np.random.default_rng(seed).bytes(size)
-
-
-# ---------------------------------------------------------------------------
-# Child side: one transport, commands from stdin, answers on stdout.
-# ---------------------------------------------------------------------------
-
-
-async def _child_main(name: str, incarnation: str) -> None:
+def _make_transport(name: str, incarnation: str) -> Any:
     from kvxferd.backends.ucx import UcxTransport
 
-    loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[str | None] = asyncio.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(lines.put_nowait, None)
-
-    threading.Thread(target=read_stdin, daemon=True).start()
-    transport = UcxTransport(name, incarnation, stall_grace_s=2.0)
-    buffers: dict[str, bytearray] = {}
-    running: dict[int, asyncio.Task[None]] = {}
-
-    def answer(msg: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(msg) + "\n")
-        sys.stdout.flush()
-
-    async def run(cmd: dict[str, Any]) -> dict[str, Any]:
-        op = cmd["op"]
-        if op == "start":
-            return {"address": await transport.start()}
-        if op == "connect":
-            await transport.connect(cmd["peer"], cmd["address"], cmd.get("deadline", 10.0))
-            return {}
-        if op == "send":
-            data = memoryview(_pattern(cmd["seed"], cmd["size"]))
-            answer({"id": cmd["id"], "event": "sending"})
-            await transport.send(cmd["peer"], cmd["tag"], data)
-            return {}
-        if op == "recv":
-            buf = bytearray([SENTINEL]) * cmd["size"]
-            if "keep" in cmd:
-                buffers[cmd["keep"]] = buf
-            n = await transport.recv(cmd["peer"], cmd["tag"], memoryview(buf), cmd["deadline"])
-            res: dict[str, Any] = {"n": n}
-            if "seed" in cmd:
-                res["verified"] = bytes(buf[:n]) == _pattern(cmd["seed"], n)
-            return res
-        if op == "untouched":
-            return {"untouched": buffers[cmd["keep"]].count(SENTINEL) == len(buffers[cmd["keep"]])}
-        if op == "digest":
-            return {"digest": hashlib.sha256(buffers[cmd["keep"]]).hexdigest()}
-        if op == "cancel":
-            running[cmd["target"]].cancel()
-            return {}
-        if op == "remove_peer":
-            await transport.remove_peer(cmd["peer"])
-            return {}
-        if op == "idle_cpu":
-            cpu0, wall0 = time.process_time(), time.monotonic()
-            await asyncio.sleep(cmd["seconds"])
-            return {"percent": 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)}
-        if op == "info":
-            return {"mode": transport.progress_mode, "peers": transport.peers()}
-        if op == "close":
-            await transport.close()
-            return {}
-        raise ValueError(f"unknown op {op}")
-
-    async def handle(cmd: dict[str, Any]) -> None:
-        t0 = time.monotonic()
-        try:
-            res = await run(cmd)
-            res["ok"] = True
-        except (Exception, asyncio.CancelledError) as exc:
-            res = {"ok": False, "error": type(exc).__name__, "msg": str(exc)}
-            if "keep" in cmd and cmd["keep"] in buffers:
-                # The buffer as it was when the call returned.
-                res["digest"] = hashlib.sha256(buffers[cmd["keep"]]).hexdigest()
-        res["id"] = cmd["id"]
-        res["elapsed"] = time.monotonic() - t0
-        answer(res)
-
-    answer({"id": 0, "ok": True, "ready": True})
-    while (line := await lines.get()) is not None:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
-        running[cmd["id"]] = asyncio.ensure_future(handle(cmd))
-    await transport.close()
+    return UcxTransport(name, incarnation, stall_grace_s=2.0)
 
 
-# ---------------------------------------------------------------------------
-# Parent side.
-# ---------------------------------------------------------------------------
+def _info(transport: Any) -> dict[str, Any]:
+    return {"mode": transport.progress_mode, "peers": transport.peers()}
 
 
-class Child:
-    def __init__(self, name: str, incarnation: str = "1", env: dict[str, str] | None = None):
-        self.key = f"{name}/{incarnation}"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), "child", name, incarnation],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
-        )
-        self._answers: dict[int | str, queue.Queue[dict[str, Any]]] = {}
-        self._lock = threading.Lock()
-        self._next = 1
-        threading.Thread(target=self._read, daemon=True).start()
-        self.wait(0, timeout=30)
-
-    def _queue(self, id_: int | str) -> queue.Queue[dict[str, Any]]:
-        with self._lock:
-            return self._answers.setdefault(id_, queue.Queue())
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                msg = json.loads(line)
-                self._queue(f"event {msg['id']}" if "event" in msg else msg["id"]).put(msg)
-
-    def submit(self, op: str, **kw: Any) -> int:
-        with self._lock:
-            id_, self._next = self._next, self._next + 1
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "id": id_, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return id_
-
-    def wait(self, id_: int | str, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return self._queue(id_).get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"{self.key}: no answer to command {id_} in {timeout}s") from None
-
-    def event(self, id_: int, timeout: float = 30.0) -> str:
-        return str(self.wait(f"event {id_}", timeout)["event"])
-
-    def call(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
-        return self.wait(self.submit(op, **kw), timeout)
-
-    def ok(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
-        res = self.call(op, timeout, **kw)
-        assert res["ok"], res
-        return res
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.submit("exit")
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+class Child(TransportChild):
+    script = HERE
 
 
-def _ucxx_importable() -> bool:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import ucxx"], capture_output=True, timeout=60, cwd=REPO
-    )
-    return probe.returncode == 0
-
-
-if __name__ != "__main__" and not _ucxx_importable():
+if __name__ != "__main__" and not importable("ucxx"):
     pytest.skip(
         "ucxx does not import here (pip install ucxx-cu12); the UCX backend is untestable",
         allow_module_level=True,
@@ -206,16 +48,10 @@ if __name__ != "__main__" and not _ucxx_importable():
 
 
 @pytest.fixture
-def pair() -> Any:
+def pair() -> Iterator[tuple[Child, Child]]:
     """A receiver listening and a sender connected to it."""
-    rx, tx = Child("gen"), Child("ctx")
-    try:
-        address = rx.ok("start")["address"]
-        tx.ok("connect", peer=rx.key, address=address)
-        yield rx, tx
-    finally:
-        tx.stop()
-        rx.stop()
+    with connected_pair(Child) as rx_tx:
+        yield rx_tx
 
 
 def test_messages_of_every_size_arrive_intact_in_any_order(pair: tuple[Child, Child]) -> None:
@@ -453,4 +289,4 @@ def test_nixl_and_ucxx_in_one_process(first: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
-    asyncio.run(_child_main(sys.argv[2], sys.argv[3]))
+    asyncio.run(child_main(sys.argv[2], sys.argv[3], _make_transport, _info))

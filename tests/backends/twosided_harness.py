@@ -1,0 +1,251 @@
+"""The child-process harness of the two-sided transport tests (test_mpi.py, test_ucx.py).
+
+Every transport runs in its own child process, the test file run as a script
+(`python test_X.py child NAME INCARNATION`, which calls `child_main`), driven
+over JSON lines on stdin/stdout, so that a peer can be SIGKILLed mid-transfer.
+What differs between transports is passed in: how the child makes its
+transport, what it answers to "info", and, on the parent side, the script,
+the environment and the command prefix of each child.
+
+Imported by the test files as a top-level module, like tests/daemon/daemon_harness.py:
+pytest puts tests/backends (no __init__.py) on sys.path, and so does running a
+test file by its path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+SENTINEL = 0xAB
+
+# The transport of a child: any TwoSidedTransport (kvxferd/backends/twosided.py).
+MakeTransport = Callable[[str, str], Any]
+Info = Callable[[Any], dict[str, Any]]
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return np.random.default_rng(seed).bytes(size)
+
+
+def importable(module: str) -> bool:
+    """Whether `module` imports in a fresh interpreter (never imported here:
+    importing ucxx, say, writes UCX_* variables into os.environ)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, timeout=60, cwd=REPO
+    )
+    return probe.returncode == 0
+
+
+# ---------------------------------------------------------------------------
+# Child side: one transport, commands from stdin, answers on stdout.
+# ---------------------------------------------------------------------------
+
+
+async def child_main(
+    name: str, incarnation: str, make_transport: MakeTransport, info: Info
+) -> None:
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    transport = make_transport(name, incarnation)
+    buffers: dict[str, bytearray] = {}
+    running: dict[int, asyncio.Task[None]] = {}
+
+    def answer(msg: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+    async def run(cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "start":
+            return {"address": await transport.start()}
+        if op == "connect":
+            await transport.connect(cmd["peer"], cmd["address"], cmd.get("deadline", 10.0))
+            return {}
+        if op == "send":
+            data = memoryview(pattern(cmd["seed"], cmd["size"]))
+            answer({"id": cmd["id"], "event": "sending"})
+            await transport.send(cmd["peer"], cmd["tag"], data)
+            return {}
+        if op == "recv":
+            buf = bytearray([SENTINEL]) * cmd["size"]
+            if "keep" in cmd:
+                buffers[cmd["keep"]] = buf
+            n = await transport.recv(cmd["peer"], cmd["tag"], memoryview(buf), cmd["deadline"])
+            res: dict[str, Any] = {"n": n}
+            if "seed" in cmd:
+                res["verified"] = bytes(buf[:n]) == pattern(cmd["seed"], n)
+            return res
+        if op == "untouched":
+            return {"untouched": buffers[cmd["keep"]].count(SENTINEL) == len(buffers[cmd["keep"]])}
+        if op == "digest":
+            return {"digest": hashlib.sha256(buffers[cmd["keep"]]).hexdigest()}
+        if op == "cancel":
+            running[cmd["target"]].cancel()
+            return {}
+        if op == "remove_peer":
+            await transport.remove_peer(cmd["peer"])
+            return {}
+        if op == "idle_cpu":
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(cmd["seconds"])
+            return {"percent": 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)}
+        if op == "info":
+            return info(transport)
+        if op == "close":
+            await transport.close()
+            return {}
+        raise ValueError(f"unknown op {op}")
+
+    async def handle(cmd: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        try:
+            res = await run(cmd)
+            res["ok"] = True
+        except (Exception, asyncio.CancelledError) as exc:
+            res = {"ok": False, "error": type(exc).__name__, "msg": str(exc)}
+            if "keep" in cmd and cmd["keep"] in buffers:
+                # The buffer as it was when the call returned.
+                res["digest"] = hashlib.sha256(buffers[cmd["keep"]]).hexdigest()
+        res["id"] = cmd["id"]
+        res["elapsed"] = time.monotonic() - t0
+        answer(res)
+
+    answer({"id": 0, "ok": True, "ready": True})
+    while (line := await lines.get()) is not None:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        running[cmd["id"]] = asyncio.ensure_future(handle(cmd))
+    await transport.close()
+
+
+# ---------------------------------------------------------------------------
+# Parent side.
+# ---------------------------------------------------------------------------
+
+
+class TransportChild:
+    """One child process. A test file subclasses it, naming itself as `script`."""
+
+    script: ClassVar[Path]  # the test file, whose `child` mode calls child_main
+    ready_timeout: ClassVar[float] = 30.0  # for the child's first answer
+
+    def __init__(
+        self,
+        name: str,
+        incarnation: str = "1",
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        self.key = f"{name}/{incarnation}"
+        self.address = ""
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, str(self.script), "child", name, incarnation],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
+        self._answers: dict[int | str, queue.Queue[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._next = 1
+        threading.Thread(target=self._read, daemon=True).start()
+        self.wait(0, timeout=self.ready_timeout)
+
+    def _queue(self, id_: int | str) -> queue.Queue[dict[str, Any]]:
+        with self._lock:
+            return self._answers.setdefault(id_, queue.Queue())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                msg = json.loads(line)
+                self._queue(f"event {msg['id']}" if "event" in msg else msg["id"]).put(msg)
+
+    def submit(self, op: str, **kw: Any) -> int:
+        with self._lock:
+            id_, self._next = self._next, self._next + 1
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, "id": id_, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return id_
+
+    def wait(self, id_: int | str, timeout: float = 30.0) -> dict[str, Any]:
+        try:
+            return self._queue(id_).get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.key}: no answer to command {id_} in {timeout}s") from None
+
+    def event(self, id_: int, timeout: float = 30.0) -> str:
+        return str(self.wait(f"event {id_}", timeout)["event"])
+
+    def call(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+        return self.wait(self.submit(op, **kw), timeout)
+
+    def ok(self, op: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+        res = self.call(op, timeout, **kw)
+        assert res["ok"], res
+        return res
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.submit("exit")
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def connected(rx: TransportChild, tx: TransportChild) -> None:
+    """rx listening (its address kept in rx.address), tx connected to it."""
+    rx.address = rx.ok("start")["address"]
+    tx.ok("connect", peer=rx.key, address=rx.address)
+
+
+C = TypeVar("C", bound=TransportChild)
+
+
+@contextmanager
+def connected_pair(child: type[C]) -> Iterator[tuple[C, C]]:
+    """A receiver "gen" listening and a sender "ctx" connected to it, stopped after."""
+    rx, tx = child("gen"), child("ctx")
+    try:
+        connected(rx, tx)
+        yield rx, tx
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout}s")
+        time.sleep(0.05)
