@@ -12,18 +12,16 @@ SENDING_ROLES = ("context", "both")
 RECEIVING_ROLES = ("generation", "both")
 
 
-def tp_support_problem(
-    role: str, ours: TpRank, theirs: TpRank, runtime: str, pipelined: bool
-) -> str | None:
+def tp_support_problem(role: str, ours: TpRank, theirs: TpRank, pipelined: bool) -> str | None:
     """Why pools of these tensor-parallel sizes cannot exchange KV with these settings.
 
-    Head-split and head-merge move each token's shared heads straight between the pools:
-    only the PYTHON runtime's per-block path does that. The staged runtime and the bounce
-    buffer move whole blocks through contiguous regions, and pipelined transfer moves one
-    leg per request; the bounce buffer is simply not used for such a pair, the other two
-    are refused here (and again per request, for pools registered after the handshake).
+    Head-split and head-merge move each (context rank, generation rank) pair's shared heads
+    as a leg: the PYTHON runtime's per-block path writes them straight between the pools,
+    the staged runtime gathers them through its staging buffers (the PYTHON runtime's bounce
+    buffer is simply not used for such a pair). Pipelined transfer moves one leg per request
+    and is refused here (and again per request, for pools registered after the handshake).
     """
-    if ours.size == theirs.size:
+    if ours.size == theirs.size or not pipelined:
         return None
     if role in SENDING_ROLES and role not in RECEIVING_ROLES:
         sizes = f"ctx {ours.size}, gen {theirs.size}"
@@ -31,17 +29,10 @@ def tp_support_problem(
         sizes = f"ctx {theirs.size}, gen {ours.size}"
     else:
         sizes = f"ours {ours.size}, peer {theirs.size}"
-    if runtime != "PYTHON":
-        return (
-            f"tensor-parallel sizes differ ({sizes}): supported by the PYTHON runtime's "
-            f"per-block path only, and this pair runs the {runtime} runtime"
-        )
-    if pipelined:
-        return (
-            f"tensor-parallel sizes differ ({sizes}): supported by the PYTHON runtime's "
-            "per-block path only, not with enable_pipelined_transfer"
-        )
-    return None
+    return (
+        f"tensor-parallel sizes differ ({sizes}): head-split and head-merge do not work "
+        "with enable_pipelined_transfer"
+    )
 
 
 def check_peer(
@@ -100,9 +91,7 @@ def check_peer(
                     f"KV geometry of peer pool {theirs.pool_id!r} and ours differ: "
                     + "; ".join(diffs),
                 )
-            problem = tp_support_problem(
-                role, our_tp, their_tp, settings.runtime, settings.pipelined_transfer
-            )
+            problem = tp_support_problem(role, our_tp, their_tp, settings.pipelined_transfer)
             if problem is not None:
                 return ("parallelism", f"peer pool {theirs.pool_id!r}: {problem}")
     return None

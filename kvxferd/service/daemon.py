@@ -177,9 +177,6 @@ class Daemon:
             pipelined=settings.pipelined_transfer,
             bounce=self.bounce,
         )
-        # Head-split and head-merge check the runtime per request (pools may be registered
-        # after a handshake).
-        self.sender.runtime = self.receiver.runtime = settings.runtime
         self.api = ApiServer(d.api_socket_path(), self)
         # Operations: per-daemon metrics registry, sd_notify, loop lag, reload history.
         self.metrics = DaemonMetrics(

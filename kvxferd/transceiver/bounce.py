@@ -44,7 +44,8 @@ from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, pair_segments
 MIN_DESCRIPTORS = 8
 MAX_AVG_SEGMENT_BYTES = 6 << 10
 
-_ALIGN = 4096
+# Every reservation is rounded up to whole pages.
+RESERVATION_ALIGN = 4096
 
 # Copies this large are split over the copier's threads; below it a thread
 # hand-off (tens of microseconds) would eat the gain.
@@ -75,7 +76,7 @@ class BounceRegion:
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Room for `nbytes` now, or None (never waits)."""
-        need = -(-nbytes // _ALIGN) * _ALIGN
+        need = -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
         for i, (offset, length) in enumerate(self._free):
             if length >= need:
                 if length == need:

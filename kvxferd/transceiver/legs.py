@@ -22,9 +22,11 @@ from kvxferd.memory.heads import (
     common_heads,
     describe,
     head_range,
+    local_heads,
     mapping_problems,
     overlapping_ranks,
     same_heads,
+    slice_block_bytes,
     total_heads,
 )
 from kvxferd.memory.layout import KvLayout, LayoutError
@@ -32,6 +34,7 @@ from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.compat import tp_support_problem
 from kvxferd.peers.messages import Abort, RequestData
 from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.state import Reason
 
 
@@ -47,6 +50,7 @@ class TxLeg:
     request: RequestData
     told: bool = False  # this receiver knows the outcome (or cannot be told any more)
     served: bool = False  # its last Result went out: it has all it asked for
+    acked_block: int = 0  # staged: the receiver scattered every block before this one
 
 
 @dataclass(eq=False)
@@ -60,6 +64,13 @@ class RxLeg:
     done: bool = False  # its last Result arrived
     told: bool = False  # it knows the outcome (or cannot be told any more)
     abort_acked: bool = False
+    # Our staging/bounce reservation for this leg's bytes (freed once quiescent), and the
+    # part of it offered to the context daemon with the RequestData.
+    res: Reservation | None = None
+    offer: Reservation | None = None
+    # The context daemon's pool (rank, layout) as announced when its first Result arrived:
+    # what it wrote from, even if its engine deregisters the pool before we are done.
+    source: tuple[TpRank, KvLayout] | None = None
 
 
 async def abort_legs(
@@ -77,6 +88,31 @@ async def abort_legs(
                     message=message,
                 )
             )
+
+
+# ------------------------------------------------ what one leg moves (staged runtime)
+
+
+def leg_heads(
+    ours: KvLayout, our_tp: TpRank, theirs: KvLayout, their_tp: TpRank
+) -> tuple[int, int] | None:
+    """The heads [start, end) of our pool (its own indices) that a leg between our pool and
+    theirs moves; None when both hold the same heads (whole blocks move). LayoutError when
+    they share none."""
+    if same_heads(ours, our_tp, theirs, their_tp):
+        return None
+    heads = local_heads(ours, our_tp, theirs, their_tp)
+    if heads is None:
+        raise LayoutError(
+            f"our pool ({describe(ours, our_tp)}) and the peer's ({describe(theirs, their_tp)}) "
+            "hold no KV head in common"
+        )
+    return heads
+
+
+def leg_block_bytes(layout: KvLayout, heads: tuple[int, int] | None) -> int:
+    """Bytes one block contributes to a leg moving `heads` of a pool (None: every head)."""
+    return layout.block_bytes if heads is None else slice_block_bytes(layout, heads[1] - heads[0])
 
 
 # ------------------------------------------------------- context side: head-split
@@ -193,12 +229,10 @@ def coverage_problem(pool: LocalPool, legs: list[TxLeg]) -> str | None:
     return None
 
 
-def split_problem(
-    pool: LocalPool, legs: list[TxLeg], dst: TpRank, runtime: str, pipelined: bool
-) -> str | None:
+def split_problem(pool: LocalPool, legs: list[TxLeg], dst: TpRank, pipelined: bool) -> str | None:
     """Why our pool cannot write into a receiver pool of rank `dst` as one of `legs`: these
     settings cannot move head slices, or the legs do not cover our heads exactly once."""
-    problem = tp_support_problem("context", pool.tp, dst, runtime, pipelined)
+    problem = tp_support_problem("context", pool.tp, dst, pipelined)
     if problem is None and (len(legs) > 1 or dst != pool.tp):
         problem = coverage_problem(pool, legs)
     return problem
@@ -249,9 +283,7 @@ def whole_blocks_from(pool: LocalPool, conn: PeerConnection) -> bool:
     return same_heads(layout, tp, pool.layout, pool.tp)
 
 
-def source_problem(
-    pool: LocalPool, legs: list[RxLeg], final: bool, runtime: str, pipelined: bool
-) -> str | None:
+def source_problem(pool: LocalPool, legs: list[RxLeg], final: bool, pipelined: bool) -> str | None:
     """Why the context daemons of a receive do not hold our heads exactly once.
 
     Checked before asking (when their pools are known by then) and again when every leg
@@ -263,7 +295,7 @@ def source_problem(
     ranks: list[tuple[RxLeg, TpRank, KvLayout]] = []
     for leg in legs:
         assert leg.conn is not None
-        peer = peer_tp(leg.conn)
+        peer = leg.source if leg.source is not None else peer_tp(leg.conn)
         if isinstance(peer, str):
             return peer
         if peer is None:
@@ -283,7 +315,7 @@ def source_problem(
             + ", ".join(f"{_name(leg)} ({tp})" for leg, tp, _ in ranks)
         )
     src_tp, src_layout = ranks[0][1], ranks[0][2]
-    problem = tp_support_problem("generation", our_tp, src_tp, runtime, pipelined)
+    problem = tp_support_problem("generation", our_tp, src_tp, pipelined)
     if problem is not None:
         return problem
     if total_heads(src_layout, src_tp) != total_heads(ours, our_tp):

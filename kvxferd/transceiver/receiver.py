@@ -41,7 +41,14 @@ from kvxferd.peers.messages import (
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
-from kvxferd.transceiver.legs import RxLeg, source_problem, whole_blocks_from
+from kvxferd.transceiver.legs import (
+    RxLeg,
+    leg_block_bytes,
+    leg_heads,
+    peer_tp,
+    source_problem,
+    whole_blocks_from,
+)
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
@@ -71,9 +78,6 @@ class ReceiverTimeouts:
 
 
 class Receiver:
-    # The transceiver runtime (the daemon sets it): head-merge needs PYTHON.
-    runtime = "PYTHON"
-
     def __init__(
         self,
         timeouts: ReceiverTimeouts,
@@ -221,11 +225,15 @@ class Receiver:
         leg = s.leg_of(conn)
         assert leg is not None
         if msg.status == Reason.OK:
+            if leg.source is None:
+                # Messages arrive in order: the pool it wrote from is announced by now.
+                peer = peer_tp(conn)
+                leg.source = peer if isinstance(peer, tuple) else None
             s.nbytes += msg.nbytes
             if msg.bounced:
                 # Scattered by the session's task, in order, before any ack.
                 end = msg.end_block or len(s.blocks)
-                s.rounds.append((msg.first_block, end, msg.nbytes, msg.last))
+                s.rounds.append((leg, msg.first_block, end, msg.nbytes, msg.last))
                 s.wake.set()
             elif msg.last:
                 leg.done = True
@@ -346,12 +354,12 @@ class Receiver:
             if problem is not None:
                 s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem))
                 return
-            offer = await self._make_offer(s, conn, deadline)
+            await self._make_offer(s, conn, deadline)
             if s.terminal is not None:
                 return
             self._phase[s.request_id] = "sent"
             s.advance(SessionState.READY)
-            await self._ask_legs(s, offer)
+            await self._ask_legs(s)
             await self._await_result(s, deadline)
         except asyncio.CancelledError:
             if s.terminal is None:
@@ -362,15 +370,17 @@ class Receiver:
         finally:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._quiesce(s)
-            if s.bounce_res is not None and self.bounce is not None:
-                self.bounce.recv.release(s.bounce_res)  # quiescent: nothing can land there now
-                s.bounce_res = None
+            for leg in s.legs:
+                if leg.res is not None and self.bounce is not None:
+                    self.bounce.recv.release(leg.res)  # quiescent: nothing can land there now
+                leg.res = leg.offer = None
             if admitted:
                 self.admission.release(len(s.blocks))
             self._finish(s)
 
-    async def _ask_legs(self, s: RxSession, offer: Reservation | None) -> None:
-        """Send the RequestData to each context daemon of the receive, in order."""
+    async def _ask_legs(self, s: RxSession) -> None:
+        """Send the RequestData to each context daemon of the receive, in order, each with
+        the reservation offered to it (if any)."""
         assert s.pool is not None
         for leg in s.legs:
             assert leg.conn is not None
@@ -381,6 +391,7 @@ class Receiver:
                 return
             # Marked as it is queued: a cancel or abort to this leg goes out after it.
             leg.request_sent = True
+            offer = leg.offer
             sent = await leg.conn.send(
                 RequestData(
                     request_id=s.request_id,
@@ -404,29 +415,28 @@ class Receiver:
                 )
                 s.mark_told(leg)
 
-    async def _make_offer(
-        self, s: RxSession, conn: PeerConnection, deadline: float
-    ) -> Reservation | None:
-        """The reservation offered with the request (None: the per-block path)."""
-        return self._offer_bounce(s, conn)
+    async def _make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
+        """Set the reservation offered to each leg with the request (none: the per-block
+        path)."""
+        self._offer_bounce(s, conn)
 
-    def _offer_bounce(self, s: RxSession, conn: PeerConnection) -> Reservation | None:
+    def _offer_bounce(self, s: RxSession, conn: PeerConnection) -> None:
         """Reserve room in the receive region when bouncing this request pays off."""
         if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
-            return None
+            return
         if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn):
-            return None  # head slices move per token: the per-block path
+            return  # head slices move per token: the per-block path
         layout = s.pool.layout
         nbytes = len(s.blocks) * layout.block_bytes
         if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
-            return None
+            return
         res = self.bounce.recv.reserve(nbytes)
         if res is None:
             self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
-            return None
+            return
         self.bounce.reservations_made += 1
-        s.bounce_res = res
-        return Reservation(res.offset, nbytes)
+        s.legs[0].res = res
+        s.legs[0].offer = Reservation(res.offset, nbytes)
 
     async def _connect_legs(self, s: RxSession) -> bool:
         """Connect to every context daemon of the receive (concurrently); False when one
@@ -452,7 +462,7 @@ class Receiver:
     def _source_problem(self, s: RxSession, final: bool) -> str | None:
         """Why this receive's context daemons do not hold our heads exactly once."""
         assert s.pool is not None
-        return source_problem(s.pool, s.legs, final, self.runtime, self.pipelined)
+        return source_problem(s.pool, s.legs, final, self.pipelined)
 
     async def _connect_peer(self, s: RxSession, leg: RxLeg) -> PeerConnection | None:
         try:
@@ -474,14 +484,20 @@ class Receiver:
     async def _await_result(self, s: RxSession, deadline: float) -> None:
         while s.terminal is None:
             while s.rounds and s.terminal is None:
-                first, end, nbytes, last = s.rounds.pop(0)
-                await self._scatter(s, first, end, nbytes)
+                leg, first, end, nbytes, last = s.rounds.pop(0)
+                await self._scatter(s, leg, first, end, nbytes)
                 if s.terminal is not None:
                     return
                 if last:
-                    s.result = (Reason.OK, s.nbytes, "")
-                elif s.conn is not None:
-                    await self._round_done(s, end)
+                    leg.done = True
+                    if len(s.legs) > 1:
+                        leg.told = True  # that context daemon is done with the request
+                    if all(each.done for each in s.legs):
+                        s.result = (Reason.OK, s.nbytes, "")
+                    else:
+                        s.advance(SessionState.TRANSFERRING)  # some heads are in place
+                else:
+                    await self._round_done(s, leg, end)
             if s.terminal is not None:
                 return
             if s.result is not None:
@@ -507,21 +523,46 @@ class Receiver:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(s.wake.wait(), None if remaining == math.inf else remaining)
 
-    async def _scatter(self, s: RxSession, first: int, end: int, nbytes: int) -> None:
-        """Move one round's bytes from the reservation into blocks [first, end)."""
-        if self.bounce is None or s.bounce_res is None or s.pool is None:
+    def _leg_heads(self, s: RxSession, leg: RxLeg) -> tuple[int, int] | None:
+        """The heads of our pool a leg moves (None: whole blocks). A context daemon that
+        announced no pool yet is taken to hold our heads (a receive without tensor
+        parallelism); LayoutError when it holds none of them."""
+        assert s.pool is not None and leg.conn is not None
+        peer = leg.source if leg.source is not None else peer_tp(leg.conn)
+        if peer is None:
+            return None
+        if isinstance(peer, str):
+            raise LayoutError(peer)
+        tp, layout = peer
+        return leg_heads(s.pool.layout, s.pool.tp, layout, tp)
+
+    async def _scatter(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
+        """Move one round of a leg's bytes from its reservation into blocks [first, end)
+        (only into the heads that leg holds)."""
+        res = leg.res
+        if self.bounce is None or res is None or s.pool is None:
             raise RuntimeError("the peer bounced a request that has no reservation here")
-        expected = (end - first) * s.pool.layout.block_bytes
-        if not 0 <= first < end <= len(s.blocks) or nbytes != expected:
-            raise RuntimeError(
-                f"the peer reported blocks [{first}, {end}) of {len(s.blocks)} "
-                f"with {nbytes} bytes; {expected} expected"
+        try:
+            heads = self._leg_heads(s, leg)
+        except LayoutError as exc:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
+            return
+        expected = (end - first) * leg_block_bytes(s.pool.layout, heads)
+        if not 0 <= first < end <= len(s.blocks) or nbytes != expected or nbytes > res.nbytes:
+            s.request_end(
+                Terminal.peer(
+                    Status.FAILED,
+                    Reason.TRANSFER_ERROR,
+                    f"the peer reported blocks [{first}, {end}) of {len(s.blocks)} with "
+                    f"{nbytes} bytes; {expected} expected, at most {res.nbytes} reserved",
+                )
             )
+            return
         await self.bounce.scatter(
-            s.bounce_res, nbytes, s.pool.region.array, s.pool.layout, s.blocks[first:end]
+            res, nbytes, s.pool.region.array, s.pool.layout, s.blocks[first:end], heads
         )
 
-    async def _round_done(self, s: RxSession, end: int) -> None:
+    async def _round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         """Bounce never has more than one round; the staged runtime acks each."""
         raise RuntimeError("the peer sent a partial round to a receiver without rounds")
 

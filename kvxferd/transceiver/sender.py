@@ -33,13 +33,14 @@ import numpy as np
 from kvxferd.backends.base import XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
 from kvxferd.memory.heads import TpRank
-from kvxferd.memory.layout import LayoutError
+from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import (
     Abort,
     AbortAck,
     CancelAnswer,
     CancelRequest,
+    PoolInfo,
     RequestData,
     Result,
 )
@@ -85,9 +86,6 @@ class SenderTimeouts:
 
 
 class Sender:
-    # The transceiver runtime (the daemon sets it): head-split needs PYTHON.
-    runtime = "PYTHON"
-
     def __init__(
         self,
         timeouts: SenderTimeouts,
@@ -478,11 +476,12 @@ class Sender:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(s.wake.wait(), remaining)
 
-    def _plan(
-        self, s: TxSession, start: int, end: int, leg: TxLeg | None = None
-    ) -> tuple[np.ndarray, np.ndarray] | Terminal:
-        assert s.request is not None and s.conn is not None and s.pool is not None
-        leg = leg or (s.legs[0] if s.legs else TxLeg(s.conn, s.request))
+    def _leg_target(
+        self, s: TxSession, start: int, end: int, leg: TxLeg
+    ) -> tuple[KvLayout, PoolInfo, TpRank] | Terminal:
+        """The destination pool of a leg (layout, announced info, rank) once the block counts
+        and the head mapping of blocks [start, end) are checked; else why the request ends."""
+        assert s.pool is not None
         req = leg.request
         info = leg.conn.pools.get(req.pool_id)
         dst_layout = leg.conn.layouts.get(req.pool_id)
@@ -501,16 +500,30 @@ class Sender:
             if isinstance(dst_layout, LayoutError):
                 raise dst_layout
             dst_tp = TpRank(info.tp_rank, info.tp_size)
-            problem = split_problem(s.pool, s.legs, dst_tp, self.runtime, self.pipelined)
+            problem = split_problem(s.pool, s.legs, dst_tp, self.pipelined)
             if problem is not None:
                 raise LayoutError(problem)
+        except LayoutError as exc:
+            return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+        return dst_layout, info, dst_tp
+
+    def _plan(
+        self, s: TxSession, start: int, end: int, leg: TxLeg | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | Terminal:
+        assert s.request is not None and s.conn is not None and s.pool is not None
+        leg = leg or (s.legs[0] if s.legs else TxLeg(s.conn, s.request))
+        target = self._leg_target(s, start, end, leg)
+        if isinstance(target, Terminal):
+            return target
+        dst_layout, info, dst_tp = target
+        try:
             return plan_write(
                 s.pool.layout,
                 s.pool.base,
                 s.blocks[start:end],
                 dst_layout,
                 info.base,
-                req.blocks[start:end],
+                leg.request.blocks[start:end],
                 s.pool.tp,
                 dst_tp,
             )

@@ -14,7 +14,6 @@ from kvxferd.errors import RequestError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RequestData
 from kvxferd.service.pools import LocalPool
-from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
 
@@ -91,7 +90,6 @@ class TxSession(_Session):
     conn: PeerConnection | None = None
     xfer: XferHandle | None = None  # set while a write may still move bytes
     posting: bool = False  # from just before the post until the write is quiescent
-    acked_block: int = 0  # staged: the receiver scattered every block before this one
     written: int = 0  # blocks already written (pipelined slices)
     legs: list[TxLeg] = field(default_factory=list)
 
@@ -128,9 +126,9 @@ class RxSession(_Session):
     admitted: bool = False
     result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
     legs: list[RxLeg] = field(default_factory=list)
-    bounce_res: Reservation | None = None  # our receive-region reservation, until quiescent
-    # Rounds reported in the reservation and not yet scattered: (first, end, nbytes, last).
-    rounds: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    # Rounds reported in a leg's reservation and not yet scattered, in arrival order:
+    # (leg, first, end, nbytes, last).
+    rounds: list[tuple[RxLeg, int, int, int, bool]] = field(default_factory=list)
 
     @property
     def conn(self) -> PeerConnection | None:

@@ -8,6 +8,14 @@ the destination blocks. A request larger than its reservation moves in rounds;
 the receiver acknowledges each round (RoundAck) once scattered, so the same
 reservation takes the next one.
 
+With different tensor-parallel sizes each (context rank, generation rank) leg
+moves only the heads both hold: a round of a leg is its blocks' shared heads,
+packed (logical block, layer, K/V, token, heads), gathered and scattered at
+each side's own head offset. The generation side reserves room per leg (a
+head-merge has one leg per context rank); the context side serves a
+head-split's legs one after the other, each into its own receiver's
+reservation, with its own rounds and acknowledgements.
+
 Both regions are sized by max_tokens_in_buffer (else the engine's
 max_seq_len, else DEFAULT_STAGING_TOKENS) worth of whole blocks, so every
 request the admission window lets in fits. The seed's timeouts apply as in
@@ -25,21 +33,27 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport, round_tag
 from kvxferd.errors import PeerLostError, TransferError, TransferTimeoutError
+from kvxferd.memory.heads import mapping_problems
+from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result, RoundAck
-from kvxferd.transceiver.bounce import Reservation
+from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
+from kvxferd.transceiver.legs import RxLeg, TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
 from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 DEFAULT_STAGING_TOKENS = 8192
+
+_R = TypeVar("_R")
 
 # How often a request waiting for staging room looks again (room frees when
 # another request's round completes; the deadline bounds the wait).
@@ -52,64 +66,141 @@ def staging_bytes(tokens: int, tokens_per_block: int, block_bytes: int) -> int:
     return math.ceil(tokens / tokens_per_block) * block_bytes
 
 
-async def _reserve(
-    reserve: Callable[[int], Reservation | None], nbytes: int, deadline: float
-) -> Reservation | None:
+async def _reserve(reserve: Callable[[], _R | None], deadline: float) -> _R | None:
+    """Try `reserve` until it finds room or the deadline passes."""
     while True:
-        res = reserve(nbytes)
+        res = reserve()
         if res is not None or time.monotonic() >= deadline:
             return res
         await asyncio.sleep(_ROOM_POLL_S)
 
 
+def _reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | None:
+    """One reservation per size, all or none: a request never holds part of its room
+    while it waits for the rest (two requests could then wait on each other)."""
+    got: list[Reservation] = []
+    for nbytes in sizes:
+        res = region.reserve(nbytes)
+        if res is None:
+            for each in got:
+                region.release(each)
+            return None
+        got.append(res)
+    return got
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
+
+
+def blocks_per_round(region_bytes: int, blocks: int, leg_block_bytes: list[int]) -> int:
+    """How many blocks each leg's reservation holds so that one reservation per leg fits the
+    region together (each rounded up to the reservation alignment): every block when they
+    can, else as many as fit; 0 when not even one block of every leg fits."""
+    per_block = sum(leg_block_bytes)
+    k = min(blocks, region_bytes // per_block)
+    while k > 0 and sum(_aligned(k * b) for b in leg_block_bytes) > region_bytes:
+        k -= 1
+    return k
+
+
 class StagedSender(Sender):
-    # Set by the daemon when the backend is two-sided (UCX); None: NIXL writes.
+    """Context side: for every leg of a request (one, or one per generation rank of a
+    head-split), gather each round of blocks (only the heads that leg's receiver holds)
+    into the send region and move it into that receiver's reservation."""
+
+    # Set by the daemon when the backend is two-sided (UCX, MPI); None: one-sided writes.
     transport: TwoSidedTransport | None = None
     _connected: set[str] | None = None
 
     async def on_round_ack(self, conn: PeerConnection, msg: RoundAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
-        if s is not None:
-            s.acked_block = max(s.acked_block, msg.end_block)
+        leg = s.leg_of(conn, msg.rx_token) if s is not None else None
+        if s is not None and leg is not None:
+            leg.acked_block = max(leg.acked_block, msg.end_block)
             s.wake.set()
+
+    def _leg_geometry(
+        self, s: TxSession, start: int, end: int, leg: TxLeg
+    ) -> tuple[tuple[int, int] | None, int] | Terminal:
+        """(the heads of our pool the leg moves or None for whole blocks, its bytes per
+        block), once the leg's blocks and head mapping are checked."""
+        assert s.pool is not None
+        target = self._leg_target(s, start, end, leg)
+        if isinstance(target, Terminal):
+            return target
+        dst_layout, _, dst_tp = target
+        ours, our_tp = s.pool.layout, s.pool.tp
+        try:
+            problems = mapping_problems(ours, our_tp, dst_layout, dst_tp)
+            if problems:
+                raise LayoutError(
+                    "source and destination pools have incompatible KV geometry: "
+                    + "; ".join(problems)
+                )
+            dst_layout.check_blocks(leg.request.blocks[start:end])
+            heads = leg_heads(ours, our_tp, dst_layout, dst_tp)
+        except LayoutError as exc:
+            return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+        return heads, leg_block_bytes(ours, heads)
 
     async def _write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
         assert s.conn is not None and s.request is not None and s.pool is not None
         assert self.bounce is not None
-        plan = self._plan(s, start, end)  # block counts and geometry, checked once
-        if isinstance(plan, Terminal):
-            s.request_end(plan)
-            return
+        legs = s.legs or [TxLeg(s.conn, s.request)]
+        geometry: list[tuple[tuple[int, int] | None, int]] = []
+        for leg in legs:  # every leg first: a bad leg fails the request before any write
+            checked = self._leg_geometry(s, start, end, leg)
+            if isinstance(checked, Terminal):
+                s.request_end(checked)
+                return
+            geometry.append(checked)
         staging = self.bounce
-        block_bytes = s.pool.layout.block_bytes
-        per_round = min(s.request.bounce_nbytes, staging.send.nbytes) // block_bytes
-        if per_round < 1 or s.conn.info.bounce_nbytes == 0:
-            s.request_end(
-                Terminal.peer(
-                    Status.FAILED,
-                    Reason.BLOCK_MISMATCH,
-                    f"the staging reservation ({s.request.bounce_nbytes} bytes offered, "
-                    f"{staging.send.nbytes} here) cannot hold one {block_bytes}-byte block",
-                )
-            )
-            return
         deadline = s.deadline if s.deadline is not None else math.inf
         s.advance(SessionState.TRANSFERRING)  # status and metrics see staged rounds too
-        first = start
-        while first < end and s.terminal is None:
-            stop = min(end, first + per_round)
-            if not await self._one_round(s, first, stop, stop == end and last, deadline):
+        # Legs one after the other: each receiver's reservation is its own, and one send
+        # reservation at a time per request leaves room to the other requests.
+        for leg, (heads, leg_bytes) in zip(legs, geometry, strict=True):
+            per_round = min(leg.request.bounce_nbytes, staging.send.nbytes) // leg_bytes
+            if per_round < 1 or leg.conn.info.bounce_nbytes == 0:
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.BLOCK_MISMATCH,
+                        f"the staging reservation ({leg.request.bounce_nbytes} bytes offered "
+                        f"by {leg.conn.peer.name}, {staging.send.nbytes} here) cannot hold one "
+                        f"block's {leg_bytes} bytes",
+                    )
+                )
                 return
-            first = stop
+            first = start
+            while first < end:
+                stop = min(end, first + per_round)
+                final = stop == end and last
+                if not await self._one_round(s, leg, heads, first, stop, final, deadline):
+                    return
+                first = stop
+            if last:
+                leg.served = True
+                if len(s.legs) > 1:
+                    leg.told = True  # that receiver is done: a later leg's failure is not its news
+        if s.terminal is None:
+            s.written = end
 
     async def _one_round(
-        self, s: TxSession, first: int, stop: int, last: bool, deadline: float
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        heads: tuple[int, int] | None,
+        first: int,
+        stop: int,
+        last: bool,
+        deadline: float,
     ) -> bool:
-        assert s.conn is not None and s.request is not None and s.pool is not None
-        assert self.bounce is not None
+        assert s.pool is not None and self.bounce is not None
         staging = self.bounce
-        nbytes = (stop - first) * s.pool.layout.block_bytes
-        res = await _reserve(staging.send.reserve, nbytes, deadline)
+        nbytes = (stop - first) * leg_block_bytes(s.pool.layout, heads)
+        res = await _reserve(lambda: staging.send.reserve(nbytes), deadline)
         if res is None:
             s.request_end(
                 Terminal.local(
@@ -121,7 +212,7 @@ class StagedSender(Sender):
             return False
         result = Result(
             request_id=s.request_id,
-            rx_token=s.request.rx_token,
+            rx_token=leg.request.rx_token,
             status=Reason.OK,
             nbytes=nbytes,
             last=last,
@@ -131,18 +222,18 @@ class StagedSender(Sender):
         )
         try:
             await staging.gather(
-                s.pool.region.array, s.pool.layout, s.blocks[first:stop], res, nbytes
+                s.pool.region.array, s.pool.layout, s.blocks[first:stop], res, nbytes, heads
             )
             if self.transport is not None:
-                if not await self._send_two_sided(s, res, nbytes, result, deadline):
+                if not await self._send_two_sided(s, leg, res, nbytes, result, deadline):
                     return False
             else:
                 local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
                 remote = np.array(
-                    [[s.conn.info.bounce_base + s.request.bounce_offset, nbytes]],
+                    [[leg.conn.info.bounce_base + leg.request.bounce_offset, nbytes]],
                     dtype=np.int64,
                 )
-                status = await self._post_and_wait(s, local, remote)
+                status = await self._post_and_wait(s, local, remote, leg.conn)
                 if status is not XferStatus.DONE or s.terminal is not None:
                     return False
         finally:
@@ -157,19 +248,18 @@ class StagedSender(Sender):
             )
             return False
         s.nbytes += nbytes
-        s.written = stop
         # One-sided: the bytes are in place, say so. Two-sided: said before sending.
-        sent = self.transport is not None or await s.conn.send(result)
+        sent = self.transport is not None or await leg.conn.send(result)
         if not sent:
             s.request_end(
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the round")
             )
-            s.peer_told = True
+            s.mark_told(leg)
             return False
         if last:
             return True
         # The receiver's reservation is reused: wait until it scattered this round.
-        while s.acked_block < stop and s.terminal is None:
+        while leg.acked_block < stop and s.terminal is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 s.request_end(
@@ -188,33 +278,39 @@ class StagedSender(Sender):
         return s.terminal is None
 
     async def _send_two_sided(
-        self, s: TxSession, res: Reservation, nbytes: int, result: Result, deadline: float
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        res: Reservation,
+        nbytes: int,
+        result: Result,
+        deadline: float,
     ) -> bool:
         """Announce the round (the receiver then receives it by tag), then send it."""
         assert self.transport is not None and self.bounce is not None
-        assert s.conn is not None and s.request is not None
+        conn = leg.conn
         if self._connected is None:
             self._connected = set()
         s.posting = True  # from here a cancel answers "busy"
         try:
             try:
-                if s.conn.key not in self._connected:
+                if conn.key not in self._connected:
                     await self.transport.connect(
-                        s.conn.key, s.conn.info.transport_address, _CONNECT_TIMEOUT_S
+                        conn.key, conn.info.transport_address, _CONNECT_TIMEOUT_S
                     )
-                    self._connected.add(s.conn.key)
-                if not await s.conn.send(result):
+                    self._connected.add(conn.key)
+                if not await conn.send(result):
                     s.request_end(
                         Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not announce a round")
                     )
-                    s.peer_told = True
+                    s.mark_told(leg)
                     return False
                 data = self.bounce.send.view(res, nbytes).data
-                tag = round_tag(s.request.rx_token, result.first_block)
+                tag = round_tag(leg.request.rx_token, result.first_block)
                 remaining = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-                # On timeout the send is cancelled, which returns only once UCX no
+                # On timeout the send is cancelled, which returns only once the transport no
                 # longer reads the staging bytes (or the endpoint was closed).
-                await asyncio.wait_for(self.transport.send(s.conn.key, tag, data), remaining)
+                await asyncio.wait_for(self.transport.send(conn.key, tag, data), remaining)
             except asyncio.TimeoutError:
                 s.request_end(
                     Terminal.local(
@@ -225,7 +321,7 @@ class StagedSender(Sender):
                 )
                 return False
             except PeerLostError as exc:
-                self._connected.discard(s.conn.key)
+                self._connected.discard(conn.key)
                 s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
                 return False
             except TransferError as exc:
@@ -241,29 +337,41 @@ class StagedSender(Sender):
 
 
 class StagedReceiver(Receiver):
+    """Generation side: one reservation per leg (one, or one per context rank of a
+    head-merge), each sized for that leg's heads; every round is scattered into the heads
+    its leg holds, then acknowledged to that leg."""
+
     transport: TwoSidedTransport | None = None
 
-    async def _make_offer(
-        self, s: RxSession, conn: PeerConnection, deadline: float
-    ) -> Reservation | None:
-        """Every staged request needs a staging reservation: up to the whole region,
-        whole blocks. Waits for room (bounded by the receive deadline)."""
+    async def _make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
+        """Every staged request needs a staging reservation per leg, together up to the whole
+        region, each a whole number of that leg's blocks. Waits for room (bounded by the
+        receive deadline)."""
         assert self.bounce is not None and s.pool is not None
-        block_bytes = s.pool.layout.block_bytes
+        layout = s.pool.layout
         region = self.bounce.recv
-        nbytes = min(len(s.blocks) * block_bytes, (region.nbytes // block_bytes) * block_bytes)
-        if nbytes == 0:
+        try:
+            # A leg whose context daemon announced no pool yet: sized for whole blocks (no
+            # leg moves more); the sender fits its rounds into what it is offered.
+            sizes = [leg_block_bytes(layout, self._leg_heads(s, leg)) for leg in s.legs]
+        except LayoutError as exc:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
+            return
+        k = blocks_per_round(region.nbytes, len(s.blocks), sizes)
+        if k == 0:
             s.request_end(
                 Terminal.local(
                     Status.FAILED,
                     Reason.BLOCK_MISMATCH,
-                    f"the staging buffer ({region.nbytes} bytes) cannot hold one "
-                    f"{block_bytes}-byte block; raise max_tokens_in_buffer",
+                    f"the staging buffer ({region.nbytes} bytes) cannot hold one block of "
+                    f"each of the {len(sizes)} leg(s) ({', '.join(map(str, sizes))} bytes); "
+                    "raise max_tokens_in_buffer",
                 )
             )
-            return None
-        res = await _reserve(region.reserve, nbytes, deadline)
-        if res is None:
+            return
+        wanted = [k * size for size in sizes]
+        got = await _reserve(lambda: _reserve_all(region, wanted), deadline)
+        if got is None:
             s.request_end(
                 Terminal.local(
                     Status.TIMED_OUT,
@@ -271,18 +379,29 @@ class StagedReceiver(Receiver):
                     "kv_transfer_timeout_ms elapsed waiting for room in the staging buffer",
                 )
             )
-            return None
-        self.bounce.reservations_made += 1
-        s.bounce_res = res
-        return Reservation(res.offset, nbytes)
+            return
+        self.bounce.reservations_made += len(got)
+        for leg, res, nbytes in zip(s.legs, got, wanted, strict=True):
+            leg.res = res
+            leg.offer = Reservation(res.offset, nbytes)
 
-    async def _scatter(self, s: RxSession, first: int, end: int, nbytes: int) -> None:
+    async def _scatter(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
         if self.transport is not None:
-            assert s.conn is not None and s.bounce_res is not None and self.bounce is not None
-            out = self.bounce.recv.view(s.bounce_res, nbytes).data
+            assert leg.conn is not None and self.bounce is not None
+            if leg.res is None or not 0 < nbytes <= leg.res.nbytes:
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.TRANSFER_ERROR,
+                        f"round of blocks [{first}, {end}) announced {nbytes} bytes, "
+                        f"{leg.res.nbytes if leg.res else 0} reserved",
+                    )
+                )
+                return
+            out = self.bounce.recv.view(leg.res, nbytes).data
             try:
                 got = await self.transport.recv(
-                    s.conn.key, round_tag(s.rx_token, first), out, self.timeouts.timeout_s
+                    leg.conn.key, round_tag(s.rx_token, first), out, self.timeouts.timeout_s
                 )
             except TransferTimeoutError as exc:
                 s.request_end(Terminal.local(Status.TIMED_OUT, Reason.RECEIVER_TIMEOUT, str(exc)))
@@ -302,8 +421,8 @@ class StagedReceiver(Receiver):
                     )
                 )
                 return
-        await super()._scatter(s, first, end, nbytes)
+        await super()._scatter(s, leg, first, end, nbytes)
 
-    async def _round_done(self, s: RxSession, end: int) -> None:
-        assert s.conn is not None
-        await s.conn.send(RoundAck(request_id=s.request_id, rx_token=s.rx_token, end_block=end))
+    async def _round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
+        assert leg.conn is not None
+        await leg.conn.send(RoundAck(request_id=s.request_id, rx_token=s.rx_token, end_block=end))
