@@ -83,6 +83,9 @@ class PeerManager:
         self.handshake_failures: dict[str, int] = {}
         self.listen_address = ""
         self.observer: PeerObserver | None = None
+        # Called once a connection is registered, with the Info we sent in its handshake:
+        # what changed on our side since that Info was made reached no broadcast.
+        self.on_established: Callable[[PeerConnection, Info], Awaitable[None]] | None = None
 
     # ------------------------------------------------------------- listening
 
@@ -101,12 +104,13 @@ class PeerManager:
         task = asyncio.current_task()
         if task is not None:
             self._handshakes.add(task)
+        make_info, sent = self._recording_info()
         try:
             peer, info = await asyncio.wait_for(
-                server_handshake(reader, writer, self.me, self._make_info, self._check_info, label),
+                server_handshake(reader, writer, self.me, make_info, self._check_info, label),
                 self.timings.handshake_s,
             )
-            await self._established(reader, writer, peer, info, label)
+            await self._established(reader, writer, peer, info, label, sent)
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
             self._count_failure(exc)
             log.warning("handshake from %s failed: %s", label, exc or "timed out")
@@ -145,11 +149,10 @@ class PeerManager:
         except (OSError, asyncio.TimeoutError) as exc:
             self._count_failure(exc)
             raise HandshakeError(f"cannot connect to peer {address}: {exc or 'timed out'}") from exc
+        make_info, sent = self._recording_info()
         try:
             peer, info = await asyncio.wait_for(
-                client_handshake(
-                    reader, writer, self.me, self._make_info, self._check_info, address
-                ),
+                client_handshake(reader, writer, self.me, make_info, self._check_info, address),
                 self.timings.handshake_s,
             )
         except asyncio.TimeoutError as exc:
@@ -161,9 +164,20 @@ class PeerManager:
             self._count_failure(exc)
             log.warning("handshake with %s failed: %s", address, exc)
             raise
-        conn = await self._established(reader, writer, peer, info, address)
+        conn = await self._established(reader, writer, peer, info, address, sent)
         self._by_address[address] = conn
         return conn
+
+    def _recording_info(self) -> tuple[Callable[[], Awaitable[Info]], list[Info]]:
+        """make_info for one handshake, and the list that will hold the Info it made."""
+        sent: list[Info] = []
+
+        async def make_info() -> Info:
+            info = await self._make_info()
+            sent.append(info)
+            return info
+
+        return make_info, sent
 
     # ----------------------------------------------------------- established
 
@@ -174,6 +188,7 @@ class PeerManager:
         peer: PeerIdentity,
         info: Info,
         label: str,
+        sent: list[Info] | None = None,
     ) -> PeerConnection:
         # A restarted peer (same name, new incarnation) replaces its old connection.
         for old in list(self.connections.values()):
@@ -202,6 +217,8 @@ class PeerManager:
         )
         self.connections[conn.key] = conn
         conn.start(self._on_message, self._closed)
+        if self.on_established is not None and sent:
+            await self.on_established(conn, sent[-1])
         if self.observer is not None:
             self.observer.handshake_ok(peer.name)
         log.info(

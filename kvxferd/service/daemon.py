@@ -187,6 +187,7 @@ class Daemon:
         self.sender.on_write_done = self.metrics.observe_write
         self.admission.on_wait = self.metrics.observe_admission_wait
         self.peers.observer = self.metrics
+        self.peers.on_established = self._pools_since_handshake
         self.notifier = Notifier()
         self.loop_monitor = LoopMonitor()
         self.last_reload: ReloadReport | None = None
@@ -494,6 +495,21 @@ class Daemon:
         await self.peers.broadcast_pools(
             PoolsUpdate(pools=self.pools.infos(), agent_metadata=metadata)
         )
+
+    async def _pools_since_handshake(self, conn: PeerConnection, sent: Info) -> None:
+        """A pool registered or dropped while this peer's handshake ran was in neither our
+        Info nor a broadcast (the connection was not registered yet): tell the peer now,
+        before anything we write for it (a peer judges heads from the pools it knows)."""
+        current = self.pools.infos()
+        if current == sent.pools:
+            return
+        try:
+            metadata = await self.dataplane.call(self.dataplane.backend.metadata)
+        except KvxferdError as exc:
+            log.error("cannot tell peer %s about our pools: %s", conn.key, exc)
+            conn.close(f"our pools changed during the handshake and cannot be announced: {exc}")
+            return
+        await conn.send(PoolsUpdate(pools=current, agent_metadata=metadata))
 
     async def _make_info(self) -> Info:
         engine = self.cfg.engine
