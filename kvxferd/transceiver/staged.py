@@ -30,6 +30,7 @@ and quiescence rules; only how bytes cross differs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ import numpy as np
 
 from kvxferd.backends.base import XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport, round_tag
-from kvxferd.errors import PeerLostError, TransferError, TransferTimeoutError
+from kvxferd.errors import KvxferdError, PeerLostError, TransferError, TransferTimeoutError
 from kvxferd.memory.heads import mapping_problems
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
@@ -342,6 +343,48 @@ class StagedReceiver(Receiver):
     its leg holds, then acknowledged to that leg."""
 
     transport: TwoSidedTransport | None = None
+    _drops: set[asyncio.Task[None]] | None = None
+
+    async def on_result(self, conn: PeerConnection, msg: Result) -> None:
+        s = self._match(conn, msg.request_id, msg.rx_token)
+        if (
+            self.transport is not None
+            and s is not None
+            and s.terminal is not None
+            and msg.bounced
+            and msg.status == Reason.OK
+        ):
+            # Announced after this receive ended (e.g. another leg of a merge failed): the
+            # sender is sending it and cannot quiesce, nor answer our Abort, until it is taken.
+            self._drop_round(conn.key, round_tag(s.rx_token, msg.first_block), msg.nbytes)
+            return
+        await super().on_result(conn, msg)
+
+    async def _quiesce(self, s: RxSession) -> None:
+        if self.transport is not None:
+            # Rounds announced but not received: their senders wait for them to be taken.
+            for leg, first, _end, nbytes, _last in s.rounds:
+                if leg.conn is not None:
+                    self._drop_round(leg.conn.key, round_tag(s.rx_token, first), nbytes)
+            s.rounds.clear()
+        await super()._quiesce(s)
+
+    def _drop_round(self, peer_key: str, tag: int, nbytes: int) -> None:
+        """Take a two-sided round nobody will scatter: received into scratch memory if it is
+        there, else abandoned to the transport, which drops it when it arrives."""
+        transport = self.transport
+        assert transport is not None
+
+        async def drop() -> None:
+            scratch = memoryview(bytearray(max(0, nbytes)))
+            with contextlib.suppress(KvxferdError):  # a timeout abandons the tag: dropped
+                await transport.recv(peer_key, tag, scratch, 0.0)
+
+        if self._drops is None:
+            self._drops = set()
+        task = asyncio.create_task(drop(), name=f"drop-round-{tag}")
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
 
     async def _make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
         """Every staged request needs a staging reservation per leg, together up to the whole

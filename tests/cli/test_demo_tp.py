@@ -40,21 +40,28 @@ def test_demo_splits_one_context_rank_into_two_table() -> None:
     assert "context TP 1 -> generation TP 2 (4 KV heads)" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("backend", ["NIXL", "UCX"])
-def test_demo_merges_under_the_staged_runtime(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("ctx_tp", "gen_tp", "backend"), [(2, 1, "NIXL"), (2, 1, "UCX"), (3, 2, "NIXL")]
+)
+def test_demo_splits_and_merges_under_the_staged_runtime(
+    ctx_tp: int, gen_tp: int, backend: str
+) -> None:
     """Requests of up to 300 tokens through 64-token staging buffers: several rounds per
-    leg, every byte verified."""
+    leg, every byte verified. 3 -> 2 (12 heads): each generation rank merges two context
+    ranks, one of which it shares with the other generation rank (a split there)."""
     if backend == "UCX":
         pytest.importorskip("ucxx", reason="ucxx is not installed (scripts/install.sh)")
     proc = _demo(
-        *("--ctx-tp", "2", "--gen-tp", "1", "--runtime", "CPP", "--backend", backend),
-        *("--max-tokens-in-buffer", "64", "--requests", "8", "--max-tokens", "300", "--json"),
+        *("--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), "--runtime", "CPP"),
+        *("--backend", backend, "--max-tokens-in-buffer", "64"),
+        *("--requests", "8", "--max-tokens", "300", "--json"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["verified"] == 8 and summary["failed"] == 0, summary
-    assert (summary["ctx_tp"], summary["gen_tp"]) == (2, 1)
-    assert summary["daemon_exit_codes"] == {"demo-ctx0": 0, "demo-ctx1": 0, "demo-gen": 0}
+    assert (summary["ctx_tp"], summary["gen_tp"]) == (ctx_tp, gen_tp)
+    assert set(summary["daemon_exit_codes"].values()) == {0}, summary["daemon_exit_codes"]
+    assert len(summary["daemon_exit_codes"]) == ctx_tp + gen_tp
 
 
 @pytest.mark.parametrize(
