@@ -25,12 +25,15 @@ from kvxferd.bench.report import format_table
 print(format_table(json.load(open(sys.argv[1]))), end="\n\n")
 PY
 
-for tp in "1 1" "2 1" "1 2"; do
-    set -- $tp
-    echo "== kvxferd demo --ctx-tp $1 --gen-tp $2" >&2
-    "$kvxferd" demo --ctx-tp "$1" --gen-tp "$2" --requests 40 --max-tokens 2000 --json \
-        >"$out/demo-tp$1-to-$2$tag.json"
-    "$python" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d[k] for k in ("requests","verified","failed","gbps","p50_ms","p99_ms")})' \
-        "$out/demo-tp$1-to-$2$tag.json" "tp $1 -> $2"
+# Split and merge on the PYTHON runtime's per-block path, then through the staged buffers.
+for runtime in PYTHON CPP; do
+    for tp in "1 1" "2 1" "1 2"; do
+        set -- $tp
+        echo "== kvxferd demo --ctx-tp $1 --gen-tp $2 --runtime $runtime" >&2
+        "$kvxferd" demo --ctx-tp "$1" --gen-tp "$2" --runtime "$runtime" --requests 40 \
+            --max-tokens 2000 --json >"$out/demo-$runtime-tp$1-to-$2$tag.json"
+        "$python" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d[k] for k in ("requests","verified","failed","gbps","p50_ms","p99_ms")})' \
+            "$out/demo-$runtime-tp$1-to-$2$tag.json" "$runtime tp $1 -> $2"
+    done
 done
 echo "results in $out" >&2
