@@ -162,6 +162,8 @@ class StagedSender(Sender):
         # Legs one after the other: each receiver's reservation is its own, and one send
         # reservation at a time per request leaves room to the other requests.
         for leg, (heads, leg_bytes) in zip(legs, geometry, strict=True):
+            if s.terminal is not None:
+                return  # ended between legs (a cancel, a receiver gone): write no more
             per_round = min(leg.request.bounce_nbytes, staging.send.nbytes) // leg_bytes
             if per_round < 1 or leg.conn.info.bounce_nbytes == 0:
                 s.request_end(
@@ -176,12 +178,14 @@ class StagedSender(Sender):
                 return
             first = start
             while first < end:
+                if s.terminal is not None:
+                    return
                 stop = min(end, first + per_round)
                 final = stop == end and last
                 if not await self._one_round(s, leg, heads, first, stop, final, deadline):
                     return
                 first = stop
-            if last:
+            if last:  # its last Result went out: it has all it asked for
                 leg.served = True
                 if len(s.legs) > 1:
                     leg.told = True  # that receiver is done: a later leg's failure is not its news
