@@ -373,20 +373,7 @@ def test_different_pipeline_parallel_sizes_are_refused(cluster: LocalCluster) ->
 STAGED = {"transceiver_runtime": "CPP", "max_tokens_in_buffer": 64}
 
 
-def _tp_backends() -> list[Any]:
-    """staged_backends(), but MPI skipped: an MPI daemon that sets up links to two peers at
-    once crashes in MPICH (seen here 6 times in 6 with one context daemon and two
-    generation daemons, no tensor parallelism involved); a split or merge always has one."""
-    params = []
-    for param in staged_backends():
-        if param.values == ("MPI",):
-            reason = "MPI: concurrent link set-up to two peers crashes MPICH (not TP-specific)"
-            param = pytest.param("MPI", marks=[pytest.mark.skip(reason=reason)], id="MPI")
-        params.append(param)
-    return params
-
-
-@pytest.mark.parametrize("backend", _tp_backends())
+@pytest.mark.parametrize("backend", staged_backends())
 def test_staged_merge_and_split_move_every_heads_round(cluster: LocalCluster, backend: str) -> None:
     """Head-merge (TP 2 -> 1) and head-split (TP 1 -> 2) under the staged runtime: each leg's
     heads cross through the staging buffers in rounds (one write or message each) and every

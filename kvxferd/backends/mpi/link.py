@@ -161,6 +161,13 @@ class Links:
         self._server: asyncio.base_events.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self._connecting: dict[str, asyncio.Future[None]] = {}
+        # MPICH (5.0, UCX netmod) kills the process when two MPI_Comm_connect (or two
+        # MPI_Comm_accept) calls of one process overlap: a context daemon linking to two
+        # generation daemons at once did so every time. One of each at a time. Two
+        # locks, not one: a process may accept while it connects, and with one lock two
+        # daemons linking to each other at once would each wait for the other's.
+        self._accept_turn = asyncio.Lock()
+        self._connect_turn = asyncio.Lock()
 
     # -- listening side ------------------------------------------------------
 
@@ -196,23 +203,26 @@ class Links:
                 wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S
             )
             key = raw_key.decode()
-            port = MPI.Open_port()
-            accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
-            writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode()))
-            await writer.drain()
-            # The peer now connects; if its TCP side closes first, it never will.
-            closed = asyncio.ensure_future(reader.read(1))
-            done, _ = await asyncio.wait(
-                {accepting, closed}, timeout=HELLO_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
-            )
-            if accepting not in done:
+            async with self._accept_turn:
+                port = MPI.Open_port()
+                accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
+                writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode()))
+                await writer.drain()
+                # The peer now connects; if its TCP side closes first, it never will.
+                closed = asyncio.ensure_future(reader.read(1))
+                done, _ = await asyncio.wait(
+                    {accepting, closed},
+                    timeout=HELLO_TIMEOUT_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if accepting not in done:
+                    closed.cancel()
+                    raise TransferError("the peer did not complete MPI_Comm_connect")
+                if closed in done:
+                    raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
                 closed.cancel()
-                raise TransferError("the peer did not complete MPI_Comm_connect")
-            if closed in done:
-                raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
-            closed.cancel()
-            comm = accepting.result()
-            accepting = None
+                comm = accepting.result()
+                accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             if self.closed:
                 raise TransferError("transport closed")
@@ -335,12 +345,20 @@ class Links:
                     "address was reused)"
                 )
             port_name = raw_port.decode()
-            connecting = in_thread(lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect")
-            done, _ = await asyncio.wait({connecting}, timeout=remaining())
-            if not done:
-                raise asyncio.TimeoutError()
-            comm = connecting.result()
-            connecting = None
+            await asyncio.wait_for(self._connect_turn.acquire(), remaining())
+            try:
+                connecting = in_thread(
+                    lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect"
+                )
+                done, _ = await asyncio.wait({connecting}, timeout=remaining())
+                if not done:
+                    raise asyncio.TimeoutError()
+                comm = connecting.result()
+                connecting = None
+            finally:
+                # An abandoned Connect still runs in its thread; MPICH bounds it
+                # (its connect timeout), so the next one may start beside it.
+                self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
