@@ -204,5 +204,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  bytes      {s['bytes']:,}")
     print(f"  bandwidth  {s['gbps']:.2f} GB/s over {s['seconds']:.2f} s")
     print(f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms (send to completion)")
+    if s.get("first_failure"):
+        print(f"  first failure: {s['first_failure']}")
     if s.get("first_mismatch"):
         print(f"  first mismatch: {s['first_mismatch']}")

@@ -269,9 +269,14 @@ def summarise(ctx_report: dict[str, Any], gen_report: dict[str, Any]) -> dict[st
     ends = [r["t_end_ns"] for r in recvs.values() if r["t_end_ns"]]
     span_s = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
     failures: dict[str, int] = {}
+    first_failure = ""
     for i in failed:
         key = recvs.get(i, {}).get("reason") or sends.get(i, {}).get("reason") or "unknown"
         failures[key] = failures.get(key, 0) + 1
+        if not first_failure:
+            # What the daemon said, so that a refusal reads without opening the logs.
+            rec = recvs[i] if recvs.get(i, {}).get("status") != "done" else sends.get(i, {})
+            first_failure = f"{i}: {key}: {rec.get('message') or '(no message)'}"
     return {
         "requests": len(ids),
         "verified": len(verified),
@@ -283,6 +288,7 @@ def summarise(ctx_report: dict[str, Any], gen_report: dict[str, Any]) -> dict[st
         "p50_ms": round(percentile(latencies, 50), 3),
         "p99_ms": round(percentile(latencies, 99), 3),
         "failures": failures,
+        "first_failure": first_failure,
         "first_mismatch": next(
             (recvs[i]["verify_error"] for i in ids if recvs.get(i, {}).get("verify_error")), ""
         ),
