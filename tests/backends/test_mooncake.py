@@ -597,7 +597,8 @@ def test_missing_package_is_a_clear_backend_unavailable_error(
     from kvxferd.backends import mooncake
     from kvxferd.errors import BackendUnavailableError
 
-    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    # Set, not deleted: monkeypatch then undoes what the adapter sets (tests/conftest.py).
+    monkeypatch.setenv("MC_LOG_LEVEL", "WARNING")
     monkeypatch.setitem(sys.modules, "mooncake", None)  # what an absent package looks like
     monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
     with pytest.raises(BackendUnavailableError) as info:
@@ -622,7 +623,8 @@ def test_a_library_that_does_not_load_names_the_debian_packages(
             raise ImportError(loader_text)
         return real(name, package)
 
-    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    # Set, not deleted: monkeypatch then undoes what the adapter sets (tests/conftest.py).
+    monkeypatch.setenv("MC_LOG_LEVEL", "WARNING")
     monkeypatch.setattr(mooncake.importlib, "import_module", import_module)
     with pytest.raises(BackendUnavailableError) as info:
         mooncake.MooncakeBackend("x.1")
