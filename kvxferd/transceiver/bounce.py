@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.memory.heads import head_slice_offsets
-from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, pair_segments
+from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
 
 # Bounce only when the per-block path would need at least this many
 # descriptors of this average size or less. Measured here (docs/benchmarks.md,
@@ -46,6 +46,8 @@ MAX_AVG_SEGMENT_BYTES = 6 << 10
 
 # Every reservation is rounded up to whole pages.
 RESERVATION_ALIGN = 4096
+
+Index = npt.NDArray[np.intp]
 
 # Copies this large are split over the copier's threads; below it a thread
 # hand-off (tens of microseconds) would eat the gain.
@@ -225,97 +227,6 @@ class HostCopier:
             f.result()
 
     @staticmethod
-    def _units(
-        pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: list[int]
-    ) -> tuple[np.dtype[np.void], npt.NDArray[np.intp]] | None:
-        """The unit dtype and, in packed order, the pool index of each unit.
-
-        Packed order is (logical block, layer, K/V): block-major over the
-        request's blocks. None when the pool's units do not sit on multiples of
-        their own size (no current layout does that), so the caller copies runs.
-        """
-        if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
-            raise ValueError(
-                f"pool must be a 1-D uint8 array of at least {layout.pool_bytes} bytes, "
-                f"got shape {pool.shape} of {pool.dtype}"
-            )
-        ids = layout.check_blocks(blocks)
-        if layout.major == BLOCK_MAJOR:
-            # A block is contiguous in the pool and in the packed buffer alike.
-            return np.dtype(f"V{layout.block_bytes}"), ids.astype(np.intp)
-        unit = layout.piece_bytes
-        offsets = layout.piece_offsets(ids, block_first=True).ravel()
-        index, rest = np.divmod(offsets, unit)
-        if rest.any():
-            return None
-        return np.dtype(f"V{unit}"), index.astype(np.intp)
-
-    @staticmethod
-    def _runs(layout: KvLayout, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        packed = KvLayout(
-            num_layers=layout.num_layers,
-            kv_factor=layout.kv_factor,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            tokens_per_block=layout.tokens_per_block,
-            dtype=layout.dtype,
-            major=BLOCK_MAJOR,
-            num_blocks=len(blocks),
-        )
-        pool_runs, packed_runs = pair_segments(layout, blocks, packed, range(len(blocks)))
-        return pool_runs.tolist(), packed_runs.tolist()
-
-    def gather(
-        self,
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        out: npt.NDArray[np.uint8],
-    ) -> None:
-        nbytes = len(blocks) * layout.block_bytes
-        units = self._units(pool, layout, blocks)
-        if units is None:
-            src, dst = pool.data, out.data
-            pool_runs, packed_runs = self._runs(layout, blocks)
-            for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
-                dst[k_off : k_off + length] = src[p_off : p_off + length]
-            return
-        unit, index = units
-        src_units = pool[: layout.pool_bytes].view(unit)
-        out_units = out[:nbytes].view(unit)
-
-        def copy(share: slice) -> None:
-            # mode="clip" skips numpy's bounds check, which would also make it
-            # copy through a temporary: check_blocks already bounded every index.
-            np.take(src_units, index[share], out=out_units[share], mode="clip")
-
-        self._split(copy, index.size, nbytes)
-
-    def scatter(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-    ) -> None:
-        nbytes = len(blocks) * layout.block_bytes
-        units = self._units(pool, layout, blocks)
-        if units is None:
-            src, dst = packed.data, pool.data
-            pool_runs, packed_runs = self._runs(layout, blocks)
-            for (p_off, length), (k_off, _) in zip(pool_runs, packed_runs, strict=True):
-                dst[p_off : p_off + length] = src[k_off : k_off + length]
-            return
-        unit, index = units
-        pool_units = pool[: layout.pool_bytes].view(unit)
-        packed_units = packed[:nbytes].view(unit)
-
-        def copy(share: slice) -> None:
-            np.put(pool_units, index[share], packed_units[share], mode="clip")
-
-        self._split(copy, index.size, nbytes)
-
-    @staticmethod
     def _check_pool(pool: npt.NDArray[np.uint8], layout: KvLayout) -> None:
         if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
             raise ValueError(
@@ -324,11 +235,28 @@ class HostCopier:
             )
 
     @staticmethod
+    def _units(layout: KvLayout, blocks: list[int]) -> tuple[np.dtype[np.void], Index, int]:
+        """The unit dtype, the pool index of each unit in packed order, and the packed bytes.
+
+        Packed order is (logical block, layer, K/V): block-major over the request's
+        blocks. A unit is a whole block (block-major pool) or one piece (layer-major),
+        and every unit sits on a multiple of its own size in the pool (a layer-major
+        region is num_blocks whole pieces), so the index is a plain division.
+        """
+        ids = layout.check_blocks(blocks)
+        nbytes = len(blocks) * layout.block_bytes
+        if layout.major == BLOCK_MAJOR:
+            # A block is contiguous in the pool and in the packed buffer alike.
+            return np.dtype(f"V{layout.block_bytes}"), ids.astype(np.intp), nbytes
+        unit = layout.piece_bytes
+        offsets = layout.piece_offsets(ids, block_first=True).ravel()
+        return np.dtype(f"V{unit}"), (offsets // unit).astype(np.intp), nbytes
+
+    @staticmethod
     def _head_units(
         layout: KvLayout, blocks: list[int], heads: tuple[int, int]
-    ) -> tuple[np.dtype[np.void], npt.NDArray[np.intp], int]:
-        """The element dtype, the pool index of each element in packed order, and the
-        packed bytes, for the heads [start, end) of `blocks`.
+    ) -> tuple[np.dtype[np.void], Index, int]:
+        """As _units, for the heads [start, end) of `blocks`.
 
         An element is one token's run of the slice when every run starts on a multiple
         of its length (the pool's heads divide evenly into slices of that size: the
@@ -347,42 +275,38 @@ class HostCopier:
             index = (index[:, None] + np.arange(run // unit, dtype=np.int64)).ravel()
         return np.dtype(f"V{unit}"), index.astype(np.intp), offsets.size * run
 
-    def gather_heads(
+    def _take(
         self,
         pool: npt.NDArray[np.uint8],
         layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
+        units: tuple[np.dtype[np.void], Index, int],
         out: npt.NDArray[np.uint8],
     ) -> None:
-        if tuple(heads) == (0, layout.num_kv_heads):
-            self.gather(pool, layout, blocks, out)  # whole pieces: the same packed bytes
-            return
+        """Copy the indexed units of the pool into `out`, packed, in order."""
         self._check_pool(pool, layout)
-        unit, index, nbytes = self._head_units(layout, blocks, heads)
+        unit, index, nbytes = units
         if out.size < nbytes:
             raise ValueError(f"the packed buffer holds {out.size} bytes, {nbytes} needed")
         src_units = pool[: layout.pool_bytes].view(unit)
         out_units = out[:nbytes].view(unit)
 
         def copy(share: slice) -> None:
+            # mode="clip" skips numpy's bounds check, which would also make it
+            # copy through a temporary: check_blocks already bounded every index.
             np.take(src_units, index[share], out=out_units[share], mode="clip")
 
         self._split(copy, index.size, nbytes)
 
-    def scatter_heads(
+    def _put(
         self,
         packed: npt.NDArray[np.uint8],
         pool: npt.NDArray[np.uint8],
         layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
+        units: tuple[np.dtype[np.void], Index, int],
     ) -> None:
-        if tuple(heads) == (0, layout.num_kv_heads):
-            self.scatter(packed, pool, layout, blocks)
-            return
+        """Copy `packed`, in order, into the indexed units of the pool."""
         self._check_pool(pool, layout)
-        unit, index, nbytes = self._head_units(layout, blocks, heads)
+        unit, index, nbytes = units
         if packed.size < nbytes:
             raise ValueError(f"the packed buffer holds {packed.size} bytes, {nbytes} needed")
         pool_units = pool[: layout.pool_bytes].view(unit)
@@ -392,6 +316,49 @@ class HostCopier:
             np.put(pool_units, index[share], packed_units[share], mode="clip")
 
         self._split(copy, index.size, nbytes)
+
+    def gather(
+        self,
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        out: npt.NDArray[np.uint8],
+    ) -> None:
+        self._take(pool, layout, self._units(layout, blocks), out)
+
+    def scatter(
+        self,
+        packed: npt.NDArray[np.uint8],
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+    ) -> None:
+        self._put(packed, pool, layout, self._units(layout, blocks))
+
+    def gather_heads(
+        self,
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
+        out: npt.NDArray[np.uint8],
+    ) -> None:
+        # All heads: whole pieces pack the same bytes, with far fewer elements.
+        whole = tuple(heads) == (0, layout.num_kv_heads)
+        units = self._units(layout, blocks) if whole else self._head_units(layout, blocks, heads)
+        self._take(pool, layout, units, out)
+
+    def scatter_heads(
+        self,
+        packed: npt.NDArray[np.uint8],
+        pool: npt.NDArray[np.uint8],
+        layout: KvLayout,
+        blocks: list[int],
+        heads: tuple[int, int],
+    ) -> None:
+        whole = tuple(heads) == (0, layout.num_kv_heads)
+        units = self._units(layout, blocks) if whole else self._head_units(layout, blocks, heads)
+        self._put(packed, pool, layout, units)
 
 
 class BounceBuffers:
