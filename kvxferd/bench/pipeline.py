@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 from kvxferd.bench.configs import BenchConfig, resolve
 from kvxferd.bench.engine import ContextSide
-from kvxferd.bench.plan import SWEEP, Item, Plan
+from kvxferd.bench.plan import SWEEP, Item
 from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
@@ -133,18 +133,7 @@ def run(
     pipelined, sequential = configs()
     g = opts.geometry
     lengths = lengths_for(opts.lengths, popts.chunk_tokens)
-    plan = Plan.build(
-        mode=SWEEP,
-        geometry=g,
-        lengths=lengths,
-        requests=opts.requests,
-        warmup=opts.warmup,
-        in_flight=opts.in_flight,
-        seconds=opts.seconds,
-        run_id="p",
-        seed=opts.seed,
-        shuffle=opts.shuffle,
-    )
+    plan = runner.build_plan(opts, "p", lengths, SWEEP)
     runner.check_memory(plan)
     workdir = runner._workdir()
     plan_path = workdir / "plan.json"

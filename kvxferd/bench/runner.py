@@ -415,21 +415,27 @@ def _workdir() -> Path:
     return default_workdir("kvxferd-bench")
 
 
-def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run the benchmark and return its report (the --json object)."""
-    geometry = opts.geometry
-    plan = Plan.build(
-        mode=opts.mode,
-        geometry=geometry,
-        lengths=opts.lengths,
+def build_plan(
+    opts: Options, run_id: str, lengths: list[int] | None = None, mode: str | None = None
+) -> Plan:
+    """The plan every process of one run shares, from the command's options."""
+    return Plan.build(
+        mode=opts.mode if mode is None else mode,
+        geometry=opts.geometry,
+        lengths=opts.lengths if lengths is None else lengths,
         requests=opts.requests,
         warmup=opts.warmup,
         in_flight=opts.in_flight,
         seconds=opts.seconds,
-        run_id="r",
+        run_id=run_id,
         seed=opts.seed,
         shuffle=opts.shuffle,
     )
+
+
+def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run the benchmark and return its report (the --json object)."""
+    plan = build_plan(opts, "r")
     check_memory(plan)
     workdir = _workdir()
     plan_path = workdir / "plan.json"
