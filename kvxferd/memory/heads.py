@@ -34,6 +34,7 @@ from kvxferd.memory.layout import (
     Segments,
     _coalesce,
     _is_int,
+    paired_blocks,
 )
 
 __all__ = [
@@ -195,12 +196,7 @@ def pair_head_segments(
         raise LayoutError(
             "source and destination pools have incompatible KV geometry: " + "; ".join(problems)
         )
-    s = src.check_blocks(src_blocks)
-    d = dst.check_blocks(dst_blocks)
-    if s.shape[0] != d.shape[0]:
-        raise LayoutError(
-            f"{s.shape[0]} source blocks cannot be paired with {d.shape[0]} destination blocks"
-        )
+    s, d = paired_blocks(src, src_blocks, dst, dst_blocks)
     common = common_heads(src, src_tp, dst, dst_tp)
     if common is None:
         raise LayoutError(

@@ -34,6 +34,7 @@ __all__ = [
     "LayoutError",
     "Segments",
     "pair_segments",
+    "paired_blocks",
 ]
 
 BLOCK_MAJOR: Final = "block-major"
@@ -310,6 +311,19 @@ def _coalesce(
     return src_segments, dst_segments
 
 
+def paired_blocks(
+    src: KvLayout, src_blocks: BlockIds, dst: KvLayout, dst_blocks: BlockIds
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Both block lists, checked against their pools, as int64 arrays of equal length."""
+    s = src.check_blocks(src_blocks)
+    d = dst.check_blocks(dst_blocks)
+    if s.shape[0] != d.shape[0]:
+        raise LayoutError(
+            f"{s.shape[0]} source blocks cannot be paired with {d.shape[0]} destination blocks"
+        )
+    return s, d
+
+
 def pair_segments(
     src: KvLayout, src_blocks: BlockIds, dst: KvLayout, dst_blocks: BlockIds
 ) -> tuple[Segments, Segments]:
@@ -332,12 +346,7 @@ def pair_segments(
         raise LayoutError(
             "source and destination pools have different KV geometry: " + "; ".join(problems)
         )
-    s = src.check_blocks(src_blocks)
-    d = dst.check_blocks(dst_blocks)
-    if s.shape[0] != d.shape[0]:
-        raise LayoutError(
-            f"{s.shape[0]} source blocks cannot be paired with {d.shape[0]} destination blocks"
-        )
+    s, d = paired_blocks(src, src_blocks, dst, dst_blocks)
     if src.major == BLOCK_MAJOR and dst.major == BLOCK_MAJOR:
         # Same geometry => same block_bytes and same in-block arrangement.
         return _coalesce(s * src.block_bytes, d * dst.block_bytes, src.block_bytes)
