@@ -71,6 +71,10 @@ TWO_SIDED: dict[str, Callable[[str, str], TwoSidedTransport]] = {
     "MPI": _mpi,
 }
 
+# The package each adapter imports, for probes that must not import it (importing
+# ucxx, say, writes UCX_* variables into os.environ): importlib.util.find_spec.
+PACKAGES = {"NIXL": "nixl_cu12", "UCX": "ucxx", "MPI": "mpi4py", "MOONCAKE": "mooncake"}
+
 # The one backend the PYTHON runtime runs on (the seed: "Requires Python NIXL").
 PYTHON_RUNTIME_BACKEND = "NIXL"
 

@@ -16,6 +16,9 @@ from kvxferd.errors import TransferError
 
 class TwoSidedTransport(Protocol):
     name: str
+    # True: the sending daemon links to a peer right after the peer handshake rather
+    # than at its first round (MPI: set-up overlapping transfers can crash MPICH).
+    link_ahead: bool
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str: ...
 

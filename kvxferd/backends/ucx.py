@@ -330,6 +330,7 @@ class UcxTransport:
     """
 
     name = "UCX"
+    link_ahead = False  # endpoints open at the first round
 
     def __init__(
         self,

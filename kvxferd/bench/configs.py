@@ -45,7 +45,7 @@ def _needs_backend(backend: str) -> Availability:
         if backend not in registry.available():
             have = ", ".join(registry.available())
             return f"this build has no {backend} adapter (available: {have})"
-        package = BACKEND_PACKAGES[backend]
+        package = registry.PACKAGES[backend]
         if importlib.util.find_spec(package) is None:
             return (
                 f"the {backend} backend needs the {package} package, which is not installed "
@@ -56,8 +56,6 @@ def _needs_backend(backend: str) -> Availability:
     return probe
 
 
-# The package each backend's adapter imports (probed, never imported, here).
-BACKEND_PACKAGES = {"NIXL": "nixl_cu12", "UCX": "ucxx", "MPI": "mpi4py", "MOONCAKE": "mooncake"}
 BACKENDS = ("DEFAULT", "NIXL", "UCX", "MPI", "MOONCAKE")
 RUNTIMES = ("PYTHON", "CPP", "auto")
 

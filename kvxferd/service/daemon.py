@@ -545,7 +545,7 @@ class Daemon:
         if (
             refusal is None
             and transport is not None
-            and getattr(transport, "link_ahead", False)
+            and transport.link_ahead
             and self.role in SENDING_ROLES
             and info.transport_address
         ):

@@ -23,16 +23,6 @@ from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator
 
-# The package each backend's adapter imports. Probed with find_spec, never imported
-# here: importing ucxx writes UCX_* variables into os.environ, which every daemon
-# started by the test process would inherit.
-BACKEND_PACKAGES = {
-    "NIXL": "nixl_cu12",
-    "UCX": "ucxx",
-    "MPI": "mpi4py",
-    "MOONCAKE": "mooncake",
-}
-
 
 def staged_backends() -> list[Any]:
     """Every backend, as pytest params for staged-runtime tests.
@@ -42,7 +32,8 @@ def staged_backends() -> list[Any]:
     installs them all).
     """
     params = []
-    for name, package in BACKEND_PACKAGES.items():
+    # Probed with find_spec, never imported here (see tests/conftest.py).
+    for name, package in registry.PACKAGES.items():
         marks = []
         if name not in registry.available():
             marks.append(pytest.mark.xfail(reason=f"no {name} adapter in this build", strict=True))
