@@ -27,7 +27,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -35,7 +34,6 @@ from typing import Any, TextIO
 from kvxferd.bench.configs import BenchConfig, resolve
 from kvxferd.bench.engine import ContextSide
 from kvxferd.bench.plan import SWEEP, Item
-from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
 
@@ -134,15 +132,9 @@ def run(
     g = opts.geometry
     lengths = lengths_for(opts.lengths, popts.chunk_tokens)
     plan = runner.build_plan(opts, "p", lengths, SWEEP)
-    runner.check_memory(plan)
-    workdir = runner._workdir()
-    plan_path = workdir / "plan.json"
-    plan.save(plan_path)
     units = len(lengths) * (plan.warmup + plan.requests)
-    prog = Progress(2 * units, enabled=progress, stream=stream)
     ctx_args = ["--chunk-tokens", str(popts.chunk_tokens), "--compute-ms", str(popts.compute_ms)]
-    ok = False
-    try:
+    with runner.workspace(opts, plan, 2 * units, progress, stream) as (plan_path, workdir, prog):
         report = runner._header(opts, plan)
         report.update(
             mode=MODE,
@@ -164,13 +156,6 @@ def run(
             prog.end_phase(f"{lengths[-1]} tok: {percentile(last, 50):.1f} ms exposed")
         report["results"] = _results(report, measured, lengths, popts)
         report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-        ok = True
-    except runner.BenchError as exc:
-        raise runner.BenchError(f"{exc}\n(configs, logs and records kept in {workdir})") from None
-    finally:
-        prog.close()
-        if ok and not opts.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     if opts.keep:
         report["workdir"] = str(workdir)
     return report

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -433,24 +433,22 @@ def build_plan(
     )
 
 
-def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run the benchmark and return its report (the --json object)."""
-    plan = build_plan(opts, "r")
+@contextlib.contextmanager
+def workspace(
+    opts: Options, plan: Plan, total: int, progress: bool, stream: TextIO | None
+) -> Iterator[tuple[Path, Path, Progress]]:
+    """One measurement's work directory (with the saved plan) and progress bar.
+
+    Removed afterwards unless --keep; kept, and named in the error, when it failed.
+    """
     check_memory(plan)
     workdir = _workdir()
     plan_path = workdir / "plan.json"
     plan.save(plan_path)
-    runs = 1 + len(opts.configs)
-    total = runs if opts.small else runs * len(plan.lengths) * (plan.warmup + plan.requests)
     prog = Progress(total, enabled=progress, stream=stream)
     ok = False
     try:
-        report = _header(opts, plan)
-        if opts.small:
-            _run_small(opts, plan, plan_path, workdir, prog, report)
-        else:
-            _run_sweep(opts, plan, plan_path, workdir, prog, report)
-        report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        yield plan_path, workdir, prog
         ok = True
     except BenchError as exc:
         raise BenchError(f"{exc}\n(configs, logs and records kept in {workdir})") from None
@@ -458,6 +456,20 @@ def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -
         prog.close()
         if ok and not opts.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(opts: Options, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run the benchmark and return its report (the --json object)."""
+    plan = build_plan(opts, "r")
+    runs = 1 + len(opts.configs)
+    total = runs if opts.small else runs * len(plan.lengths) * (plan.warmup + plan.requests)
+    with workspace(opts, plan, total, progress, stream) as (plan_path, workdir, prog):
+        report = _header(opts, plan)
+        if opts.small:
+            _run_small(opts, plan, plan_path, workdir, prog, report)
+        else:
+            _run_sweep(opts, plan, plan_path, workdir, prog, report)
+        report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if opts.keep:
         report["workdir"] = str(workdir)
     return report
