@@ -1,4 +1,5 @@
-"""KV memory: pool layouts, block -> segment math, host pools in shared memory."""
+"""KV memory: pool layouts, block -> segment math, host pools (sealed memfds, or shared
+memory by name)."""
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import (
@@ -12,6 +13,7 @@ from kvxferd.memory.layout import (
     Segments,
     pair_segments,
 )
+from kvxferd.memory.memfd import HostRegion, MemfdError, MemfdRegion, UnsealedMemfdError
 from kvxferd.memory.shm import (
     ShmError,
     ShmExistsError,
@@ -26,8 +28,11 @@ __all__ = [
     "LAYER_MAJOR",
     "MAJORS",
     "BlockIds",
+    "HostRegion",
     "KvLayout",
     "LayoutError",
+    "MemfdError",
+    "MemfdRegion",
     "Segments",
     "ShmError",
     "ShmExistsError",
@@ -35,5 +40,6 @@ __all__ = [
     "ShmRegion",
     "ShmTooSmallError",
     "TpRank",
+    "UnsealedMemfdError",
     "pair_segments",
 ]

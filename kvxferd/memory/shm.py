@@ -85,10 +85,11 @@ def _os_error(what: str, name: str, err: OSError) -> str:
 class ShmRegion:
     """One mapped POSIX shared memory object. Use create() or attach(), not the constructor."""
 
-    def __init__(self, name: str, nbytes: int, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, fd: int | None = None) -> None:
         self._name = name
         self._nbytes = nbytes
         self._mmap: mmap.mmap | None = mm
+        self._fd = fd  # kept by attach(keep_fd=True), for size_now()
         # The region's one long-lived export of the mapping; close() drops it before closing.
         self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
         self._unlinked = False
@@ -132,8 +133,12 @@ class ShmRegion:
         return cls(name, nbytes, mm)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> ShmRegion:
-        """Map the first `nbytes` of an existing region. Fails if missing or smaller."""
+    def attach(cls, name: str, nbytes: int, *, keep_fd: bool = False) -> ShmRegion:
+        """Map the first `nbytes` of an existing region. Fails if missing or smaller.
+
+        keep_fd=True keeps the object's fd open, so that size_now() can tell (after the name
+        was unlinked) whether its creator shrank it under the mapping.
+        """
         _check_name(name)
         _check_nbytes(name, nbytes)
         path = os.path.join(SHM_DIR, name)
@@ -156,10 +161,15 @@ class ShmRegion:
                 )
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
-            raise ShmError(_os_error("cannot map", name, e)) from e
-        finally:
             os.close(fd)
-        return cls(name, nbytes, mm)
+            raise ShmError(_os_error("cannot map", name, e)) from e
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            return cls(name, nbytes, mm)
+        return cls(name, nbytes, mm, fd)
 
     # -- properties --------------------------------------------------------------------------
 
@@ -190,10 +200,28 @@ class ShmRegion:
         """The mapping's base address, for registering it with a backend."""
         return int(self.array.ctypes.data)
 
+    def size_now(self) -> int | None:
+        """The object's size right now (attach(keep_fd=True) only; else None).
+
+        Smaller than `nbytes` means its creator truncated it: touching the mapping past the
+        new end raises SIGBUS, which kills the process. Checking first narrows, but cannot
+        close, that window (the object may shrink right after the check); only a sealed memfd
+        (kvxferd.memory.memfd) closes it.
+        """
+        if self._fd is None:
+            return None
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError as e:
+            raise ShmError(_os_error("cannot inspect", self._name, e)) from e
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Unmap (deferred while the caller still holds views). Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         mm, self._mmap, self._view = self._mmap, None, None
         if mm is None:
             return

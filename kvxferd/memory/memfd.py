@@ -1,0 +1,268 @@
+"""Host KV pools as sealed memfds, handed to the daemon as a file descriptor.
+
+Why not a POSIX shm name: an engine that shrinks (ftruncate) a /dev/shm object after its daemon
+mapped it turns the daemon's next access past the new end into SIGBUS, which kills the daemon
+(a gather, a NIXL write or read run in C, where Python cannot catch it). A memfd sealed with
+F_SEAL_SHRINK can never become smaller than it is, by anyone holding it, so the daemon's mapping
+stays valid for its whole life. Seals can only be added, never removed, so checking them once,
+when the daemon receives the fd, is enough (no check-then-use race).
+
+The engine creates the region (create), passes `.fd` to its daemon over the engine API socket
+with SCM_RIGHTS (kvxferd.client does it), and keeps its own mapping. The daemon verifies the fd
+(check_memfd) and maps it (attach). Both sides close their fd when done; the memory lives as
+long as a mapping or an fd does, and nothing is ever left behind in /dev/shm.
+
+Closing and live views behave as in kvxferd.memory.shm (see its module doc).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+from types import TracebackType
+from typing import Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.memory.shm import ShmError
+
+__all__ = [
+    "ENGINE_SEALS",
+    "REQUIRED_SEALS",
+    "HostRegion",
+    "MemfdError",
+    "MemfdRegion",
+    "UnsealedMemfdError",
+    "check_memfd",
+    "describe_seals",
+]
+
+log = logging.getLogger(__name__)
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1) is missing from older Pythons' fcntl module.
+F_SEAL_FUTURE_WRITE: Final = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+#: What the daemon insists on: the object can never shrink under its mapping.
+REQUIRED_SEALS: Final = fcntl.F_SEAL_SHRINK
+#: What MemfdRegion.create applies: no shrinking, no growing (the size is the layout's, and a
+#: pool that grew would only confuse whoever looks at it), and no further seals (so nobody can
+#: add a write seal that would stop the daemon writing received KV into it).
+ENGINE_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Seals that would make a pool unusable: the generation daemon writes into it.
+_WRITE_SEALS: Final = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
+
+_SEAL_NAMES: Final = (
+    (fcntl.F_SEAL_SEAL, "F_SEAL_SEAL"),
+    (fcntl.F_SEAL_SHRINK, "F_SEAL_SHRINK"),
+    (fcntl.F_SEAL_GROW, "F_SEAL_GROW"),
+    (fcntl.F_SEAL_WRITE, "F_SEAL_WRITE"),
+    (F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"),
+)
+
+
+class MemfdError(ShmError):
+    """A memfd region could not be created, checked, attached, or used."""
+
+
+class UnsealedMemfdError(MemfdError):
+    """check_memfd() was given an fd that is not a memfd sealed against shrinking."""
+
+
+class HostRegion(Protocol):
+    """What the daemon and the engines use of a host pool, shm name or memfd alike."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]: ...
+
+    @property
+    def address(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def describe_seals(seals: int) -> str:
+    names = [name for bit, name in _SEAL_NAMES if seals & bit]
+    return " | ".join(names) or "none"
+
+
+def _what_fd(fd: int) -> str:
+    """What an fd refers to, for messages: '/memfd:kvxferd-pool (deleted)', 'pipe:[42]'..."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+
+
+def check_memfd(fd: int, nbytes: int, what: str = "the pool") -> int:
+    """Check that `fd` is a memfd sealed against shrinking, of at least `nbytes`, and writable.
+
+    Returns its seals. Raises UnsealedMemfdError (not a memfd, not sealed, write-sealed) or
+    MemfdError (too small, not readable), with a message naming `what` and what is missing.
+    Never closes `fd`.
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise MemfdError(
+            f"{what}: cannot inspect the file descriptor: {os.strerror(e.errno or 0)}"
+        ) from e
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsealedMemfdError(
+            f"{what}: the file descriptor is not a memfd ({_what_fd(fd)}); create the pool with "
+            "memfd_create(MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK "
+            "(kvxferd.memory.MemfdRegion.create does)"
+        )
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        # EINVAL: the file system does not do seals, so it is no memfd (a regular file on disk).
+        raise UnsealedMemfdError(
+            f"{what}: the file descriptor is not a memfd ({_what_fd(fd)}: no seals); create the "
+            "pool with memfd_create(MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK "
+            "(kvxferd.memory.MemfdRegion.create does)"
+        ) from e
+    if not seals & REQUIRED_SEALS:
+        hint = (
+            "it can no longer be sealed (F_SEAL_SEAL is set: a /dev/shm or tmpfs file, or a memfd "
+            "created without MFD_ALLOW_SEALING)"
+            if seals & fcntl.F_SEAL_SEAL
+            else "add it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) "
+            "after sizing the memfd"
+        )
+        raise UnsealedMemfdError(
+            f"{what}: the memfd is not sealed against shrinking (seals: {describe_seals(seals)}; "
+            f"missing F_SEAL_SHRINK): the engine could truncate it under the daemon's mapping, "
+            f"which would kill the daemon with SIGBUS; {hint}"
+        )
+    if seals & _WRITE_SEALS:
+        raise UnsealedMemfdError(
+            f"{what}: the memfd is write-sealed (seals: {describe_seals(seals)}); the daemon "
+            "writes received KV into its pool, so seal it with F_SEAL_SHRINK | F_SEAL_GROW | "
+            "F_SEAL_SEAL only"
+        )
+    if st.st_size < nbytes:
+        raise MemfdError(f"{what}: the memfd has {st.st_size} bytes, {nbytes} bytes are needed")
+    return int(seals)
+
+
+class MemfdRegion:
+    """One mapped memfd. Use create() (the engine) or attach() (the daemon)."""
+
+    def __init__(self, fd: int | None, nbytes: int, mm: mmap.mmap, label: str) -> None:
+        self._fd = fd
+        self._nbytes = nbytes
+        self._label = label
+        self._mmap: mmap.mmap | None = mm
+        # The region's one long-lived export of the mapping; close() drops it before closing.
+        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
+
+    @classmethod
+    def create(
+        cls, nbytes: int, name: str = "kvxferd-pool", *, reserve: bool = True
+    ) -> MemfdRegion:
+        """A new sealed memfd of `nbytes` (zeros), mapped read-write, keeping its fd (`.fd`).
+
+        `name` only labels it (/proc/PID/fd, /proc/PID/maps). reserve=True allocates the memory
+        now (fallocate), so a memory limit fails here with a clear error instead of a SIGBUS at
+        the engine's first write.
+        """
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise MemfdError(f"memfd {name!r}: size must be a positive integer, got {nbytes!r}")
+        try:
+            fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        except OSError as e:
+            raise MemfdError(f"cannot create memfd {name!r}: {os.strerror(e.errno or 0)}") from e
+        try:
+            os.ftruncate(fd, nbytes)
+            if reserve:
+                os.posix_fallocate(fd, 0, nbytes)
+            # Sealed before anyone else can hold it: from here on its size is fixed for good.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ENGINE_SEALS)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            raise MemfdError(
+                f"cannot size, seal or map {nbytes} bytes of memfd {name!r}: "
+                f"{os.strerror(e.errno or 0)}"
+            ) from e
+        return cls(fd, nbytes, mm, name)
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, what: str = "the pool") -> MemfdRegion:
+        """Map the first `nbytes` of a received memfd after check_memfd. Does not take `fd`:
+        the caller closes it (the mapping keeps the memory alive)."""
+        check_memfd(fd, nbytes, what)
+        try:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise MemfdError(f"{what}: cannot map the memfd: {os.strerror(e.errno or 0)}") from e
+        return cls(None, nbytes, mm, what)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def fd(self) -> int:
+        """The memfd (create() only), to pass to the daemon; valid until close()."""
+        if self._fd is None:
+            raise MemfdError(f"memfd {self._label!r} holds no file descriptor (closed or attached)")
+        return self._fd
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """A writable uint8 view of the whole mapping."""
+        if self._view is None:
+            raise MemfdError(f"memfd {self._label!r} is closed")
+        return self._view
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the fd and unmap (deferred while the caller still holds views). Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        mm, self._mmap, self._view = self._mmap, None, None
+        if mm is None:
+            return
+        try:
+            mm.close()
+        except BufferError:
+            # A view handed out by .array is alive; the mmap is unmapped with the last one.
+            log.debug("memfd %r: views still alive, unmap deferred", self._label)
+
+    def __enter__(self) -> MemfdRegion:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"at 0x{self.address:x}"
+        return f"MemfdRegion({self._label!r}, {self._nbytes} bytes, {state})"
