@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvxferd import PROTOCOL_VERSION
+from kvxferd.api.handoff import hand_off_fd
 from kvxferd.api.messages import (
     DAEMON_CODEC,
     ENGINE_CODEC,
@@ -37,6 +39,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.errors import KvxferdError, ProtocolError
 from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
@@ -69,6 +72,8 @@ class AsyncClient:
         self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
+        # Where a pool handoff's second connection goes (set by connect; else the peer name).
+        self.socket_path = ""
         self.daemon = ""
         self.role = ""
         self.tokens_per_block = 0
@@ -87,6 +92,7 @@ class AsyncClient:
                 f"cannot reach the kvxferd daemon at {socket_path}: {exc or 'timed out'}"
             ) from exc
         client = cls(reader, writer)
+        client.socket_path = socket_path
         writer.write(ENGINE_CODEC.encode(EngineHello(version=PROTOCOL_VERSION, engine=engine)))
         await writer.drain()
         hello = await asyncio.wait_for(DAEMON_CODEC.read(reader), timeout_s)
@@ -170,22 +176,82 @@ class AsyncClient:
     # ------------------------------------------------------------- the calls
 
     async def register_pool(
-        self, pool_id: str, shm_name: str, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
+        self,
+        pool_id: str,
+        pool: MemfdRegion | str,
+        layout: KvLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        """Share a pool (POSIX shm `shm_name`) with the daemon, which maps and registers it.
+        """Share a pool with the daemon, which maps and registers it.
+
+        `pool`: a MemfdRegion (the safe way: its sealed memfd is handed over, see
+        register_memfd_pool), or the name of a POSIX shm object (legacy). A pool shared by
+        name is not protected against its engine: shrinking the object (ftruncate) while the
+        daemon maps it makes the daemon's next access to it die of SIGBUS (the daemon then
+        refuses new requests on a pool it sees shrunk, but cannot stop an access already
+        under way; systemd restarts it and every request in flight fails).
 
         With tensor parallelism, the pool of rank `tp_rank` of `tp_size` holds the KV heads
         [tp_rank * h, (tp_rank + 1) * h), h being `layout.num_kv_heads`.
         """
+        if isinstance(pool, MemfdRegion):
+            await self.register_memfd_pool(pool_id, pool.fd, layout, tp_rank, tp_size)
+            return
         await self._call(
             RegisterPool(
                 call_id=next(self._ids),
                 pool_id=pool_id,
-                shm_name=shm_name,
+                shm_name=pool,
                 nbytes=layout.pool_bytes,
                 layout=dict(layout.to_wire()),
                 tp_rank=tp_rank,
                 tp_size=tp_size,
+            )
+        )
+
+    async def register_memfd_pool(
+        self,
+        pool_id: str,
+        fd: int,
+        layout: KvLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Share a pool that is a memfd sealed against shrinking (F_SEAL_SHRINK; what
+        kvxferd.memory.MemfdRegion.create makes) and holds at least `layout.pool_bytes`.
+
+        The fd goes to the daemon over a second, short-lived connection (SCM_RIGHTS); the
+        daemon checks its seals and answers a one-time token, which this connection's
+        RegisterPool then names. `fd` stays open here: the engine keeps its own mapping.
+        Raises CallError `unsealed_pool` for an fd that is not such a memfd.
+        """
+        try:
+            os.fstat(fd)
+        except OSError as exc:
+            raise ValueError(f"pool {pool_id!r}: fd {fd} is not an open file descriptor") from exc
+        path = self.socket_path or str(self._writer.get_extra_info("peername") or "")
+        try:
+            reply = await asyncio.to_thread(
+                hand_off_fd, path, fd, pool_id, layout.pool_bytes, timeout_s
+            )
+        except (ProtocolError, OSError) as exc:
+            raise DaemonGoneError(
+                f"cannot hand pool {pool_id!r} to the daemon at {path}: {exc}"
+            ) from exc
+        if not reply.ok:
+            raise CallError(reply.error, reply.message)
+        await self._call(
+            RegisterPool(
+                call_id=next(self._ids),
+                pool_id=pool_id,
+                shm_name="",
+                nbytes=layout.pool_bytes,
+                layout=dict(layout.to_wire()),
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                handoff=reply.result,
             )
         )
 
@@ -313,9 +379,21 @@ class Client:
             raise TimeoutError("no answer from the kvxferd daemon in time") from None
 
     def register_pool(
-        self, pool_id: str, shm_name: str, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
+        self,
+        pool_id: str,
+        pool: MemfdRegion | str,
+        layout: KvLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        self._run(self._client.register_pool(pool_id, shm_name, layout, tp_rank, tp_size))
+        """See AsyncClient.register_pool: a MemfdRegion (safe) or a shm name (legacy)."""
+        self._run(self._client.register_pool(pool_id, pool, layout, tp_rank, tp_size))
+
+    def register_memfd_pool(
+        self, pool_id: str, fd: int, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        """See AsyncClient.register_memfd_pool."""
+        self._run(self._client.register_memfd_pool(pool_id, fd, layout, tp_rank, tp_size))
 
     def deregister_pool(self, pool_id: str) -> None:
         self._run(self._client.deregister_pool(pool_id))

@@ -31,7 +31,11 @@ class DaemonHello(_Msg, tag="hello_ok"):
 
 class RegisterPool(_Msg, tag="register_pool"):
     """`layout.num_kv_heads` counts the heads this rank holds: with tensor parallelism, rank
-    `tp_rank` of `tp_size` holds the global heads [tp_rank * h, (tp_rank + 1) * h)."""
+    `tp_rank` of `tp_size` holds the global heads [tp_rank * h, (tp_rank + 1) * h).
+
+    The pool is either a sealed memfd handed over first (`handoff`: the token a PoolHandoff
+    got) or, the legacy way, a POSIX shm object named `shm_name`; exactly one of the two.
+    """
 
     call_id: int
     pool_id: str
@@ -40,6 +44,19 @@ class RegisterPool(_Msg, tag="register_pool"):
     layout: dict[str, object]
     tp_rank: int = 0
     tp_size: int = 1
+    handoff: str = ""
+
+
+class PoolHandoff(_Msg, tag="pool_handoff"):
+    """The first and only frame of a short-lived second connection to the engine API: it
+    carries the pool's memfd as SCM_RIGHTS ancillary data, in the same sendmsg. The daemon
+    checks the seals and answers a Reply whose `result` is a one-time token for
+    RegisterPool.handoff (usable by the same process only, for a short while)."""
+
+    call_id: int
+    version: int
+    pool_id: str
+    nbytes: int
 
 
 class DeregisterPool(_Msg, tag="deregister_pool"):
@@ -113,7 +130,7 @@ class OutcomeMsg(_Msg, tag="outcome"):
 
 
 EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
-    EngineHello, RegisterPool, DeregisterPool, Recv, Send, Cancel, Release, Query
+    EngineHello, RegisterPool, PoolHandoff, DeregisterPool, Recv, Send, Cancel, Release, Query
 ]
 DaemonMessage = Union[DaemonHello, Reply, OutcomeMsg]  # noqa: UP007
 
@@ -131,6 +148,8 @@ class ApiError:
     POOL_EXISTS = "pool_exists"
     POOL_BUSY = "pool_busy"
     REGISTRATION_FAILED = "registration_failed"
+    UNSEALED_POOL = "unsealed_pool"  # a handed-over fd that is not a memfd sealed against shrinking
+    POOL_SHRUNK = "pool_shrunk"  # a shm-name pool its engine truncated: no new work on it
     WRONG_ROLE = "wrong_role"
     STILL_ACTIVE = "still_active"
     DRAINING = "draining"

@@ -12,11 +12,22 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import stat
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvxferd import PROTOCOL_VERSION
+from kvxferd.api.handoff import (
+    FIRST_FRAME_TIMEOUT_S,
+    FirstFrame,
+    HandoffError,
+    HandoffTable,
+    PeerCred,
+    close_fds,
+    peer_cred,
+    read_first_frame,
+)
 from kvxferd.api.messages import (
     DAEMON_CODEC,
     ENGINE_CODEC,
@@ -26,9 +37,11 @@ from kvxferd.api.messages import (
     EngineHello,
     EngineMessage,
     OutcomeMsg,
+    PoolHandoff,
     Reply,
 )
 from kvxferd.errors import MalformedMessageError, ProtocolError, RequestError, StartupError
+from kvxferd.memory.memfd import MemfdError, UnsealedMemfdError, check_memfd
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
@@ -40,6 +53,7 @@ class EngineConnection:
 
     def __init__(self, writer: asyncio.StreamWriter, name: str) -> None:
         self.name = name
+        self.peer: PeerCred | None = None  # SO_PEERCRED of the engine process (pool handoffs)
         self._out = CorkedWriter(writer)
         self.closed = False
         # Sees every outcome exactly once, delivered or not (the daemon's metrics).
@@ -86,6 +100,18 @@ class EngineConnection:
         self._out.flush()
 
 
+def _close_quietly(conn: socket.socket) -> None:
+    """Close a refused connection so that its answer arrives: a Unix socket closed with
+    unread input resets the peer (ECONNRESET), so what is already there is read away first
+    (never waiting; any fds in it are dropped, and closed, by the kernel)."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        for _ in range(16):
+            if not conn.recv(1 << 16):
+                break
+    conn.close()
+
+
 class EngineHandler(Protocol):
     @property
     def daemon_name(self) -> str: ...
@@ -102,10 +128,22 @@ class EngineHandler(Protocol):
 
 
 class ApiServer:
-    def __init__(self, path: str, handler: EngineHandler) -> None:
+    """Accepts connections itself (not asyncio.start_unix_server): the first frame of each is
+    read with recvmsg on the raw socket, so that a pool handoff's fd (SCM_RIGHTS) is not lost
+    to the streams' recv(). An engine connection (hello) is then wrapped in streams."""
+
+    def __init__(
+        self,
+        path: str,
+        handler: EngineHandler,
+        first_frame_timeout_s: float = FIRST_FRAME_TIMEOUT_S,
+    ) -> None:
         self.path = path
         self._handler = handler
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self.first_frame_timeout_s = first_frame_timeout_s
+        self.handoffs = HandoffTable()
         self.engines: set[EngineConnection] = set()
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.on_engine_count: Callable[[int], Awaitable[None]] | None = None
@@ -123,14 +161,20 @@ class ApiServer:
             os.unlink(self.path)  # stale socket of a daemon that died
         parent = os.path.dirname(self.path) or "."
         os.makedirs(parent, exist_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
         try:
-            self._server = await asyncio.start_unix_server(self._serve, self.path)
+            listener.bind(self.path)
+            listener.listen(128)
         except OSError as exc:
+            listener.close()
             raise StartupError(f"cannot create engine API socket {self.path}: {exc}") from exc
         finally:
             os.umask(old_umask)
+        listener.setblocking(False)
+        self._listener = listener
         os.chmod(self.path, 0o600)
+        self._accept_task = asyncio.create_task(self._accept_loop())
 
     async def _is_live(self) -> bool:
         try:
@@ -140,15 +184,161 @@ class ApiServer:
         writer.close()
         return True
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                # EMFILE, ENFILE, ENOBUFS: keep serving the connections we have, retry soon.
+                log.error("engine API: cannot accept a connection: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve_socket(conn))
             self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_tasks.discard)
+
+    async def _send_raw(self, conn: socket.socket, msg: object) -> None:
+        """Best effort: one frame on a connection not (yet) wrapped in streams."""
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_sendall(conn, DAEMON_CODEC.encode(msg)), 1.0
+            )
+
+    async def _serve_socket(self, conn: socket.socket) -> None:
+        cred = peer_cred(conn)
+        handed_over = False  # the socket belongs to the stream transport from then on
+        try:
+            try:
+                first = await read_first_frame(conn, self.first_frame_timeout_s)
+            except ProtocolError as exc:
+                log.warning("engine API connection from %s closed: %s", cred or "?", exc)
+                await self._send_raw(
+                    conn, Reply(call_id=0, ok=False, error=ApiError.BAD_REQUEST, message=str(exc))
+                )
+                return
+            if first is None:
+                return  # closed without a word (a liveness probe)
+            try:
+                msg = ENGINE_CODEC.decode(first.body)
+            except MalformedMessageError as exc:
+                close_fds(first.fds)
+                log.warning("engine API connection from %s closed: %s", cred or "?", exc)
+                await self._send_raw(
+                    conn, Reply(call_id=0, ok=False, error=ApiError.BAD_REQUEST, message=str(exc))
+                )
+                return
+            if isinstance(msg, PoolHandoff):
+                await self._handoff(conn, msg, first, cred)
+                return
+            if first.fds or first.fds_truncated:
+                close_fds(first.fds)
+                await self._send_raw(
+                    conn,
+                    Reply(
+                        call_id=0,
+                        ok=False,
+                        error=ApiError.BAD_REQUEST,
+                        message="file descriptors are accepted only with a pool_handoff, "
+                        "as the first frame of its own connection",
+                    ),
+                )
+                return
+            if not isinstance(msg, EngineHello):
+                log.warning("engine API connection from %s closed: no hello", cred or "?")
+                await self._send_raw(
+                    conn,
+                    Reply(
+                        call_id=0,
+                        ok=False,
+                        error=ApiError.BAD_REQUEST,
+                        message=f"the first engine message must be hello (or pool_handoff, on "
+                        f"its own connection), not {type(msg).__name__}",
+                    ),
+                )
+                return
+            reader, writer = await asyncio.open_unix_connection(sock=conn)
+            handed_over = True
+        except (ConnectionError, OSError):
+            return
+        except asyncio.CancelledError:
+            return  # close() at shutdown; this task is the root of its own stack
+        finally:
+            if not handed_over:
+                _close_quietly(conn)
+        await self._serve(msg, reader, writer, cred)
+
+    async def _handoff(
+        self, conn: socket.socket, msg: PoolHandoff, first: FirstFrame, cred: PeerCred | None
+    ) -> None:
+        fds = first.fds
+        try:
+            if msg.version != PROTOCOL_VERSION:
+                raise HandoffError(
+                    ApiError.VERSION,
+                    f"engine API version {msg.version}, daemon speaks {PROTOCOL_VERSION}",
+                )
+            if len(fds) > 1 or first.fds_truncated:
+                more = " or more" if first.fds_truncated else ""
+                raise HandoffError(
+                    ApiError.BAD_REQUEST,
+                    f"pool {msg.pool_id!r}: the handoff carries {len(fds)}{more} file "
+                    "descriptors; send exactly one, the pool's memfd",
+                )
+            if not fds:
+                raise HandoffError(
+                    ApiError.BAD_REQUEST,
+                    f"pool {msg.pool_id!r}: the handoff carries no file descriptor; send the "
+                    "memfd as SCM_RIGHTS in the same sendmsg as the frame (socket.send_fds)",
+                )
+            if msg.nbytes <= 0:
+                raise HandoffError(
+                    ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: nbytes must be positive"
+                )
+            try:
+                check_memfd(fds[0], msg.nbytes, f"pool {msg.pool_id!r}")
+            except UnsealedMemfdError as exc:
+                raise HandoffError(ApiError.UNSEALED_POOL, str(exc)) from exc
+            except MemfdError as exc:
+                raise HandoffError(ApiError.BAD_REQUEST, str(exc)) from exc
+            token = self.handoffs.put(fds[0], cred, msg.pool_id, msg.nbytes)
+            fds.clear()  # the table owns it now
+        except HandoffError as exc:
+            log.warning("pool handoff from %s refused: %s", cred or "?", exc)
+            await self._send_raw(
+                conn, Reply(call_id=msg.call_id, ok=False, error=exc.code, message=str(exc))
+            )
+            return
+        finally:
+            close_fds(fds)
+        log.info(
+            "pool %s handed over as a sealed memfd by %s (%d bytes)",
+            msg.pool_id,
+            cred or "?",
+            msg.nbytes,
+        )
+        await self._send_raw(conn, Reply(call_id=msg.call_id, ok=True, result=token))
+
+    def take_handoff(self, token: str, engine: EngineConnection, pool_id: str) -> int:
+        """The memfd handed over under `token`, now the caller's to close; RequestError if the
+        token is unknown, expired, used, for another pool, or from another process."""
+        try:
+            fd, _ = self.handoffs.take(token, engine.peer, pool_id)
+        except HandoffError as exc:
+            raise RequestError(exc.code, str(exc)) from exc
+        return fd
+
+    async def _serve(
+        self,
+        hello: EngineHello,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        cred: PeerCred | None,
+    ) -> None:
         engine: EngineConnection | None = None
         try:
-            hello = await ENGINE_CODEC.read(reader)
-            if not isinstance(hello, EngineHello):
-                raise ProtocolError("the first engine message must be hello")
             if hello.version != PROTOCOL_VERSION:
                 writer.write(
                     DAEMON_CODEC.encode(
@@ -164,6 +354,7 @@ class ApiServer:
                 await writer.drain()
                 return
             engine = EngineConnection(writer, hello.engine or "engine")
+            engine.peer = cred
             engine.on_outcome = self.on_outcome
             self.engines.add(engine)
             writer.write(
@@ -206,10 +397,18 @@ class ApiServer:
                 await self._handler.engine_gone(engine)
             with contextlib.suppress(Exception):
                 writer.close()
-            if task is not None:
-                self._conn_tasks.discard(task)
 
     async def _dispatch(self, engine: EngineConnection, msg: EngineMessage) -> None:
+        if isinstance(msg, PoolHandoff):
+            # Its fd would have been dropped by the stream's recv() (the kernel closes it).
+            engine.error(
+                msg.call_id,
+                ApiError.BAD_REQUEST,
+                "a pool handoff is the first frame of its own connection, with the memfd as "
+                "SCM_RIGHTS in the same sendmsg (kvxferd.client does it)",
+            )
+            await engine.drain()
+            return
         if isinstance(msg, Cancel):
             # A cancel may wait for the peer's answer; other calls must not queue behind it.
             task = asyncio.create_task(self._answer(engine, msg))
@@ -229,8 +428,12 @@ class ApiServer:
         await engine.drain()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        self.handoffs.close_all()
         for task in list(self._conn_tasks):
             task.cancel()
         if self._conn_tasks:
