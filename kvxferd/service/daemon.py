@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Coroutine
@@ -341,7 +342,7 @@ class Daemon:
         if isinstance(msg, Recv):
             self._require_role(RECEIVING_ROLES, "recv")
             self._check_request_id(msg.request_id)
-            pool = self._own_pool(engine, msg.pool_id)
+            pool = self._usable_pool(engine, msg.pool_id)
             peers = self._recv_peers(msg)
             self.receiver.recv(
                 engine, msg.request_id, pool, msg.blocks, peers, msg.num_tokens, msg.beam_width
@@ -350,7 +351,7 @@ class Daemon:
         if isinstance(msg, Send):
             self._require_role(SENDING_ROLES, "send")
             self._check_request_id(msg.request_id)
-            pool = self._own_pool(engine, msg.pool_id)
+            pool = self._usable_pool(engine, msg.pool_id)
             self.sender.send(
                 engine,
                 msg.request_id,
@@ -428,6 +429,15 @@ class Daemon:
             raise RequestError(ApiError.UNKNOWN_POOL, f"pool {pool_id!r} belongs to another engine")
         return pool
 
+    def _usable_pool(self, engine: EngineConnection, pool_id: str):  # type: ignore[no-untyped-def]
+        """_own_pool, refusing new work on a shm-name pool its engine shrank (SIGBUS ahead)."""
+        pool = self._own_pool(engine, pool_id)
+        try:
+            pool.check_intact()
+        except PoolError as exc:
+            raise RequestError(exc.code, str(exc)) from exc
+        return pool
+
     @staticmethod
     async def _pool_call(coro: Awaitable[object]) -> object:
         try:
@@ -436,6 +446,24 @@ class Daemon:
             raise RequestError(exc.code, str(exc)) from exc
 
     async def _register_pool(self, engine: EngineConnection, msg: RegisterPool) -> str:
+        if bool(msg.handoff) == bool(msg.shm_name):
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"pool {msg.pool_id!r}: give exactly one of handoff (a sealed memfd handed "
+                "over first) and shm_name (a POSIX shm object)",
+            )
+        if not msg.handoff:
+            return await self._register_checked_pool(engine, msg, None)
+        # Taken (used up) first, so that every refusal below still closes the fd.
+        fd = self.api.take_handoff(msg.handoff, engine, msg.pool_id)
+        try:
+            return await self._register_checked_pool(engine, msg, fd)
+        finally:
+            os.close(fd)  # the daemon's mapping keeps the memory
+
+    async def _register_checked_pool(
+        self, engine: EngineConnection, msg: RegisterPool, fd: int | None
+    ) -> str:
         try:
             layout = KvLayout.from_wire(msg.layout)
         except LayoutError as exc:
@@ -469,7 +497,7 @@ class Daemon:
                 self.cfg.source,
             )
         await self._pool_call(
-            self.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp)
+            self.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp, fd)
         )
         await self._announce_pools()
         return ""

@@ -9,6 +9,7 @@ from kvxferd.backends.base import Backend
 from kvxferd.errors import KvxferdError
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.memfd import HostRegion, MemfdRegion, UnsealedMemfdError
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.dataplane import DataPlane
@@ -26,15 +27,35 @@ class PoolError(KvxferdError):
 class LocalPool:
     pool_id: str
     layout: KvLayout
-    region: ShmRegion
+    region: HostRegion
     registration: object
     owner: object  # the engine link that registered it
     users: set[str] = field(default_factory=set)  # active session keys holding blocks
     tp: TpRank = field(default_factory=TpRank)  # which heads of the model it holds
+    sharing: str = "memfd"  # "memfd" (sealed, handed over) or "shm" (legacy, by name)
 
     @property
     def base(self) -> int:
         return self.region.address
+
+    def check_intact(self) -> None:
+        """Refuse new work on a shm-name pool its engine has shrunk.
+
+        Touching the mapping past the object's new end would raise SIGBUS and kill the
+        daemon. This check (one fstat) stops new requests on such a pool, but cannot stop a
+        shrink racing an access already under way; only a sealed memfd rules that out.
+        """
+        if not isinstance(self.region, ShmRegion):
+            return  # a sealed memfd cannot shrink
+        size = self.region.size_now()
+        if size is not None and size < self.layout.pool_bytes:
+            raise PoolError(
+                "pool_shrunk",
+                f"pool {self.pool_id!r}: its shared memory object shrank to {size} bytes "
+                f"({self.layout.pool_bytes} registered); the daemon takes no new request on it "
+                "(touching it would crash the daemon with SIGBUS). Deregister it, and share "
+                "pools as sealed memfds (docs/engine-integration.md)",
+            )
 
     def info(self) -> PoolInfo:
         return PoolInfo(
@@ -70,7 +91,10 @@ class PoolRegistry:
         layout: KvLayout,
         owner: object,
         tp: TpRank | None = None,
+        fd: int | None = None,
     ) -> LocalPool:
+        """Map and register a pool: the memfd `fd` (handed over; the caller closes it, the
+        mapping keeps the memory) or, without it, the POSIX shm object `shm_name`."""
         if pool_id in self.pools:
             raise PoolError("pool_exists", f"pool {pool_id!r} is already registered")
         if nbytes < layout.pool_bytes:
@@ -79,28 +103,47 @@ class PoolRegistry:
                 f"pool {pool_id!r}: {nbytes} bytes cannot hold {layout.num_blocks} blocks of "
                 f"{layout.block_bytes} bytes ({layout.pool_bytes} bytes needed)",
             )
+        region: HostRegion
         try:
-            region = ShmRegion.attach(shm_name, layout.pool_bytes)
+            if fd is not None:
+                # Seals were checked at the handoff; this checks the size against the layout.
+                region = MemfdRegion.attach(fd, layout.pool_bytes, f"pool {pool_id!r}")
+            else:
+                # The fd is kept so that check_intact can see a shrink (fstat).
+                region = ShmRegion.attach(shm_name, layout.pool_bytes, keep_fd=True)
+        except UnsealedMemfdError as exc:
+            raise PoolError("unsealed_pool", str(exc)) from exc
         except KvxferdError as exc:
-            raise PoolError("registration_failed", f"pool {pool_id!r}: {exc}") from exc
+            msg = str(exc) if fd is not None else f"pool {pool_id!r}: {exc}"
+            raise PoolError("registration_failed", msg) from exc
         backend: Backend = self._dp.backend
         try:
             registration = await self._dp.call(backend.register, region.address, layout.pool_bytes)
         except KvxferdError as exc:
             region.close()
             raise PoolError("registration_failed", f"pool {pool_id!r}: {exc}") from exc
-        pool = LocalPool(pool_id, layout, region, registration, owner, tp=tp or TpRank())
+        sharing = "memfd" if fd is not None else "shm"
+        pool = LocalPool(
+            pool_id, layout, region, registration, owner, tp=tp or TpRank(), sharing=sharing
+        )
         self.pools[pool_id] = pool
         log.info(
-            "registered pool %s: %d blocks x %d bytes (%s, shm %s, %d KV heads, %s)",
+            "registered pool %s: %d blocks x %d bytes (%s, %s, %d KV heads, %s)",
             pool_id,
             layout.num_blocks,
             layout.block_bytes,
             layout.major,
-            shm_name,
+            "sealed memfd" if fd is not None else f"shm {shm_name}",
             layout.num_kv_heads,
             pool.tp,
         )
+        if fd is None:
+            log.warning(
+                "pool %s is shared by shm name: if its engine shrinks the object, this daemon "
+                "dies of SIGBUS at its next access to it; hand pools over as sealed memfds "
+                "(docs/engine-integration.md, 'Handing a pool to the daemon')",
+                pool_id,
+            )
         return pool
 
     async def deregister(self, pool_id: str) -> None:

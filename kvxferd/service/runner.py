@@ -8,6 +8,7 @@ configuration file (kvxferd.service.reload).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -25,6 +26,10 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    # A fatal signal (SIGBUS from a shm-name pool its engine shrank, SIGSEGV) then leaves the
+    # Python stacks of every thread in the log instead of a bare exit status. A handler the
+    # backend installs later (UCX prints its own backtrace) takes precedence.
+    faulthandler.enable(all_threads=True)
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; keep working if a platform lacks it
