@@ -33,6 +33,7 @@ from typing import TypeVar
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank, overlapping_ranks
 from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator, Item, fixed_workload, make_workload
@@ -68,7 +69,7 @@ class Rank:
 
     client: AsyncClient
     tp: TpRank
-    region: ShmRegion | None = None
+    region: HostRegion | None = None  # a sealed memfd, or (shm_names=True) a POSIX shm object
     peers: str | list[str] = ""  # generation: the context daemon(s) holding its heads
 
 
@@ -106,7 +107,7 @@ class ReferenceEngine:
         self.posted: dict[str, asyncio.Event] | None = None
 
     @property
-    def region(self) -> ShmRegion | None:
+    def region(self) -> HostRegion | None:
         """Rank 0's pool (the only one without tensor parallelism)."""
         return self.ranks[0].region
 
@@ -116,10 +117,25 @@ class ReferenceEngine:
         for rank in self.ranks:
             rank.peers = context_peers_for(rank.tp, self.layout.num_kv_heads, context_peers)
 
-    async def open(self) -> None:
+    async def open(self, shm_names: bool = False) -> None:
+        """Create and register each rank's pool: a sealed memfd handed to the daemon (so
+        nothing here can shrink it under the daemon), or with `shm_names` the legacy POSIX
+        shm object shared by name (kept for the compatibility tests)."""
         for rank in self.ranks:
             name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}-{rank.tp.rank}"
-            rank.region = ShmRegion.create(name, self.layout.pool_bytes)
+            if not shm_names:
+                memfd = MemfdRegion.create(self.layout.pool_bytes, name)
+                try:
+                    await rank.client.register_pool(
+                        self.pool_id, memfd, self.layout, rank.tp.rank, rank.tp.size
+                    )
+                except BaseException:
+                    memfd.close()  # not registered: nothing to deregister, no fd left open
+                    raise
+                rank.region = memfd
+                continue
+            shm = ShmRegion.create(name, self.layout.pool_bytes)
+            rank.region = shm
             try:
                 await rank.client.register_pool(
                     self.pool_id, name, self.layout, rank.tp.rank, rank.tp.size
@@ -127,7 +143,7 @@ class ReferenceEngine:
             finally:
                 # Both mappings stay valid; the name is not needed any more and
                 # unlinking now means a crash leaves nothing behind in /dev/shm.
-                rank.region.unlink()
+                shm.unlink()
 
     async def close(self) -> None:
         for rank in self.ranks:
