@@ -49,7 +49,13 @@ class PeerConnection:
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         self._last_heard = time.monotonic()
+        self._heard = asyncio.Event()  # set on every frame (probe waits on it)
         self._seq = 0
+        # When we sent the Pings not yet answered, and when we sent the latest one that was:
+        # the peer was alive then, on our clock. Frames that waited in a socket buffer while
+        # we were stopped refresh _last_heard, but never this.
+        self._pings: dict[int, float] = {}
+        self._alive_at = time.monotonic()
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.heartbeat_lost = False  # closed because the peer fell silent
@@ -94,6 +100,47 @@ class PeerConnection:
         # dropped) meanwhile: then the message may never have left.
         return not self.closed.is_set()
 
+    async def probe(self, timeout_s: float) -> bool:
+        """Ping and wait up to `timeout_s` for any frame: True when the peer answers (its
+        daemon is running and reads this connection)."""
+        start = time.monotonic()
+        if not await self._ping():
+            return False
+        deadline = start + timeout_s
+        while not self.closed.is_set():
+            if self._last_heard >= start:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._heard.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._heard.wait(), remaining)
+        return False
+
+    async def _ping(self) -> bool:
+        self._seq += 1
+        self._pings[self._seq] = time.monotonic()
+        if len(self._pings) > 64:  # a peer that never answers: keep the newest only
+            del self._pings[min(self._pings)]
+        return await self.send(Ping(seq=self._seq))
+
+    def _ponged(self, seq: int) -> None:
+        sent = self._pings.get(seq)
+        if sent is None:
+            return
+        self._alive_at = max(self._alive_at, sent)
+        for old in [k for k in self._pings if k <= seq]:
+            del self._pings[old]
+
+    @property
+    def stale(self) -> bool:
+        """No answer to a Ping sent within the heartbeat timeout: the peer may well have
+        given up on this connection even if we have not noticed (we were stopped, and
+        what it sent meanwhile is still queued). Judged on our own clock from when we sent
+        the Ping it answered, so frames read late after a stall do not count."""
+        return time.monotonic() - self._alive_at > self._timeout
+
     def close(self, reason: str) -> None:
         if self.closed.is_set():
             return
@@ -111,10 +158,17 @@ class PeerConnection:
                 if msg is None:
                     self.close("connection closed by peer")
                     return
+                if self.closed.is_set():
+                    # Closed (replaced, abandoned) while this frame waited: a message read
+                    # from a connection we gave up on must not start anything.
+                    return
                 self._last_heard = time.monotonic()
+                self._heard.set()
                 if isinstance(msg, Ping):
                     await self.send(Pong(seq=msg.seq))
-                elif not isinstance(msg, Pong):
+                elif isinstance(msg, Pong):
+                    self._ponged(msg.seq)
+                else:
                     await on_message(self, msg)
         except ProtocolError as exc:
             log.error("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, exc)
@@ -142,8 +196,7 @@ class PeerConnection:
                 self.heartbeat_lost = True
                 self.close(f"no heartbeat for {silent:.1f} s")
                 return
-            self._seq += 1
-            await self.send(Ping(seq=self._seq))
+            await self._ping()
 
     async def _watch(self, on_closed: Callable[[PeerConnection], Awaitable[None]]) -> None:
         await self.closed.wait()

@@ -62,6 +62,20 @@ class PeerIdentity:
 
 # Returns None when the peer's Info is acceptable, else (reason code, message).
 InfoCheck = Callable[[PeerIdentity, Info], "tuple[str, str] | None"]
+# Asked once the peer proved the secret, before any metadata is sent: None to go on,
+# else (reason code, message) (e.g. its name belongs to a live, connected peer).
+Admit = Callable[[PeerIdentity], Awaitable["tuple[str, str] | None"]]
+
+
+async def _admit(
+    admit: Admit | None, writer: asyncio.StreamWriter, peer: PeerIdentity, label: str
+) -> None:
+    if admit is None:
+        return
+    refusal = await admit(peer)
+    if refusal is not None:
+        await _refuse(writer, *refusal)
+        raise IncompatiblePeerError(f"refused {peer.name} at {label}: {refusal[1]}")
 
 
 def _proof(secret: bytes, label: bytes, first: bytes, second: bytes, names: str) -> bytes:
@@ -106,6 +120,7 @@ async def client_handshake(
     make_info: Callable[[], Awaitable[Info]],
     check: InfoCheck,
     peer_label: str,
+    admit: Admit | None = None,
 ) -> tuple[PeerIdentity, Info]:
     nonce_c = os.urandom(NONCE_BYTES)
     await _send(
@@ -132,6 +147,7 @@ async def client_handshake(
         raise HandshakeError(text)
     peer = PeerIdentity(name=msg.name, incarnation=msg.incarnation, role=msg.role)
     await _send(writer, Auth(proof=_proof(me.secret, b"client", msg.nonce, nonce_c, names)))
+    await _admit(admit, writer, peer, peer_label)
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)
     refusal = check(peer, info)
@@ -151,6 +167,7 @@ async def server_handshake(
     make_info: Callable[[], Awaitable[Info]],
     check: InfoCheck,
     peer_label: str,
+    admit: Admit | None = None,
 ) -> tuple[PeerIdentity, Info]:
     hello = await _recv(reader, peer_label)
     hello = _expect(hello, Hello, peer_label)
@@ -180,6 +197,7 @@ async def server_handshake(
         await _refuse(writer, "auth", "wrong shared secret")
         raise HandshakeError(f"{hello.name} at {peer_label} could not prove the shared secret")
     peer = PeerIdentity(name=hello.name, incarnation=hello.incarnation, role=hello.role)
+    await _admit(admit, writer, peer, peer_label)
     await _send(writer, await make_info())
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)

@@ -107,7 +107,9 @@ class PeerManager:
         make_info, sent = self._recording_info()
         try:
             peer, info = await asyncio.wait_for(
-                server_handshake(reader, writer, self.me, make_info, self._check_info, label),
+                server_handshake(
+                    reader, writer, self.me, make_info, self._check_info, label, self._admit
+                ),
                 self.timings.handshake_s,
             )
             await self._established(reader, writer, peer, info, label, sent)
@@ -178,6 +180,40 @@ class PeerManager:
             return info
 
         return make_info, sent
+
+    async def _admit(self, peer: PeerIdentity) -> tuple[str, str] | None:
+        """A second daemon under the name of a live, connected peer is refused: replacing
+        the live one would fail all its requests. An old connection that does not answer
+        a ping in time (its daemon died without a FIN, or restarted and the old socket is
+        half-open) is closed and the newcomer admitted."""
+        probe_s = min(2 * self.timings.heartbeat_interval_s, self.timings.handshake_s / 2)
+        for old in list(self.connections.values()):
+            if old.peer.name != peer.name or old.closed.is_set():
+                continue
+            if await old.probe(probe_s):
+                log.warning(
+                    "refused a second peer named %r (incarnation %s): the connected one "
+                    "(incarnation %s, %s) answers",
+                    peer.name,
+                    peer.incarnation,
+                    old.peer.incarnation,
+                    old.label,
+                )
+                return (
+                    "name_in_use",
+                    f"a live peer named {peer.name!r} is connected and answering; "
+                    "a second daemon may not take its name",
+                )
+            if old.peer.incarnation != peer.incarnation:
+                log.info(
+                    "peer %s restarted (incarnation %s -> %s); the old connection did not "
+                    "answer, dropping it",
+                    peer.name,
+                    old.peer.incarnation,
+                    peer.incarnation,
+                )
+            old.close(f"did not answer when another connection claimed the name {peer.name!r}")
+        return None
 
     # ----------------------------------------------------------- established
 

@@ -12,6 +12,7 @@ from typing import Union
 import msgspec
 
 from kvxferd.peers.framing import FrameCodec
+from kvxferd.peers.process import ProcessInfo
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
@@ -76,6 +77,9 @@ class Info(_Msg, tag="info"):
     bounce_nbytes: int = 0
     # Where a two-sided transport (UCX) listens for the sender's endpoint.
     transport_address: str = ""
+    # The daemon's process (boot id, pid namespace, pid, start time): a receiver on the
+    # same kernel can prove that a writer is gone (kvxferd.peers.process).
+    process: ProcessInfo = msgspec.field(default_factory=ProcessInfo)
 
 
 class Ready(_Msg, tag="ready"):
@@ -111,6 +115,10 @@ class RequestData(_Msg, tag="request_data"):
     # A reservation in the receiver's bounce region offered for this request.
     bounce_offset: int = 0
     bounce_nbytes: int = 0
+    # When the receiver gives up (its kv_transfer_timeout_ms), as Unix time in ms (0: no
+    # deadline): the context side posts no write for it after that. Wall clock because
+    # monotonic clocks of two hosts are not comparable; skew only moves the refusal.
+    expires_unix_ms: int = 0
 
 
 class Result(_Msg, tag="result"):
