@@ -7,7 +7,9 @@ Two forms over the same Unix-socket protocol:
 
 Calls raise `CallError` (with the daemon's error `code`) when the daemon refuses
 them; nothing a call did is then left half-done. Every accepted recv or send
-produces exactly one `Outcome`, available through `wait` or `poll`.
+produces exactly one `Outcome`, available through `wait` or `poll`. A failure
+whose blocks a write may still reach says `blocks_held`; those blocks may be
+reused only after `wait_released` returns (the daemon proved no write can land).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import os
 import threading
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvxferd import PROTOCOL_VERSION
@@ -34,6 +37,7 @@ from kvxferd.api.messages import (
     Recv,
     RegisterPool,
     Release,
+    ReleasedMsg,
     Reply,
     Send,
 )
@@ -43,7 +47,20 @@ from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
-__all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome"]
+__all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome", "Released"]
+
+
+@dataclass(frozen=True)
+class Released:
+    """Blocks an outcome reported held are back: no write into them can land any more.
+    `how`: the fence (abort_ack: the writer confirmed; peer_exited: its process is gone;
+    peer_restarted: it came back as a new incarnation)."""
+
+    request_id: str
+    side: str
+    how: str
+    held_ms: float
+
 
 T = TypeVar("T")
 
@@ -70,6 +87,9 @@ class AsyncClient:
         self._pending: dict[int, asyncio.Future[str]] = {}
         self._outcomes: dict[tuple[str, str], Outcome] = {}
         self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
+        # Requests whose held blocks came back (ReleasedMsg), and who waits for that.
+        self._released: dict[str, Released] = {}
+        self._release_waiters: dict[str, list[asyncio.Future[Released]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
         # Where a pool handoff's second connection goes (set by connect; else the peer name).
@@ -124,6 +144,8 @@ class AsyncClient:
                             fut.set_exception(CallError(msg.error, msg.message))
                 elif isinstance(msg, OutcomeMsg):
                     self._on_outcome(msg)
+                elif isinstance(msg, ReleasedMsg):
+                    self._on_released(msg)
             self._closed_reason = "the daemon closed the connection"
         except (ProtocolError, ConnectionError, OSError) as exc:
             self._closed_reason = f"connection to the daemon failed: {exc}"
@@ -142,11 +164,19 @@ class AsyncClient:
             message=msg.message,
             nbytes=msg.nbytes,
             elapsed_ms=msg.elapsed_ms,
+            blocks_held=msg.blocks_held,
         )
         self._outcomes[(msg.request_id, msg.side)] = outcome
         for fut in self._waiters.pop(msg.request_id, []):
             if not fut.done():
                 fut.set_result(outcome)
+
+    def _on_released(self, msg: ReleasedMsg) -> None:
+        released = Released(msg.request_id, msg.side, msg.how, msg.held_ms)
+        self._released[msg.request_id] = released
+        for fut in self._release_waiters.pop(msg.request_id, []):
+            if not fut.done():
+                fut.set_result(released)
 
     def _fail_all(self) -> None:
         err = DaemonGoneError(self._closed_reason)
@@ -154,11 +184,13 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
-        for waiters in self._waiters.values():
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(err)
+        waiting: list[asyncio.Future[Any]] = [w for ws in self._waiters.values() for w in ws]
+        waiting += [w for ws in self._release_waiters.values() for w in ws]
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_exception(err)
         self._waiters.clear()
+        self._release_waiters.clear()
 
     async def _call(self, msg: Any) -> str:
         if self._reader_task is None or self._reader_task.done():
@@ -320,7 +352,8 @@ class AsyncClient:
         return await self._call(Cancel(call_id=next(self._ids), request_id=request_id))
 
     async def release(self, request_id: str) -> None:
-        """Forget a finished request, so that its id may be used again."""
+        """Forget a finished request, so that its id may be used again (a request whose
+        blocks are held keeps its id until they are released)."""
         await self._call(Release(call_id=next(self._ids), request_id=request_id))
         for side in ("send", "recv"):
             self._outcomes.pop((request_id, side), None)
@@ -344,6 +377,24 @@ class AsyncClient:
             raise DaemonGoneError(self._closed_reason or "not connected")
         waiter: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(request_id, []).append(waiter)
+        return await asyncio.wait_for(waiter, timeout_s)
+
+    def released(self, request_id: str) -> Released | None:
+        """The release of `request_id`'s held blocks, if it has arrived."""
+        return self._released.get(request_id)
+
+    async def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
+        """Wait until the blocks of a request whose outcome had `blocks_held` are back
+        (its `released` event): only then may the engine reuse them. There is no timer
+        behind it: it comes when the daemon proves no write can still land. Raises
+        DaemonGoneError if the daemon goes away first (then never reuse those blocks)."""
+        got = self._released.get(request_id)
+        if got is not None:
+            return got
+        if self._reader_task is None or self._reader_task.done():
+            raise DaemonGoneError(self._closed_reason or "not connected")
+        waiter: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
+        self._release_waiters.setdefault(request_id, []).append(waiter)
         return await asyncio.wait_for(waiter, timeout_s)
 
     async def close(self) -> None:
@@ -430,6 +481,12 @@ class Client:
 
     def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
         return self._client.poll(request_id, side)
+
+    def released(self, request_id: str) -> Released | None:
+        return self._client.released(request_id)
+
+    def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
+        return self._run(self._client.wait_released(request_id, timeout_s), timeout_s)
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
         return self._run(self._client.wait(request_id, timeout_s))

@@ -127,12 +127,25 @@ class OutcomeMsg(_Msg, tag="outcome"):
     message: str
     nbytes: int
     elapsed_ms: float
+    # True on a failure whose blocks the daemon still holds (a write into them may still
+    # land): do not reuse them before this request's `released` message.
+    blocks_held: bool = False
+
+
+class ReleasedMsg(_Msg, tag="released"):
+    """Blocks of a request reported with `blocks_held` are back: no write can land there.
+    `how`: the fence (abort_ack, peer_exited, peer_restarted)."""
+
+    request_id: str
+    side: str
+    how: str
+    held_ms: float
 
 
 EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
     EngineHello, RegisterPool, PoolHandoff, DeregisterPool, Recv, Send, Cancel, Release, Query
 ]
-DaemonMessage = Union[DaemonHello, Reply, OutcomeMsg]  # noqa: UP007
+DaemonMessage = Union[DaemonHello, Reply, OutcomeMsg, ReleasedMsg]  # noqa: UP007
 
 ENGINE_CODEC: FrameCodec[EngineMessage] = FrameCodec(EngineMessage, "engine API")  # type: ignore[arg-type]
 DAEMON_CODEC: FrameCodec[DaemonMessage] = FrameCodec(DaemonMessage, "daemon API")  # type: ignore[arg-type]

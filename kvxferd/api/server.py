@@ -38,6 +38,7 @@ from kvxferd.api.messages import (
     EngineMessage,
     OutcomeMsg,
     PoolHandoff,
+    ReleasedMsg,
     Reply,
 )
 from kvxferd.errors import MalformedMessageError, ProtocolError, RequestError, StartupError
@@ -80,8 +81,12 @@ class EngineConnection:
                 message=outcome.message,
                 nbytes=outcome.nbytes,
                 elapsed_ms=outcome.elapsed_ms,
+                blocks_held=outcome.blocks_held,
             )
         )
+
+    def released(self, request_id: str, side: str, how: str, held_ms: float) -> None:
+        self._write(ReleasedMsg(request_id=request_id, side=side, how=how, held_ms=held_ms))
 
     def reply(self, call_id: int, result: str = "") -> None:
         self._write(Reply(call_id=call_id, ok=True, result=result))

@@ -91,6 +91,20 @@ def summary(doc: dict[str, Any]) -> str:
         + (f" of {window}" if window is not None else " (no window)")
         + f", {adm.get('waiting')} waiting"
     )
+    holds = doc.get("holds") or {}
+    if holds.get("requests"):
+        lines.append(
+            f"  held: {holds['requests']} ended receive(s) keep {holds['blocks']} block(s) and "
+            f"{holds['reservation_bytes']} staging byte(s) until their writer is fenced "
+            f"(oldest {holds['oldest_s']:.1f} s)"
+        )
+        lines += [
+            f"    {peer}: {row['holds']} hold(s), {row['blocks']} block(s), "
+            f"oldest {row['oldest_s']:.1f} s"
+            for peer, row in sorted(holds.get("by_peer", {}).items())
+        ]
+    else:
+        lines.append("  held: none")
     bounce = doc.get("bounce")
     if bounce:
         lines.append(f"  bounce: {json.dumps(bounce, sort_keys=True)}")

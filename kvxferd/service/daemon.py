@@ -38,6 +38,7 @@ from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
+from kvxferd.peers import process
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES, check_peer
 from kvxferd.peers.handshake import Identity, PeerIdentity
@@ -65,6 +66,7 @@ from kvxferd.service.status import daemon_status
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.holds import Hold
 from kvxferd.transceiver.receiver import Receiver, ReceiverTimeouts
 from kvxferd.transceiver.sender import Sender, SenderTimeouts
 from kvxferd.transceiver.staged import (
@@ -172,7 +174,15 @@ class Daemon:
             settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None
         )
         self.receiver = receiver_cls(
-            ReceiverTimeouts(timeout_s=timeout_s, answer_s=d.heartbeat_timeout_ms / 1e3),
+            ReceiverTimeouts(
+                timeout_s=timeout_s,
+                answer_s=d.heartbeat_timeout_ms / 1e3,
+                # The outcome of a failed receive is due at its deadline plus at most one
+                # heartbeat interval; a peer that has not confirmed by then leaves a hold.
+                ack_grace_s=d.heartbeat_interval_ms / 1e3,
+                redial_s=d.heartbeat_interval_ms / 1e3,
+                redial_max_s=d.heartbeat_timeout_ms / 1e3,
+            ),
             self.admission,
             self.peers.connect,
             pipelined=settings.pipelined_transfer,
@@ -188,7 +198,8 @@ class Daemon:
         self.sender.on_write_done = self.metrics.observe_write
         self.admission.on_wait = self.metrics.observe_admission_wait
         self.peers.observer = self.metrics
-        self.peers.on_established = self._pools_since_handshake
+        self.peers.on_established = self._established
+        self.receiver.on_hold_released = self._hold_released
         self.notifier = Notifier()
         self.loop_monitor = LoopMonitor()
         self.last_reload: ReloadReport | None = None
@@ -300,6 +311,7 @@ class Daemon:
         active = self.sender.active_count() + self.receiver.active_count()
         log.info("draining: %d request(s) in flight", active)
         await asyncio.gather(self.sender.drain(deadline), self.receiver.drain(deadline))
+        await self._wait_holds(deadline)
         log.info("drained; closing the engine API")
         await self.api.close()
         log.info("closing peer connections")
@@ -510,9 +522,53 @@ class Daemon:
         )
         mine = [p for p in self.pools.pools.values() if p.owner is engine]
         for pool in mine:
+            if pool.users:
+                # Held: a write may still land there. Our mapping keeps the memory valid
+                # (a late write lands harmlessly); the pool goes once its holds are fenced.
+                log.warning(
+                    "pool %s of the gone engine %r stays registered until its %d hold(s) "
+                    "are fenced",
+                    pool.pool_id,
+                    engine.name,
+                    len(pool.users),
+                )
+                continue
             await self.pools.deregister(pool.pool_id)
         if mine:
             await self._announce_pools()
+
+    def _hold_released(self, hold: Hold, how: str) -> None:
+        pool = hold.pool
+        if pool is None or pool.users or self.draining:
+            return
+        owner = pool.owner
+        gone = isinstance(owner, EngineConnection) and owner.closed
+        if gone and self.pools.pools.get(pool.pool_id) is pool:
+            self._background(self._drop_orphan(pool.pool_id))
+
+    async def _drop_orphan(self, pool_id: str) -> None:
+        try:
+            await self.pools.deregister(pool_id)
+        except (PoolError, KvxferdError) as exc:
+            log.error("cannot deregister pool %s of a gone engine: %s", pool_id, exc)
+            return
+        await self._announce_pools()
+
+    async def _wait_holds(self, deadline: float) -> None:
+        """Shutdown: holds get until the drain deadline to be fenced; what is left is
+        reported, since the engine must then treat those blocks as never returned."""
+        holds = self.receiver.holds
+        while holds.holds and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        for hold in await holds.close():
+            log.error(
+                "request %s: shutting down with %d block(s) still held for %s; a write into "
+                "them may still land, so the engine must not reuse them",
+                hold.request_id,
+                hold.blocks,
+                ", ".join(leg.key for leg in hold.pending),
+                extra={"request_id": hold.request_id},
+            )
 
     # ----------------------------------------------------------------- peers
 
@@ -523,6 +579,11 @@ class Daemon:
         await self.peers.broadcast_pools(
             PoolsUpdate(pools=self.pools.infos(), agent_metadata=metadata)
         )
+
+    async def _established(self, conn: PeerConnection, sent: Info) -> None:
+        await self._pools_since_handshake(conn, sent)
+        # A context daemon that holds might write into our memory: ask it again.
+        await self.receiver.holds.on_established(conn)
 
     async def _pools_since_handshake(self, conn: PeerConnection, sent: Info) -> None:
         """A pool registered or dropped while this peer's handshake ran was in neither our
@@ -556,6 +617,7 @@ class Daemon:
             transport_address=self.transport_address,
             bounce_base=self.bounce.recv.address if self.bounce else 0,
             bounce_nbytes=self.bounce.recv.nbytes if self.bounce else 0,
+            process=process.me(),
         )
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:

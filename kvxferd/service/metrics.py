@@ -43,6 +43,7 @@ from kvxferd.transceiver.state import Outcome, Reason, Status
 
 if TYPE_CHECKING:
     from kvxferd.service.daemon import Daemon
+    from kvxferd.transceiver.holds import HoldKeeper
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -272,6 +273,7 @@ class _LiveCollector:
             d.sender.open_handles,
         )
         yield from _bounce_families(getattr(d, "bounce", None))
+        yield from _hold_families(d.receiver.holds)
         yield _gauge(
             "kvxferd_event_loop_lag_seconds",
             "How late the event loop woke a 100 ms sleep, last measurement.",
@@ -302,6 +304,49 @@ def _bounce_families(bounce: object | None) -> Iterable[Metric]:
         "Size of each bounce region (0: bounce is off).",
         getattr(getattr(bounce, "send", None), "nbytes", 0),
     )
+
+
+def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
+    """Memory kept from reuse until a writer is fenced (kvxferd.transceiver.holds)."""
+    yield _gauge(
+        "kvxferd_held_requests", "Ended receives whose memory waits for a fence.", len(holds.holds)
+    )
+    yield _gauge(
+        "kvxferd_held_blocks",
+        "Engine blocks held because a write into them may still land.",
+        holds.held_blocks(),
+    )
+    yield _gauge(
+        "kvxferd_held_reservation_bytes",
+        "Bounce/staging bytes quarantined because a peer may still write there.",
+        holds.held_reservation_bytes(),
+    )
+    yield _gauge(
+        "kvxferd_held_oldest_seconds", "Age of the oldest hold (0: none).", holds.oldest_age_s()
+    )
+    by_peer = GaugeMetricFamily(
+        "kvxferd_held_blocks_by_peer",
+        "Engine blocks held, by the context daemon that may still write them.",
+        labels=["peer"],
+    )
+    oldest = GaugeMetricFamily(
+        "kvxferd_held_oldest_seconds_by_peer",
+        "Age of the oldest hold waiting for that context daemon.",
+        labels=["peer"],
+    )
+    for peer, row in sorted(holds.by_peer().items()):
+        by_peer.add_metric([peer], row["blocks"])
+        oldest.add_metric([peer], row["oldest_s"])
+    yield by_peer
+    yield oldest
+    released = CounterMetricFamily(
+        "kvxferd_holds_released",
+        "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted).",
+        labels=["how"],
+    )
+    for how, count in sorted(holds.released_total.items()):
+        released.add_metric([how], count)
+    yield released
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

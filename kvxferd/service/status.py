@@ -82,6 +82,7 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
         },
         "bounce": daemon.bounce.status() if daemon.bounce and not daemon.staged else None,
         "staging": daemon.bounce.status() if daemon.bounce and daemon.staged else None,
+        "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
         "open_transfer_handles": daemon.sender.open_handles,
         "handshake_failures": dict(daemon.peers.handshake_failures),
@@ -94,3 +95,35 @@ def _count_states(sessions: Iterable[TxSession | RxSession]) -> dict[str, int]:
         key = s.outcome.status if s.outcome else s.state.name.lower()
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def _holds(daemon: Daemon) -> dict[str, object]:
+    """Memory an ended receive keeps until its writer is fenced (kvxferd.transceiver.holds)."""
+    holds = daemon.receiver.holds
+    now = time.monotonic()
+    return {
+        "requests": len(holds.holds),
+        "blocks": holds.held_blocks(),
+        "reservation_bytes": holds.held_reservation_bytes(),
+        "oldest_s": round(holds.oldest_age_s(), 3),
+        "by_peer": {
+            peer: {
+                "holds": int(row["holds"]),
+                "blocks": int(row["blocks"]),
+                "oldest_s": round(row["oldest_s"], 3),
+            }
+            for peer, row in sorted(holds.by_peer().items())
+        },
+        "released": dict(holds.released_total),
+        # The oldest few, for an operator to find in the logs (request ids are not labels).
+        "oldest": [
+            {
+                "request_id": h.request_id,
+                "reason": h.reason,
+                "blocks": h.blocks,
+                "waiting_for": [leg.key for leg in h.pending],
+                "age_s": round(now - h.since, 3),
+            }
+            for h in sorted(holds.holds.values(), key=lambda h: h.since)[:10]
+        ],
+    }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import sys
@@ -42,6 +43,9 @@ from kvxferd.transceiver.state import Outcome, Status
 T = TypeVar("T")
 
 
+log = logging.getLogger("kvxferd.sim")
+
+
 @dataclass
 class Record:
     request_id: str
@@ -54,6 +58,7 @@ class Record:
     t_start_ns: int = 0  # context: just before send; generation: just before recv
     t_end_ns: int = 0  # when the outcome arrived (and, generation side, was verified)
     verify_error: str = ""
+    blocks_held: bool = False  # the outcome said a write may still land in its blocks
 
 
 @dataclass
@@ -100,6 +105,7 @@ class ReferenceEngine:
         self.layout = layout
         self.pool_id = pool_id
         self.alloc = BlockAllocator(layout.num_blocks)
+        self._returning: set[asyncio.Task[None]] = set()  # held blocks waiting for release
         # Generation-first coordination between the two engines of a run: the
         # generation engine announces each posted receive; the context engine
         # sends a request only once it was announced (as a real scheduler would).
@@ -217,6 +223,8 @@ class ReferenceEngine:
             outcomes = await self._each(wait)
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
+            held = [r for r, o in zip(self.ranks, outcomes, strict=True) if o.blocks_held]
+            rec.blocks_held = bool(held)
             if rec.status == Status.DONE:
                 rec.verified = True
                 for rank in self.ranks:
@@ -230,9 +238,28 @@ class ReferenceEngine:
                         break
             for rank in self.ranks:
                 await rank.client.release(item.request_id)
+            if held:
+                # A write may still land in these blocks: they go back to the free list
+                # only when every rank's daemon says so, never on a timer.
+                task = asyncio.create_task(self._give_when_released(item.request_id, blocks, held))
+                self._returning.add(task)
+                task.add_done_callback(self._returning.discard)
+                blocks = []
         finally:
             self.alloc.give(blocks)
         return rec
+
+    async def _give_when_released(
+        self, request_id: str, blocks: list[int], held: list[Rank]
+    ) -> None:
+        try:
+            await asyncio.gather(*(rank.client.wait_released(request_id) for rank in held))
+        except Exception as exc:  # the daemon went away: those blocks are never reused
+            log.warning(
+                "request %s: %d held blocks never released: %s", request_id, len(blocks), exc
+            )
+            return
+        self.alloc.give(blocks)
 
     async def run(
         self,

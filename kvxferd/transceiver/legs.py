@@ -64,6 +64,9 @@ class RxLeg:
     done: bool = False  # its last Result arrived
     told: bool = False  # it knows the outcome (or cannot be told any more)
     abort_acked: bool = False
+    # Nothing it sends can land in our memory any more: its Abort (sent once quiescent) or
+    # AbortAck, a cancel it agreed to, or its last Result. A closed connection is no proof.
+    fenced: bool = False
     # Our staging/bounce reservation for this leg's bytes (freed once quiescent), and the
     # part of it offered to the context daemon with the RequestData.
     res: Reservation | None = None

@@ -3,9 +3,13 @@ daemon for the KV (RequestData), and complete when the last slice is reported.
 
 Timeouts (the seed): kv_transfer_timeout_ms applies per receive task, from
 admission. When a request ends here while the context side may still be
-writing (timeout, cancel, engine gone, shutdown), the peer is told (Abort) and
-the blocks stay on loan until it confirms quiescence (AbortAck) or the
-connection is gone; only then is the outcome reported.
+writing (timeout, cancel, peer lost, engine gone, shutdown), the peer is told
+(Abort) and gets a short grace to confirm quiescence (AbortAck); the outcome is
+reported then, on time. Memory a write may still reach (the engine's blocks on
+the PYTHON runtime, our bounce/staging reservations on one-sided backends) is
+not handed back on a timer or because a connection closed: it goes to a hold
+(kvxferd.transceiver.holds) until the writer is fenced, and the engine hears a
+`released` event when its blocks are back.
 
 Head-merge (the context instance has more tensor-parallel ranks than ours): the
 receive names every context daemon holding some of our heads; each is a *leg*
@@ -41,6 +45,7 @@ from kvxferd.peers.messages import (
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.holds import HeldLeg, Hold, HoldKeeper
 from kvxferd.transceiver.legs import (
     RxLeg,
     leg_block_bytes,
@@ -72,12 +77,20 @@ _CANCELLABLE = ("admission", "connecting")
 class ReceiverTimeouts:
     # None: kv_transfer_timeout_ms is null (staged runtime only): no receive deadline.
     timeout_s: float | None
-    # Bound on waiting for the context side's answer to a cancel or an abort;
-    # past it the connection is closed, which stops the peer's writes.
+    # Bound on waiting for the context side's answer to a cancel.
     answer_s: float
+    # How long an ended receive waits for its AbortAcks before its outcome goes out (a
+    # peer that has not answered by then leaves a hold: heartbeat_interval_ms).
+    ack_grace_s: float = 1.0
+    # Dialing a context daemon again while a hold waits for it: first pause, longest pause.
+    redial_s: float = 1.0
+    redial_max_s: float = 10.0
 
 
 class Receiver:
+    # The PYTHON runtime's context daemon writes straight into the engine's blocks.
+    exposes_blocks = True
+
     def __init__(
         self,
         timeouts: ReceiverTimeouts,
@@ -96,6 +109,12 @@ class Receiver:
         self._phase: dict[str, str] = {}
         # By (request id, rx_token, peer connection): the legs of a merge share the token.
         self._cancel_answers: dict[tuple[str, int, str], asyncio.Future[bool]] = {}
+        self.holds = HoldKeeper(
+            connect, self._release_reservation, timeouts.redial_s, timeouts.redial_max_s
+        )
+        self.holds.on_released = self._hold_released
+        # Told of every hold released (the daemon: metrics, pools of engines gone).
+        self.on_hold_released: Callable[[Hold, str], None] | None = None
 
     # ------------------------------------------------------------ engine calls
 
@@ -122,10 +141,14 @@ class Receiver:
             )
         if not self.accepting:
             raise RequestError("draining", "the daemon is draining; no new requests")
-        if request_id in self.sessions:
+        old = self.sessions.get(request_id)
+        if old is not None:
             raise RequestError(
                 "duplicate_request",
-                f"request {request_id!r} is already active or finished on this daemon; "
+                f"request {request_id!r} ended, but its blocks are still held (a write into "
+                "them may still land); wait for its released event before reusing the id"
+                if old.held
+                else f"request {request_id!r} is already active or finished on this daemon; "
                 "release it before reusing the id",
             )
         if not blocks:
@@ -181,6 +204,7 @@ class Receiver:
         # request cannot complete now, so it ends and the other legs are aborted (their
         # in-flight writes quiesce first).
         for leg in stopped:
+            leg.fenced = True  # it agreed: nothing was or will be written
             s.mark_told(leg)
         s.request_end(Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine"))
         if s.task is not None:
@@ -205,6 +229,10 @@ class Receiver:
             self._cancel_answers.pop(key, None)
 
     def release(self, request_id: str) -> None:
+        s = self.sessions.get(request_id)
+        if s is not None and s.finished and s.held:
+            s.forget = True  # the id stays taken until the blocks are back
+            return
         release_finished(self.sessions, request_id, "receive")
 
     # ----------------------------------------------------------- peer messages
@@ -236,7 +264,7 @@ class Receiver:
                 s.rounds.append((leg, msg.first_block, end, msg.nbytes, msg.last))
                 s.wake.set()
             elif msg.last:
-                leg.done = True
+                leg.done = leg.fenced = True  # written in full: nothing more comes from it
                 if len(s.legs) > 1:
                     leg.told = True  # that context daemon is done with the request
                 if all(each.done for each in s.legs):
@@ -264,15 +292,20 @@ class Receiver:
             )
         # The context side sends Abort only once its write is quiescent.
         s.request_end(term)
-        s.mark_told(s.leg_of(conn))
+        leg = s.leg_of(conn)
+        if leg is not None:
+            leg.fenced = True
+        s.mark_told(leg)
         s.wake.set()
 
     async def on_abort_ack(self, conn: PeerConnection, msg: AbortAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
         leg = s.leg_of(conn) if s is not None else None
         if s is not None and leg is not None:
-            leg.abort_acked = True
+            leg.abort_acked = leg.fenced = True
             s.wake.set()
+        else:
+            self.holds.on_abort_ack(conn, msg)  # an ended receive's hold, maybe
 
     async def on_cancel_answer(self, conn: PeerConnection, msg: CancelAnswer) -> None:
         answer = self._cancel_answers.get((msg.request_id, msg.rx_token, conn.key))
@@ -293,7 +326,9 @@ class Receiver:
                         f"peer lost: {conn.peer.name}: {conn.close_reason}",
                     )
                 )
-                s.mark_told(leg)  # nobody left to tell; a gone connection writes nothing
+                # Nobody left to tell; but a closed connection does not stop a write
+                # already queued (shared memory, RDMA): the leg stays unfenced.
+                s.mark_told(leg)
                 s.wake.set()
                 lost.append(s)
         for key, answer in self._cancel_answers.items():
@@ -341,6 +376,7 @@ class Receiver:
             admitted = True
             timeout_s = self.timeouts.timeout_s
             deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+            s.deadline = deadline
             self._phase[s.request_id] = "connecting"
             if not await self._connect_legs(s):
                 return
@@ -370,18 +406,23 @@ class Receiver:
         finally:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._quiesce(s)
+            hold = self._hold_for(s)
             for leg in s.legs:
-                if leg.res is not None and self.bounce is not None:
-                    self.bounce.recv.release(leg.res)  # quiescent: nothing can land there now
+                if leg.res is not None and (hold is None or leg.res not in hold.reservations):
+                    self._release_reservation(leg.res)  # nothing can land there now
                 leg.res = leg.offer = None
             if admitted:
+                # The window bounds transfers in flight; a hold waits for a fence, not for
+                # bandwidth, and must not stall other peers' requests.
                 self.admission.release(len(s.blocks))
-            self._finish(s)
+            self._finish(s, hold)
 
     async def _ask_legs(self, s: RxSession) -> None:
         """Send the RequestData to each context daemon of the receive, in order, each with
         the reservation offered to it (if any)."""
         assert s.pool is not None
+        remaining = s.deadline - time.monotonic()
+        expires_ms = 0 if remaining == math.inf else int((time.time() + remaining) * 1e3)
         for leg in s.legs:
             assert leg.conn is not None
             if s.terminal is not None:
@@ -401,6 +442,7 @@ class Receiver:
                     num_tokens=s.num_tokens,
                     bounce_offset=offer.offset if offer else 0,
                     bounce_nbytes=offer.nbytes if offer else 0,
+                    expires_unix_ms=expires_ms,
                 )
             )
             if not sent:
@@ -489,7 +531,7 @@ class Receiver:
                 if s.terminal is not None:
                     return
                 if last:
-                    leg.done = True
+                    leg.done = leg.fenced = True  # its last round is scattered
                     if len(s.legs) > 1:
                         leg.told = True  # that context daemon is done with the request
                     if all(each.done for each in s.legs):
@@ -567,18 +609,19 @@ class Receiver:
         raise RuntimeError("the peer sent a partial round to a receiver without rounds")
 
     async def _quiesce(self, s: RxSession) -> None:
-        """Tell every context daemon still writing and wait until no write into our blocks
-        can still land (each leg's AbortAck, or its connection gone)."""
-        if s.peer_told:
-            return
+        """Tell every context daemon that may still write (Abort) and give them a short
+        grace to confirm (AbortAck). Whoever has not confirmed by then leaves a hold: the
+        outcome must not wait for a peer that is stopped or unreachable."""
         term = s.terminal
         assert term is not None
         waiting: list[tuple[RxLeg, PeerConnection]] = []
         for leg in s.legs:
             conn = leg.conn
-            if not leg.request_sent or leg.told or conn is None:
+            if not leg.request_sent or leg.fenced or conn is None or conn.closed.is_set():
                 continue
-            sent = await conn.send(
+            # Also to a leg that knows the outcome: only an AbortAck proves it stopped.
+            leg.told = True
+            await conn.send(
                 Abort(
                     request_id=s.request_id,
                     rx_token=s.rx_token,
@@ -586,35 +629,84 @@ class Receiver:
                     message=term.message,
                 )
             )
-            if sent:
-                waiting.append((leg, conn))
-        give_up = time.monotonic() + self.timeouts.answer_s
+            waiting.append((leg, conn))
+        give_up = time.monotonic() + self.timeouts.ack_grace_s
         while True:
-            pending = [
-                (leg, conn)
-                for leg, conn in waiting
-                if not leg.abort_acked and not conn.closed.is_set()
-            ]
-            if not pending:
-                break
+            pending = [leg for leg, conn in waiting if not leg.fenced and not conn.closed.is_set()]
             remaining = give_up - time.monotonic()
-            if remaining <= 0:
-                for _, conn in pending:
-                    # The peer neither answers nor dies: cut it off so its writes stop.
-                    log.error(
-                        "request %s: peer %s did not confirm the abort; closing the connection",
-                        s.request_id,
-                        conn.key,
-                    )
-                    conn.close("no answer to an abort")
+            if not pending or remaining <= 0:
                 break
             s.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(s.wake.wait(), remaining)
         s.mark_told(None)
 
-    def _finish(self, s: RxSession) -> None:
+    # ----------------------------------------------------------------- holds
+
+    def _reservations_exposed(self) -> bool:
+        """Whether a peer writes into our reservations itself (one-sided backends)."""
+        return True
+
+    def _hold_for(self, s: RxSession) -> Hold | None:
+        """What this ended receive must keep until fenced (None: nothing can land)."""
+        if s.terminal is None or s.terminal.status == Status.DONE:
+            return None
+        unfenced = [leg for leg in s.legs if leg.request_sent and not leg.fenced]
+        if not unfenced:
+            return None
+        reservations = (
+            [leg.res for leg in s.legs if leg.res is not None]
+            if self._reservations_exposed()
+            else []
+        )
+        blocks = len(s.blocks) if self.exposes_blocks else 0
+        if not blocks and not reservations:
+            return None  # only our own transport lands bytes, and it has stopped
+        pending = []
+        for leg in unfenced:
+            conn = leg.conn
+            if conn is None:
+                continue  # never connected, so never asked
+            pending.append(
+                HeldLeg(conn.peer.name, conn.peer.incarnation, leg.peer_address, conn.info.process)
+            )
+        if not pending:
+            return None
+        return Hold(
+            request_id=s.request_id,
+            rx_token=s.rx_token,
+            reason=s.terminal.reason,
+            message=s.terminal.message,
+            pool=s.pool,
+            blocks=blocks,
+            reservations=reservations,
+            pending=pending,
+        )
+
+    def _release_reservation(self, res: Reservation) -> None:
+        if self.bounce is not None:
+            self.bounce.recv.release(res)
+
+    def _hold_released(self, hold: Hold, how: str) -> None:
+        s = self.sessions.get(hold.request_id)
+        if s is not None and s.rx_token == hold.rx_token and s.held:
+            s.held = False
+            if s.forget:
+                del self.sessions[hold.request_id]
+            if hold.blocks and s.engine is not None:
+                s.engine.released(
+                    hold.request_id, "recv", how, (time.monotonic() - hold.since) * 1e3
+                )
+        if self.on_hold_released is not None:
+            self.on_hold_released(hold, how)
+
+    def _finish(self, s: RxSession, hold: Hold | None = None) -> None:
         if s.terminal is None:
             s.terminal = Terminal.local(Status.FAILED, "internal", "ended without a terminal state")
         self._phase.pop(s.request_id, None)
-        conclude(s, "recv", s.pool, log)
+        s.held = hold is not None and hold.blocks > 0
+        conclude(s, "recv", s.pool, log, blocks_held=s.held)
+        if hold is not None:
+            # In the same step as conclude (no await between): the pool never looks unused.
+            # After it: a hold fenced at once still reports `released` after the outcome.
+            self.holds.add(hold)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.backends.base import XferStatus
+from kvxferd.backends.base import Backend, XferHandle, XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
@@ -279,6 +279,8 @@ class Sender:
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
+        if s is None:
+            await self._quiesce_elsewhere(conn, msg)
         if s is not None:
             leg = s.leg_of(conn, msg.rx_token)
             if s.engine is None:
@@ -311,6 +313,37 @@ class Sender:
                     await asyncio.shield(s.task)
         # Acknowledge in every case: an unknown token has nothing in flight.
         await conn.send(AbortAck(request_id=msg.request_id, rx_token=msg.rx_token))
+
+    async def _quiesce_elsewhere(self, conn: PeerConnection, msg: Abort) -> None:
+        """An Abort for a receive we serve through another (older) connection of the same
+        daemon: it lost that connection and asks again on a new one. Our answer must mean
+        the write through the old connection is quiescent, so end and wait for it."""
+        s = self.sessions.get(msg.request_id)
+        if s is None:
+            return
+        leg = next(
+            (
+                each
+                for each in s.legs
+                if each.request.rx_token == msg.rx_token
+                and each.conn is not conn
+                and each.conn.peer.name == conn.peer.name
+                and each.conn.peer.incarnation == conn.peer.incarnation
+            ),
+            None,
+        )
+        if leg is None:
+            return
+        if s.terminal is None and s.task is not None:
+            s.request_end(
+                Terminal.peer(
+                    Status.FAILED,
+                    Reason.PEER_FAILED,
+                    f"generation side (asked again): {msg.reason}: {msg.message}",
+                )
+            )
+        if s.task is not None:
+            await asyncio.shield(s.task)
 
     async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -644,8 +677,11 @@ class Sender:
             posted = time.monotonic()
             try:
                 handle, status = await self._dp.call(
-                    backend.post_write, local, remote, conn.agent_name
+                    self._post_if_wanted, s, conn, local, remote, backend
                 )
+            except PostRefused as exc:
+                s.request_end(exc.terminal)
+                return XferStatus.ERROR
             except PeerLostError as exc:
                 s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
                 return XferStatus.ERROR
@@ -665,6 +701,22 @@ class Sender:
         finally:
             await self._quiesce(s)
             s.posting = False
+
+    def _post_if_wanted(
+        self,
+        s: TxSession,
+        conn: PeerConnection,
+        local: np.ndarray,
+        remote: np.ndarray,
+        backend: Backend,
+    ) -> tuple[XferHandle, XferStatus]:
+        """On the data-plane thread, right before the post: a queued post may run long
+        after it was queued (the daemon was stopped, the thread was busy), so the request
+        is checked again here; only reads, so safe off the event loop."""
+        refused = post_refusal(s, conn)
+        if refused is not None:
+            raise PostRefused(refused)
+        return backend.post_write(local, remote, conn.agent_name)
 
     async def _wait_write(
         self, s: TxSession, status: XferStatus, conn: PeerConnection
@@ -746,6 +798,53 @@ class Sender:
                     )
                 )
         conclude(s, "send", s.pool, log)
+
+
+class PostRefused(KvxferdError):
+    """A write was not posted: its request ended or can no longer be served."""
+
+    def __init__(self, terminal: Terminal) -> None:
+        super().__init__(terminal.message)
+        self.terminal = terminal
+
+
+def post_refusal(s: TxSession, conn: PeerConnection) -> Terminal | None:
+    """Why a write (or a two-sided round) for `s` to `conn` must not be posted now: the
+    request ended (deadline, cancel, abort), or its connection is gone or silent past the
+    heartbeat timeout (the receiver has given up on it; bytes sent now could land in
+    memory it has handed back). None: post."""
+    if s.terminal is not None:
+        return s.terminal
+    if s.deadline is not None and time.monotonic() >= s.deadline:
+        return Terminal.local(
+            Status.TIMED_OUT,
+            Reason.SENDER_DEADLINE,
+            "kv_transfer_timeout_ms elapsed before the write was posted; not posted",
+        )
+    if conn.closed.is_set():
+        return Terminal.peer(
+            Status.FAILED, Reason.PEER_LOST, f"peer lost before the write: {conn.close_reason}"
+        )
+    leg = s.leg_of(conn)
+    request = leg.request if leg is not None else s.request
+    if (
+        request is not None
+        and request.expires_unix_ms
+        and time.time() * 1e3 >= request.expires_unix_ms
+    ):
+        return Terminal.peer(
+            Status.TIMED_OUT,
+            Reason.PEER_TIMED_OUT,
+            "the receiver's kv_transfer_timeout_ms had passed before the write was posted; "
+            "not posted",
+        )
+    if conn.stale:
+        return Terminal.peer(
+            Status.FAILED,
+            Reason.PEER_LOST,
+            "no heartbeat answer from the receiver within heartbeat_timeout_ms; not posted",
+        )
+    return None
 
 
 async def _refuse(conn: PeerConnection, msg: RequestData, reason: str, message: str) -> None:

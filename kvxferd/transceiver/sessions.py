@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ class EngineLink(Protocol):
     name: str
 
     def deliver(self, outcome: Outcome) -> None: ...
+
+    def released(self, request_id: str, side: str, how: str, held_ms: float) -> None:
+        """Blocks reported held (Outcome.blocks_held) are back: no write can land there."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,11 @@ class RxSession(_Session):
     rx_token: int = 0
     admitted: bool = False
     result: tuple[str, int, str] | None = None  # (status, nbytes, message) of the last slice
+    # Ended, but its blocks are still on loan until fenced (kvxferd.transceiver.holds);
+    # `forget` once the engine released the id meanwhile.
+    held: bool = False
+    forget: bool = False
+    deadline: float = math.inf  # monotonic; set at admission (the per-task timeout)
     legs: list[RxLeg] = field(default_factory=list)
     # Rounds reported in a leg's reservation and not yet scattered, in arrival order:
     # (leg, first, end, nbytes, last).
@@ -179,9 +189,16 @@ def release_finished(sessions: MutableMapping[str, Any], request_id: str, what: 
     del sessions[request_id]
 
 
-def conclude(session: _Session, side: str, pool: LocalPool | None, log: logging.Logger) -> None:
-    """The one exit of every session: final state, blocks off loan, one logged outcome,
-    delivered once to the engine. Callers have already made the work quiescent."""
+def conclude(
+    session: _Session,
+    side: str,
+    pool: LocalPool | None,
+    log: logging.Logger,
+    blocks_held: bool = False,
+) -> None:
+    """The one exit of every session: final state, blocks off loan (or `blocks_held`, kept
+    by a hold until fenced), one logged outcome, delivered once to the engine. Callers have
+    already made the work quiescent, or handed what is not to a hold."""
     term = session.terminal
     assert term is not None
     if term.status == Status.DONE:
@@ -190,25 +207,26 @@ def conclude(session: _Session, side: str, pool: LocalPool | None, log: logging.
         session.state = SessionState.FAILED
     if pool is not None:
         pool.users.discard(f"{'tx' if side == 'send' else 'rx'}:{session.request_id}")
-    session.outcome = make_outcome(session, side)
+    session.outcome = make_outcome(session, side, blocks_held)
     # Successes at DEBUG: at thousands of requests a second, one line each
     # would drown the log; every failure is logged with its reason.
     log.log(
         logging.DEBUG if term.status == Status.DONE else logging.WARNING,
-        "%s %s: %s (%s, %s fault)%s",
+        "%s %s: %s (%s, %s fault)%s%s",
         side,
         session.request_id,
         term.status,
         term.reason,
         term.fault,
         f": {term.message}" if term.message else "",
+        "; blocks held until the writer is fenced" if blocks_held else "",
         extra={"request_id": session.request_id},
     )
     if session.engine is not None:
         session.engine.deliver(session.outcome)
 
 
-def make_outcome(session: _Session, side: str) -> Outcome:
+def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Outcome:
     term = session.terminal or Terminal.local(Status.FAILED, "internal", "no terminal state")
     return Outcome(
         request_id=session.request_id,
@@ -219,4 +237,5 @@ def make_outcome(session: _Session, side: str) -> Outcome:
         message=term.message,
         nbytes=session.nbytes if term.status == Status.DONE else 0,
         elapsed_ms=(time.monotonic() - session.created) * 1e3,
+        blocks_held=blocks_held,
     )

@@ -48,7 +48,7 @@ from kvxferd.peers.messages import Result, RoundAck
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
 from kvxferd.transceiver.legs import RxLeg, TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.receiver import Receiver
-from kvxferd.transceiver.sender import Sender
+from kvxferd.transceiver.sender import Sender, post_refusal
 from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
@@ -304,11 +304,19 @@ class StagedSender(Sender):
                         conn.key, conn.info.transport_address, _CONNECT_TIMEOUT_S
                     )
                     self._connected.add(conn.key)
+                refused = post_refusal(s, conn)
+                if refused is not None:
+                    s.request_end(refused)  # an ended request announces no further round
+                    return False
                 if not await conn.send(result):
                     s.request_end(
                         Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not announce a round")
                     )
                     s.mark_told(leg)
+                    return False
+                refused = post_refusal(s, conn)
+                if refused is not None:
+                    s.request_end(refused)  # an ended request sends no further round
                     return False
                 data = self.bounce.send.view(res, nbytes).data
                 tag = round_tag(leg.request.rx_token, result.first_block)
@@ -348,6 +356,13 @@ class StagedReceiver(Receiver):
 
     transport: TwoSidedTransport | None = None
     _drops: set[asyncio.Task[None]] | None = None
+    # Peers write only into the staging reservations; our own scatter fills the blocks.
+    exposes_blocks = False
+
+    def _reservations_exposed(self) -> bool:
+        # Two-sided: bytes land only where our own posted receive puts them, and that
+        # receive has completed or expired (nothing lands after) before a session ends.
+        return self.transport is None
 
     async def on_result(self, conn: PeerConnection, msg: Result) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -405,6 +420,13 @@ class StagedReceiver(Receiver):
             s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
             return
         k = blocks_per_round(region.nbytes, len(s.blocks), sizes)
+        if self._reservations_exposed():
+            # A peer that stalls mid-request leaves its reservation quarantined until it is
+            # fenced (kvxferd.transceiver.holds): one request never takes more than half the
+            # region, so one stalled peer cannot stop every other peer's transfers.
+            half = blocks_per_round(region.nbytes // 2, len(s.blocks), sizes)
+            if half > 0:
+                k = min(k, half)
         if k == 0:
             s.request_end(
                 Terminal.local(
@@ -446,9 +468,14 @@ class StagedReceiver(Receiver):
                 )
                 return
             out = self.bounce.recv.view(leg.res, nbytes).data
+            # Bounded by what is left of the receive's own deadline: the outcome is due then.
+            left = s.deadline - time.monotonic()
             try:
                 got = await self.transport.recv(
-                    leg.conn.key, round_tag(s.rx_token, first), out, self.timeouts.timeout_s
+                    leg.conn.key,
+                    round_tag(s.rx_token, first),
+                    out,
+                    None if left == math.inf else max(0.0, left),
                 )
             except TransferTimeoutError as exc:
                 s.request_end(Terminal.local(Status.TIMED_OUT, Reason.RECEIVER_TIMEOUT, str(exc)))

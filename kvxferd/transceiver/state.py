@@ -64,3 +64,6 @@ class Outcome:
     message: str
     nbytes: int
     elapsed_ms: float
+    # A failure whose blocks the daemon still holds: a write into them may still land. The
+    # engine must not reuse them before the `released` event for this request.
+    blocks_held: bool = False
