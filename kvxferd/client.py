@@ -54,7 +54,8 @@ __all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome", "
 class Released:
     """Blocks an outcome reported held are back: no write into them can land any more.
     `how`: the fence (abort_ack: the writer confirmed; peer_exited: its process is gone;
-    peer_restarted: it came back as a new incarnation)."""
+    peer_restarted: it came back as a new incarnation; peer_quiescent: it refused our
+    stale incarnation and said that nothing of ours is in flight)."""
 
     request_id: str
     side: str

@@ -39,7 +39,25 @@ class HandshakeError(KvxferdError):
 
 
 class IncompatiblePeerError(HandshakeError):
-    """The peer was refused because its settings cannot work with ours."""
+    """The peer was refused because its settings cannot work with ours.
+
+    When the other side refused us, `reason` is its code and `quiescent` its word that
+    nothing our daemon (this incarnation) asked of it can still be written;
+    `peer_incarnation` is the refusing daemon's (empty: unknown)."""
+
+    def __init__(
+        self,
+        message: str,
+        reason: str = "",
+        quiescent: bool = False,
+        peer_name: str = "",
+        peer_incarnation: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.quiescent = quiescent
+        self.peer_name = peer_name
+        self.peer_incarnation = peer_incarnation
 
 
 class DuplicateRequestError(KvxferdError):

@@ -134,7 +134,7 @@ class OutcomeMsg(_Msg, tag="outcome"):
 
 class ReleasedMsg(_Msg, tag="released"):
     """Blocks of a request reported with `blocks_held` are back: no write can land there.
-    `how`: the fence (abort_ack, peer_exited, peer_restarted)."""
+    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent)."""
 
     request_id: str
     side: str

@@ -63,8 +63,8 @@ class PeerIdentity:
 # Returns None when the peer's Info is acceptable, else (reason code, message).
 InfoCheck = Callable[[PeerIdentity, Info], "tuple[str, str] | None"]
 # Asked once the peer proved the secret, before any metadata is sent: None to go on,
-# else (reason code, message) (e.g. its name belongs to a live, connected peer).
-Admit = Callable[[PeerIdentity], Awaitable["tuple[str, str] | None"]]
+# else the Refused to send (e.g. its name belongs to a live, connected peer).
+Admit = Callable[[PeerIdentity], Awaitable["Refused | None"]]
 
 
 async def _admit(
@@ -74,8 +74,11 @@ async def _admit(
         return
     refusal = await admit(peer)
     if refusal is not None:
-        await _refuse(writer, *refusal)
-        raise IncompatiblePeerError(f"refused {peer.name} at {label}: {refusal[1]}")
+        with contextlib.suppress(ConnectionError, OSError):
+            await _send(writer, refusal)
+        raise IncompatiblePeerError(
+            f"refused {peer.name} at {label}: {refusal.message}", refusal.reason
+        )
 
 
 def _proof(secret: bytes, label: bytes, first: bytes, second: bytes, names: str) -> bytes:
@@ -93,7 +96,9 @@ async def _recv(reader: asyncio.StreamReader, peer: str) -> PeerMessage:
     if msg is None:
         raise HandshakeError(f"{peer} closed the connection during the handshake")
     if isinstance(msg, Refused):
-        raise IncompatiblePeerError(f"refused by {peer}: {msg.reason}: {msg.message}")
+        raise IncompatiblePeerError(
+            f"refused by {peer}: {msg.reason}: {msg.message}", msg.reason, msg.quiescent
+        )
     return msg
 
 
@@ -148,7 +153,11 @@ async def client_handshake(
     peer = PeerIdentity(name=msg.name, incarnation=msg.incarnation, role=msg.role)
     await _send(writer, Auth(proof=_proof(me.secret, b"client", msg.nonce, nonce_c, names)))
     await _admit(admit, writer, peer, peer_label)
-    info = await _recv(reader, peer_label)
+    try:
+        info = await _recv(reader, peer_label)
+    except IncompatiblePeerError as exc:
+        exc.peer_name, exc.peer_incarnation = peer.name, peer.incarnation  # who refused
+        raise
     info = _expect(info, Info, peer_label)
     refusal = check(peer, info)
     if refusal is not None:

@@ -22,7 +22,7 @@ from kvxferd.peers.handshake import (
     client_handshake,
     server_handshake,
 )
-from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate
+from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate, Refused
 from kvxferd.transceiver.dataplane import DataPlane
 
 log = logging.getLogger("kvxferd.peers")
@@ -86,6 +86,9 @@ class PeerManager:
         # Called once a connection is registered, with the Info we sent in its handshake:
         # what changed on our side since that Info was made reached no broadcast.
         self.on_established: Callable[[PeerConnection, Info], Awaitable[None]] | None = None
+        # Waits until nothing that incarnation asked for can still be written (our
+        # transfers for it released); True when so. Backs a quiescent refusal.
+        self.settle_incarnation: Callable[[PeerIdentity], Awaitable[bool]] | None = None
 
     # ------------------------------------------------------------- listening
 
@@ -181,7 +184,7 @@ class PeerManager:
 
         return make_info, sent
 
-    async def _admit(self, peer: PeerIdentity) -> tuple[str, str] | None:
+    async def _admit(self, peer: PeerIdentity) -> Refused | None:
         """A second daemon under the name of a live, connected peer is refused: replacing
         the live one would fail all its requests. An old connection that does not answer
         a ping in time (its daemon died without a FIN, or restarted and the old socket is
@@ -199,10 +202,19 @@ class PeerManager:
                     old.peer.incarnation,
                     old.label,
                 )
-                return (
-                    "name_in_use",
-                    f"a live peer named {peer.name!r} is connected and answering; "
+                # The refused daemon may be a stale incarnation that resumed and still
+                # holds memory our writes could reach: say when nothing of its can.
+                quiescent = False
+                if self.settle_incarnation is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        quiescent = await asyncio.wait_for(
+                            self.settle_incarnation(peer), self.timings.handshake_s / 4
+                        )
+                return Refused(
+                    reason="name_in_use",
+                    message=f"a live peer named {peer.name!r} is connected and answering; "
                     "a second daemon may not take its name",
+                    quiescent=quiescent,
                 )
             if old.peer.incarnation != peer.incarnation:
                 log.info(

@@ -87,10 +87,14 @@ class Ready(_Msg, tag="ready"):
 
 
 class Refused(_Msg, tag="refused"):
-    """The handshake is refused; `reason` is a code, `message` names the mismatch."""
+    """The handshake is refused; `reason` is a code, `message` names the mismatch.
+
+    `quiescent` (name_in_use only): every transfer the refused daemon's incarnation asked
+    for has been released here, so nothing can still be written into its memory."""
 
     reason: str
     message: str
+    quiescent: bool = False
 
 
 # --- steady state ----------------------------------------------------------

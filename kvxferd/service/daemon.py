@@ -199,6 +199,9 @@ class Daemon:
         self.admission.on_wait = self.metrics.observe_admission_wait
         self.peers.observer = self.metrics
         self.peers.on_established = self._established
+        self.peers.settle_incarnation = lambda peer: self.sender.settle_incarnation(
+            peer.name, peer.incarnation
+        )
         self.receiver.on_hold_released = self._hold_released
         self.notifier = Notifier()
         self.loop_monitor = LoopMonitor()

@@ -341,7 +341,8 @@ def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
     yield oldest
     released = CounterMetricFamily(
         "kvxferd_holds_released",
-        "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted).",
+        "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted, "
+        "peer_quiescent).",
         labels=["how"],
     )
     for how, count in sorted(holds.released_total.items()):

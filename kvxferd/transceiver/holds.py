@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvxferd.errors import KvxferdError
+from kvxferd.errors import IncompatiblePeerError, KvxferdError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Abort, AbortAck
 from kvxferd.peers.process import ProcessInfo, ProcessWatch, watch
@@ -48,6 +48,9 @@ class Fence:
     ABORT_ACK = "abort_ack"
     PEER_EXITED = "peer_exited"
     PEER_RESTARTED = "peer_restarted"
+    # It refused our new connection (our name was taken meanwhile), saying that every
+    # transfer we asked of it is released (Refused.quiescent).
+    PEER_QUIESCENT = "peer_quiescent"
 
 
 @dataclass(eq=False)
@@ -252,9 +255,19 @@ class HoldKeeper:
         conn: PeerConnection | None = None
         while peer.leg.key in self._peers and not self.closed:
             if conn is None or conn.closed.is_set():
-                with contextlib.suppress(KvxferdError, OSError, asyncio.TimeoutError):
+                try:
                     # A new connection runs on_established, which asks again.
                     conn = await self._connect(peer.leg.address)
+                except IncompatiblePeerError as exc:
+                    if (
+                        exc.quiescent
+                        and exc.peer_name == peer.leg.name
+                        and exc.peer_incarnation == peer.leg.incarnation
+                    ):
+                        self._fence_peer(peer.leg.key, Fence.PEER_QUIESCENT)
+                        return
+                except (KvxferdError, OSError, asyncio.TimeoutError):
+                    pass
             peer.wake.clear()
             waits: list[asyncio.Future[object]] = [asyncio.ensure_future(peer.wake.wait())]
             if conn is not None and not conn.closed.is_set():

@@ -345,6 +345,28 @@ class Sender:
         if s.task is not None:
             await asyncio.shield(s.task)
 
+    async def settle_incarnation(self, name: str, incarnation: str) -> bool:
+        """Wait until no transfer for daemon `name`/`incarnation` can still move bytes; True
+        once none is left. Only for an incarnation whose connections are all closed (a
+        stale one): its sessions ended when they closed and only need to quiesce."""
+        mine = [
+            s
+            for s in self.sessions.values()
+            if any(
+                leg.conn.peer.name == name and leg.conn.peer.incarnation == incarnation
+                for leg in s.legs
+            )
+        ]
+        if any(
+            not leg.conn.closed.is_set()
+            for s in mine
+            for leg in s.legs
+            if leg.conn.peer.incarnation == incarnation
+        ):
+            return False
+        await settle(mine)
+        return all(s.xfer is None for s in mine)
+
     async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
         cancelled = True

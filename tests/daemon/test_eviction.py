@@ -236,17 +236,16 @@ def test_resumed_stale_incarnation_cannot_take_its_name_back(cluster: LocalClust
     and its dial under its old name is refused while the new incarnation answers; the
     new one keeps its connection and is served.
 
-    Known gap (checked last): the resumed daemon's hold on the failed request's blocks
-    can only be fenced by an AbortAck from the context daemon, over a connection that
-    is now always refused (name_in_use); the context daemon is alive (no peer_exited)
-    and the resumed daemon sees no new incarnation of it (no peer_restarted). So the
-    hold, and the gone engine's pool, stay until the context daemon exits."""
+    The resumed daemon's hold on the failed request's blocks cannot be fenced by an
+    AbortAck (every connection it makes is refused) nor by death or a restart of the
+    context daemon: the refusal itself says that nothing its incarnation asked for can
+    still be written (Refused.quiescent), which releases the hold."""
     cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
     ctx = cluster.start_daemon("ctx", "context", **cfg)
     gen = cluster.start_daemon("gen", "generation", **cfg)
     old_incarnation = str(status(gen)["incarnation"])
 
-    async def scenario() -> bool:
+    async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
             await transfer_one(ctx, c, g, "before-stop", 100)
             await g.recv("held-by-stopped", 100, ctx.peer_address)
@@ -280,22 +279,13 @@ def test_resumed_stale_incarnation_cannot_take_its_name_back(cluster: LocalClust
                 await transfer_one(ctx, c, g2, "after-resume", 100)
             assert peers(ctx) == [("gen", new_incarnation)]
 
-            # The gap: is the failed request's memory ever handed back?
-            if not held.blocks_held:
-                return True
-            try:
-                await g.client.wait_released("held-by-stopped", timeout_s=15)
-            except asyncio.TimeoutError:
-                return False
-            return True
+            # The failed request's memory is handed back on the quiescent refusal.
+            assert held.blocks_held, held
+            rel = await g.client.wait_released("held-by-stopped", timeout_s=15)
+            assert rel.how == "peer_quiescent", rel
 
-    fenced = asyncio.run(scenario())
+    asyncio.run(scenario())
     assert peers(ctx) == [("gen", str(status(ctx)["peers"][0]["incarnation"]))]
     assert "Traceback" not in ctx.log_text()
     assert_clean(ctx)
-    if not fenced:
-        pytest.xfail(
-            "the resumed stale incarnation's hold is never fenced: its Abort needs a "
-            "connection the context daemon refuses (name_in_use)"
-        )
     assert_clean(gen)
