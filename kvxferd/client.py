@@ -64,6 +64,7 @@ class Released:
 
 
 T = TypeVar("T")
+E = TypeVar("E")
 
 
 class CallError(KvxferdError):
@@ -371,13 +372,22 @@ class AsyncClient:
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
         """The outcome of `request_id`, waiting for it if needed."""
-        outcome = self.poll(request_id)
-        if outcome is not None:
-            return outcome
+        return await self._wait_event(self.poll(request_id), self._waiters, request_id, timeout_s)
+
+    async def _wait_event(
+        self,
+        got: E | None,
+        waiters: dict[str, list[asyncio.Future[E]]],
+        request_id: str,
+        timeout_s: float | None,
+    ) -> E:
+        """`got` if it already arrived, else wait for the daemon to push it."""
+        if got is not None:
+            return got
         if self._reader_task is None or self._reader_task.done():
             raise DaemonGoneError(self._closed_reason or "not connected")
-        waiter: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(request_id, []).append(waiter)
+        waiter: asyncio.Future[E] = asyncio.get_running_loop().create_future()
+        waiters.setdefault(request_id, []).append(waiter)
         return await asyncio.wait_for(waiter, timeout_s)
 
     def released(self, request_id: str) -> Released | None:
@@ -389,14 +399,9 @@ class AsyncClient:
         (its `released` event): only then may the engine reuse them. There is no timer
         behind it: it comes when the daemon proves no write can still land. Raises
         DaemonGoneError if the daemon goes away first (then never reuse those blocks)."""
-        got = self._released.get(request_id)
-        if got is not None:
-            return got
-        if self._reader_task is None or self._reader_task.done():
-            raise DaemonGoneError(self._closed_reason or "not connected")
-        waiter: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
-        self._release_waiters.setdefault(request_id, []).append(waiter)
-        return await asyncio.wait_for(waiter, timeout_s)
+        return await self._wait_event(
+            self._released.get(request_id), self._release_waiters, request_id, timeout_s
+        )
 
     async def close(self) -> None:
         self._out.close()
