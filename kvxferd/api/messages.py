@@ -167,3 +167,4 @@ class ApiError:
     STILL_ACTIVE = "still_active"
     DRAINING = "draining"
     VERSION = "version"
+    BLOCKS_ON_LOAN = "blocks_on_loan"

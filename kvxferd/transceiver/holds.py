@@ -77,6 +77,7 @@ class Hold:
     blocks: int  # engine blocks kept on loan (0: the engine has them back)
     reservations: list[Reservation]
     pending: list[HeldLeg]
+    blocks_ids: list[int] = field(default_factory=list)  # which ones
     since: float = field(default_factory=time.monotonic)
 
     @property

@@ -349,6 +349,11 @@ def test_held_id_and_pool_outlive_the_engine_until_fenced(cluster: LocalCluster)
                 with pytest.raises(CallError) as err:
                     await g.client.recv("held", g.pool_id, blocks, ctx.peer_address, 10 * TPB)
                 assert err.value.code == "duplicate_request" and "held" in str(err.value)
+                # A careless engine that reuses held blocks under another id is refused too.
+                with pytest.raises(CallError) as err:
+                    await g.client.recv("reuse", g.pool_id, blocks[:3], ctx.peer_address, 3 * TPB)
+                assert err.value.code == "blocks_on_loan", err.value
+                assert "held until its writer is fenced" in str(err.value), err.value
                 assert status(gen)["holds"]["requests"] == 1
             finally:
                 await g.close(deregister=True)  # refused while held: the pool stays
@@ -415,6 +420,29 @@ def test_bounce_reservation_and_blocks_held_until_fenced(cluster: LocalCluster) 
             assert status(gen)["bounce"]["recv_in_use_bytes"] == 0
             await g.client.release("held")
             g.alloc.give(blocks)
+
+    asyncio.run(scenario())
+    assert_clean(gen)
+
+
+def test_a_block_takes_one_receive_at_a_time(cluster: LocalCluster) -> None:
+    """Two receives into one block would let one request's writer overwrite what the other
+    verifies: the second is refused while the first is in flight, accepted once it ended."""
+    ctx = cluster.start_daemon("ctx", "context", **_cfg(20000))
+    gen = cluster.start_daemon("gen", "generation", **_cfg(20000))
+
+    async def scenario() -> None:
+        async with engine(ctx) as c, engine(gen) as g:
+            blocks = g.alloc.take(4)
+            await g.client.recv("first", g.pool_id, blocks, ctx.peer_address, 4 * TPB)
+            with pytest.raises(CallError) as err:
+                await g.client.recv("second", g.pool_id, blocks[2:], ctx.peer_address, 2 * TPB)
+            assert err.value.code == "blocks_on_loan" and "'first'" in str(err.value)
+            assert "in flight" in str(err.value), err.value
+            assert await g.client.cancel("first") == "cancelled"
+            assert (await g.client.wait("first", timeout_s=10)).status == "cancelled"
+            await g.client.release("first")
+            await serve(c, ctx, g, "second", blocks[2:])
 
     asyncio.run(scenario())
     assert_clean(gen)
