@@ -86,6 +86,16 @@ class ProcessWatch:
             self.fd = -1
 
 
+def exited(peer: ProcessInfo) -> bool:
+    """True when `peer` is provably gone now (False: alive, or nothing can be proven)."""
+    w = watch(peer)
+    if w is None:
+        return False
+    gone = w.gone_at_open
+    w.close()
+    return gone
+
+
 def watch(peer: ProcessInfo) -> ProcessWatch | None:
     """Open a watch on `peer` (None: its pid means nothing here, so no death can be proven).
 

@@ -42,6 +42,7 @@ from kvxferd.peers.messages import (
     RequestData,
     Result,
 )
+from kvxferd.peers.process import exited
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
@@ -670,6 +671,8 @@ class Receiver:
             conn = leg.conn
             if conn is None:
                 continue  # never connected, so never asked
+            if exited(conn.info.process):
+                continue  # its process is gone already (killed): nothing to hold for
             pending.append(
                 HeldLeg(conn.peer.name, conn.peer.incarnation, leg.peer_address, conn.info.process)
             )

@@ -170,7 +170,9 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
             assert cut, "the writer finished every write before it could be stopped"
             o: Outcome = await g.client.wait(rid, timeout_s=15)
             assert o.status in ("failed", "timed_out"), o
-            assert o.blocks_held, o
+            # A killed writer may be known gone by the time the outcome is made: then the
+            # blocks come back with it.
+            assert o.blocks_held or sig == signal.SIGKILL, o
             at_outcome = written(g, blocks)
             if sig == signal.SIGSTOP:
                 # Nothing proves the stopped writer harmless: the blocks stay held, shown
@@ -185,19 +187,21 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
                 rel = await g.client.wait_released(rid, timeout_s=30)
                 assert rel.how == "abort_ack", rel
             else:
-                rel = await g.client.wait_released(rid, timeout_s=30)
-                assert rel.how == "peer_exited", rel
+                if o.blocks_held:
+                    rel = await g.client.wait_released(rid, timeout_s=30)
+                    assert rel.how == "peer_exited", rel
                 others = g.alloc.take(200)
                 await serve(c2, ctx2, g, "other", others)
             await g.client.release(rid)
-            print(
-                f"blocks written at the outcome {at_outcome}, at the release {written(g, blocks)}"
-            )
+            # The blocks the stopped writer still wrote after the outcome (the late writes
+            # the hold kept out of reused memory), for the failure message below.
+            late = written(g, blocks) - at_outcome
             # Reuse the released blocks for a new request from the other context daemon.
             await serve(c2, ctx2, g, "reuse", blocks)
             if sig == signal.SIGSTOP:
                 wait_for(lambda: quiescent(ctx1), what="the resumed writer to settle")
-            assert g.verify("reuse", blocks, len(blocks) * TPB).ok, "a late write landed"
+            ok = g.verify("reuse", blocks, len(blocks) * TPB).ok
+            assert ok, f"a late write landed in reused blocks ({late} were written late)"
             assert g.verify("other", others, len(others) * TPB).ok
             assert status(gen)["holds"]["blocks"] == 0
 
