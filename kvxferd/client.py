@@ -91,6 +91,7 @@ class AsyncClient:
         self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
         # Requests whose held blocks came back (ReleasedMsg), and who waits for that.
         self._released: dict[str, Released] = {}
+        self._held: set[str] = set()  # receives reported blocks_held, not released yet
         self._release_waiters: dict[str, list[asyncio.Future[Released]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
@@ -168,6 +169,11 @@ class AsyncClient:
             elapsed_ms=msg.elapsed_ms,
             blocks_held=msg.blocks_held,
         )
+        if msg.side == "recv":
+            # A new outcome is a new request under this id: an earlier release is not its.
+            self._released.pop(msg.request_id, None)
+            if msg.blocks_held:
+                self._held.add(msg.request_id)
         self._outcomes[(msg.request_id, msg.side)] = outcome
         for fut in self._waiters.pop(msg.request_id, []):
             if not fut.done():
@@ -175,6 +181,7 @@ class AsyncClient:
 
     def _on_released(self, msg: ReleasedMsg) -> None:
         released = Released(msg.request_id, msg.side, msg.how, msg.held_ms)
+        self._held.discard(msg.request_id)
         self._released[msg.request_id] = released
         for fut in self._release_waiters.pop(msg.request_id, []):
             if not fut.done():
@@ -310,6 +317,7 @@ class AsyncClient:
         all have).
         """
         single = isinstance(peer, str)
+        self._released.pop(request_id, None)  # a release of an earlier request of this id
         await self._call(
             Recv(
                 call_id=next(self._ids),
@@ -398,7 +406,13 @@ class AsyncClient:
         """Wait until the blocks of a request whose outcome had `blocks_held` are back
         (its `released` event): only then may the engine reuse them. There is no timer
         behind it: it comes when the daemon proves no write can still land. Raises
-        DaemonGoneError if the daemon goes away first (then never reuse those blocks)."""
+        DaemonGoneError if the daemon goes away first (then never reuse those blocks), and
+        CallError `not_held` at once for a request whose blocks were not reported held."""
+        if request_id not in self._held and request_id not in self._released:
+            raise CallError(
+                "not_held",
+                f"request {request_id!r} has no held blocks (no outcome with blocks_held)",
+            )
         return await self._wait_event(
             self._released.get(request_id), self._release_waiters, request_id, timeout_s
         )

@@ -59,6 +59,10 @@ class PeerConnection:
         self.closed = asyncio.Event()
         self.close_reason = ""
         self.heartbeat_lost = False  # closed because the peer fell silent
+        self.dialed = False  # we opened it (to `label`), rather than accepted it
+        # Our wall clock minus the peer's, from its Info (0: unknown). A deadline the peer
+        # states in its own wall clock is ours plus this.
+        self.clock_offset_ms = int(time.time() * 1e3) - info.wall_ms if info.wall_ms else 0
         self._tasks: list[asyncio.Task[None]] = []
 
     def set_pools(self, pools: list[PoolInfo]) -> None:
@@ -101,14 +105,15 @@ class PeerConnection:
         return not self.closed.is_set()
 
     async def probe(self, timeout_s: float) -> bool:
-        """Ping and wait up to `timeout_s` for any frame: True when the peer answers (its
-        daemon is running and reads this connection)."""
+        """Ping and wait up to `timeout_s` for the answer to a ping sent now: True when the
+        peer's daemon runs and reads this connection. Frames that were already on their way
+        (queued before a stall, sent by a daemon that has since closed) do not count."""
         start = time.monotonic()
         if not await self._ping():
             return False
         deadline = start + timeout_s
         while not self.closed.is_set():
-            if self._last_heard >= start:
+            if self._alive_at >= start:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -132,6 +137,12 @@ class PeerConnection:
         self._alive_at = max(self._alive_at, sent)
         for old in [k for k in self._pings if k <= seq]:
             del self._pings[old]
+
+    async def fresh(self) -> bool:
+        """Not stale, or the peer answers a ping now (up to two heartbeat intervals): after
+        a stall of our own the connection looks stale until the next ping round trip,
+        which must not fail the writes of a peer that is fine."""
+        return not self.stale or await self.probe(2 * self._interval)
 
     @property
     def stale(self) -> bool:

@@ -169,7 +169,7 @@ class PeerManager:
             self._count_failure(exc)
             log.warning("handshake with %s failed: %s", address, exc)
             raise
-        conn = await self._established(reader, writer, peer, info, address, sent)
+        conn = await self._established(reader, writer, peer, info, address, sent, dialed=True)
         self._by_address[address] = conn
         return conn
 
@@ -189,7 +189,8 @@ class PeerManager:
         the live one would fail all its requests. An old connection that does not answer
         a ping in time (its daemon died without a FIN, or restarted and the old socket is
         half-open) is closed and the newcomer admitted."""
-        probe_s = min(2 * self.timings.heartbeat_interval_s, self.timings.handshake_s / 2)
+        # As long as the heartbeat would give a silent peer, within the handshake's time.
+        probe_s = min(self.timings.heartbeat_timeout_s, self.timings.handshake_s / 2)
         for old in list(self.connections.values()):
             if old.peer.name != peer.name or old.closed.is_set():
                 continue
@@ -237,6 +238,7 @@ class PeerManager:
         info: Info,
         label: str,
         sent: list[Info] | None = None,
+        dialed: bool = False,
     ) -> PeerConnection:
         # A restarted peer (same name, new incarnation) replaces its old connection.
         for old in list(self.connections.values()):
@@ -263,6 +265,7 @@ class PeerManager:
             self.timings.heartbeat_interval_s,
             self.timings.heartbeat_timeout_s,
         )
+        conn.dialed = dialed
         self.connections[conn.key] = conn
         conn.start(self._on_message, self._closed)
         if self.on_established is not None and sent:

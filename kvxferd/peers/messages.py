@@ -80,6 +80,9 @@ class Info(_Msg, tag="info"):
     # The daemon's process (boot id, pid namespace, pid, start time): a receiver on the
     # same kernel can prove that a writer is gone (kvxferd.peers.process).
     process: ProcessInfo = msgspec.field(default_factory=ProcessInfo)
+    # The sender's wall clock (Unix ms) as it made this Info: the peer learns the offset
+    # between the two clocks, so RequestData.expires_unix_ms survives clock skew.
+    wall_ms: int = 0
 
 
 class Ready(_Msg, tag="ready"):

@@ -108,8 +108,8 @@ def watch(peer: ProcessInfo) -> ProcessWatch | None:
         fd = os.pidfd_open(peer.pid)
     except ProcessLookupError:
         return ProcessWatch(-1)
-    except OSError:
-        return None  # e.g. no pidfd support: cannot prove anything
+    except (OSError, OverflowError, ValueError):
+        return None  # no pidfd support, or a pid that cannot be one: cannot prove anything
     fields = _stat_fields(peer.pid)
     if (
         fields is None

@@ -527,12 +527,15 @@ class Daemon:
         for pool in mine:
             if pool.users:
                 # Held: a write may still land there. Our mapping keeps the memory valid
-                # (a late write lands harmlessly); the pool goes once its holds are fenced.
+                # (a late write lands harmlessly); the pool goes once its holds are fenced,
+                # under another id meanwhile, so a restarted engine can register its own.
+                aside = self.pools.set_aside(pool.pool_id)
                 log.warning(
-                    "pool %s of the gone engine %r stays registered until its %d hold(s) "
-                    "are fenced",
+                    "pool %s of the gone engine %r stays registered as %s until its %d "
+                    "hold(s) are fenced",
                     pool.pool_id,
                     engine.name,
+                    aside,
                     len(pool.users),
                 )
                 continue
@@ -621,6 +624,7 @@ class Daemon:
             bounce_base=self.bounce.recv.address if self.bounce else 0,
             bounce_nbytes=self.bounce.recv.nbytes if self.bounce else 0,
             process=process.me(),
+            wall_ms=int(time.time() * 1e3),
         )
 
     def _check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:

@@ -72,6 +72,17 @@ class PoolRegistry:
     def __init__(self, dataplane: DataPlane) -> None:
         self._dp = dataplane
         self.pools: dict[str, LocalPool] = {}
+        self._set_aside = 0
+
+    def set_aside(self, pool_id: str) -> str:
+        """Keep a pool registered under a new id (`ID@held-N`) so that its own id is free:
+        its engine is gone, but a write may still land there until its holds are fenced,
+        and the restarted engine registers its pool under the same id."""
+        pool = self.pools.pop(pool_id)
+        self._set_aside += 1
+        pool.pool_id = f"{pool_id}@held-{self._set_aside}"
+        self.pools[pool.pool_id] = pool
+        return pool.pool_id
 
     def get(self, pool_id: str) -> LocalPool:
         pool = self.pools.get(pool_id)

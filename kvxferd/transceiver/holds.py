@@ -59,7 +59,7 @@ class HeldLeg:
 
     name: str
     incarnation: str
-    address: str  # as the receive named it: how to dial it again
+    address: str  # HOST:PORT we reached it at: where to dial it again
     process: ProcessInfo | None
 
     @property
@@ -125,8 +125,8 @@ class HoldKeeper:
     def add(self, hold: Hold) -> None:
         """Keep `hold` until every pending leg is fenced."""
         self.holds[hold.key] = hold
-        if hold.pool is not None:
-            hold.pool.users.add(hold.user)
+        if hold.pool is not None and hold.blocks:
+            hold.pool.users.add(hold.user)  # a peer may write into the pool: keep it
         log.warning(
             "request %s: %d block(s) and %d reservation(s) held until %s cannot write any more",
             hold.request_id,
@@ -162,7 +162,12 @@ class HoldKeeper:
 
     def on_abort_ack(self, conn: PeerConnection, msg: AbortAck) -> bool:
         """True when the ack fenced a leg of a hold."""
-        hold = self.holds.get((msg.request_id, msg.rx_token))
+        return self.on_fence_message(conn, msg.request_id, msg.rx_token)
+
+    def on_fence_message(self, conn: PeerConnection, request_id: str, rx_token: int) -> bool:
+        """A message the writer sends only once nothing more of it can land (AbortAck, its
+        own Abort, its last Result) arrived from `conn`: True when it fenced a leg."""
+        hold = self.holds.get((request_id, rx_token))
         if hold is None:
             return False
         for leg in hold.pending:
@@ -188,7 +193,10 @@ class HoldKeeper:
                             message=hold.message,
                         )
                     )
-            elif peer.watch is None:
+            elif peer.watch is None and conn.dialed and conn.label == leg.address:
+                # Only a daemon we reached where the old one was: a name alone proves
+                # nothing (another daemon misconfigured with it, a replacement elsewhere
+                # while the old one still drains and writes).
                 log.info(
                     "peer %s came back as incarnation %s: its old transfers are gone",
                     key,

@@ -114,8 +114,11 @@ class Receiver:
             connect, self._release_reservation, timeouts.redial_s, timeouts.redial_max_s
         )
         self.holds.on_released = self._hold_released
+        self._sending: set[asyncio.Task[bool]] = set()  # Aborts still draining
         # Per pool, which request each block on loan belongs to (in flight or held).
-        self._loaned: dict[str, dict[int, str]] = {}
+        # Keyed by the pool object's id: a held pool of a gone engine is set aside under
+        # another pool id.
+        self._loaned: dict[int, dict[int, str]] = {}
         # Told of every hold released (the daemon: metrics, pools of engines gone).
         self.on_hold_released: Callable[[Hold, str], None] | None = None
 
@@ -242,7 +245,11 @@ class Receiver:
     # ----------------------------------------------------------- peer messages
 
     def owns(self, conn: PeerConnection, request_id: str, rx_token: int) -> bool:
-        return self._match(conn, request_id, rx_token) is not None
+        """Ours: an active or finished receive, or the hold of an ended one."""
+        return (
+            self._match(conn, request_id, rx_token) is not None
+            or (request_id, rx_token) in self.holds.holds
+        )
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> RxSession | None:
         s = self.sessions.get(request_id)
@@ -252,6 +259,9 @@ class Receiver:
 
     async def on_result(self, conn: PeerConnection, msg: Result) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
+        if msg.last and msg.status == Reason.OK:
+            # A late last Result of an ended receive: that write completed, nothing follows.
+            self.holds.on_fence_message(conn, msg.request_id, msg.rx_token)
         if s is None or s.terminal is not None:
             return
         leg = s.leg_of(conn)
@@ -283,6 +293,8 @@ class Receiver:
             s.mark_told(leg)
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
+        # Sent only once its write is quiescent: a fence for a hold too (a late Abort).
+        self.holds.on_fence_message(conn, msg.request_id, msg.rx_token)
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is None:
             return
@@ -308,8 +320,9 @@ class Receiver:
         if s is not None and leg is not None:
             leg.abort_acked = leg.fenced = True
             s.wake.set()
-        else:
-            self.holds.on_abort_ack(conn, msg)  # an ended receive's hold, maybe
+        # An ended receive's hold, maybe: the ack came after the grace, on this connection
+        # or on a new one of the same incarnation.
+        self.holds.on_fence_message(conn, msg.request_id, msg.rx_token)
 
     async def on_cancel_answer(self, conn: PeerConnection, msg: CancelAnswer) -> None:
         answer = self._cancel_answers.get((msg.request_id, msg.rx_token, conn.key))
@@ -618,6 +631,7 @@ class Receiver:
         outcome must not wait for a peer that is stopped or unreachable."""
         term = s.terminal
         assert term is not None
+        give_up = time.monotonic() + self.timeouts.ack_grace_s
         waiting: list[tuple[RxLeg, PeerConnection]] = []
         for leg in s.legs:
             conn = leg.conn
@@ -625,16 +639,20 @@ class Receiver:
                 continue
             # Also to a leg that knows the outcome: only an AbortAck proves it stopped.
             leg.told = True
-            await conn.send(
-                Abort(
-                    request_id=s.request_id,
-                    rx_token=s.rx_token,
-                    reason=term.reason,
-                    message=term.message,
-                )
+            abort = Abort(
+                request_id=s.request_id,
+                rx_token=s.rx_token,
+                reason=term.reason,
+                message=term.message,
             )
+            # Waiting for room in the socket (a stopped peer reads nothing) is bounded by
+            # the grace, so the outcome stays on time; the send itself is never cancelled
+            # (it goes out when the socket drains) and is kept until it ends.
+            sending = asyncio.create_task(conn.send(abort))
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
+            await asyncio.wait({sending}, timeout=max(0.0, give_up - time.monotonic()))
             waiting.append((leg, conn))
-        give_up = time.monotonic() + self.timeouts.ack_grace_s
         while True:
             pending = [leg for leg, conn in waiting if not leg.fenced and not conn.closed.is_set()]
             remaining = give_up - time.monotonic()
@@ -673,8 +691,9 @@ class Receiver:
                 continue  # never connected, so never asked
             if exited(conn.info.process):
                 continue  # its process is gone already (killed): nothing to hold for
+            address = conn.label if conn.dialed else leg.peer_address
             pending.append(
-                HeldLeg(conn.peer.name, conn.peer.incarnation, leg.peer_address, conn.info.process)
+                HeldLeg(conn.peer.name, conn.peer.incarnation, address, conn.info.process)
             )
         if not pending:
             return None
@@ -694,7 +713,7 @@ class Receiver:
         """Put `blocks` on loan to `request_id`, or refuse: a block already on loan (in
         flight, or held until its writer is fenced) must not take a second receive, or
         that request's writer could overwrite what this one verifies."""
-        loaned = self._loaned.setdefault(pool.pool_id, {})
+        loaned = self._loaned.setdefault(id(pool), {})
         clash = sorted({b for b in blocks if b in loaned})
         if clash:
             owner = loaned[clash[0]]
@@ -711,12 +730,12 @@ class Receiver:
     def _give_back(self, pool: LocalPool | None, blocks: list[int], request_id: str) -> None:
         if pool is None:
             return
-        loaned = self._loaned.get(pool.pool_id, {})
+        loaned = self._loaned.get(id(pool), {})
         for b in blocks:
             if loaned.get(b) == request_id:
                 del loaned[b]
         if not loaned:
-            self._loaned.pop(pool.pool_id, None)
+            self._loaned.pop(id(pool), None)
 
     def _release_reservation(self, res: Reservation) -> None:
         if self.bounce is not None:

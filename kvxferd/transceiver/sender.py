@@ -696,6 +696,7 @@ class Sender:
         s.posting = True
         status = XferStatus.ERROR
         try:
+            await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
             posted = time.monotonic()
             try:
                 handle, status = await self._dp.call(
@@ -852,7 +853,7 @@ def post_refusal(s: TxSession, conn: PeerConnection) -> Terminal | None:
     if (
         request is not None
         and request.expires_unix_ms
-        and time.time() * 1e3 >= request.expires_unix_ms
+        and time.time() * 1e3 >= request.expires_unix_ms + conn.clock_offset_ms
     ):
         return Terminal.peer(
             Status.TIMED_OUT,

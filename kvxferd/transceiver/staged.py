@@ -304,6 +304,7 @@ class StagedSender(Sender):
                         conn.key, conn.info.transport_address, _CONNECT_TIMEOUT_S
                     )
                     self._connected.add(conn.key)
+                await conn.fresh()
                 refused = post_refusal(s, conn)
                 if refused is not None:
                     s.request_end(refused)  # an ended request announces no further round
@@ -314,10 +315,9 @@ class StagedSender(Sender):
                     )
                     s.mark_told(leg)
                     return False
-                refused = post_refusal(s, conn)
-                if refused is not None:
-                    s.request_end(refused)  # an ended request sends no further round
-                    return False
+                # Announced: the round goes out even if the request ends now. The receiver
+                # waits for it by tag, and two-sided bytes land only in its own posted
+                # receive, so sending cannot touch memory it handed back.
                 data = self.bounce.send.view(res, nbytes).data
                 tag = round_tag(leg.request.rx_token, result.first_block)
                 remaining = None if deadline == math.inf else max(0.0, deadline - time.monotonic())

@@ -345,7 +345,7 @@ def test_held_id_and_pool_outlive_the_engine_until_fenced(cluster: LocalCluster)
     gen = cluster.start_daemon("gen", "generation", **_cfg())
 
     async def scenario() -> None:
-        async with engine(ctx):
+        async with engine(ctx) as c:
             g = await SimEngine.open(gen, num_blocks=POOL_BLOCKS, geometry=SMALL)
             try:
                 blocks = await _held_receive(ctx, g, "held")
@@ -362,10 +362,14 @@ def test_held_id_and_pool_outlive_the_engine_until_fenced(cluster: LocalCluster)
             finally:
                 await g.close(deregister=True)  # refused while held: the pool stays
             wait_for(lambda: status(gen)["engines"] == 0, what="the engine to detach")
-            assert status(gen)["pools"] == ["pool0"], status(gen)["pools"]
-            ctx.kill(signal.SIGCONT)
-            wait_for(lambda: status(gen)["holds"]["requests"] == 0, 30, "the fence")
-            wait_for(lambda: status(gen)["pools"] == [], what="the orphaned pool to go")
+            # Kept, under another id, so that the restarted engine can register its own.
+            assert status(gen)["pools"] == ["pool0@held-1"], status(gen)["pools"]
+            async with engine(gen) as again:
+                assert status(gen)["pools"] == ["pool0", "pool0@held-1"]
+                ctx.kill(signal.SIGCONT)
+                wait_for(lambda: status(gen)["holds"]["requests"] == 0, 30, "the fence")
+                wait_for(lambda: status(gen)["pools"] == ["pool0"], what="the held pool to go")
+                await serve(c, ctx, again, "after", again.alloc.take(8))
             assert status(gen)["holds"]["released"] == {"abort_ack": 1}
 
     asyncio.run(scenario())
@@ -447,6 +451,33 @@ def test_a_block_takes_one_receive_at_a_time(cluster: LocalCluster) -> None:
             assert (await g.client.wait("first", timeout_s=10)).status == "cancelled"
             await g.client.release("first")
             await serve(c, ctx, g, "second", blocks[2:])
+
+    asyncio.run(scenario())
+    assert_clean(gen)
+
+
+def test_a_confirmation_after_the_grace_on_the_same_connection_releases(
+    cluster: LocalCluster,
+) -> None:
+    """The writer stalls past the receive's deadline and the grace but not past the
+    heartbeat timeout: the outcome goes out held, the connection stays up, and the
+    writer's late AbortAck on that same connection releases the hold."""
+    cfg = _cfg(1500, heartbeat_timeout_ms=20000)
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+
+    async def scenario() -> None:
+        async with engine(ctx), engine(gen) as g:
+            try:
+                blocks = await _held_receive(ctx, g, "late")
+                assert [p["name"] for p in status(gen)["peers"]] == ["ctx"]  # still connected
+            finally:
+                ctx.kill(signal.SIGCONT)
+            rel = await g.client.wait_released("late", timeout_s=15)
+            assert rel.how == "abort_ack", rel
+            assert [p["name"] for p in status(gen)["peers"]] == ["ctx"]  # the same connection
+            await g.client.release("late")
+            g.alloc.give(blocks)
 
     asyncio.run(scenario())
     assert_clean(gen)

@@ -33,6 +33,8 @@ class FakeConn:
     peer: _Peer
     sent: list[Any] = field(default_factory=list)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    dialed: bool = True
+    label: str = "127.0.0.1:1"
 
     @property
     def key(self) -> str:
@@ -144,6 +146,11 @@ def test_a_new_incarnation_releases_only_where_death_cannot_be_watched(watchable
         try:
             k = Keeper()
             k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", info if watchable else None)))
+            # A name alone proves nothing: not a connection we dialed, or not where the
+            # old one was.
+            await k.keeper.on_established(FakeConn(_Peer("ctx", "inc2"), dialed=False))
+            await k.keeper.on_established(FakeConn(_Peer("ctx", "inc2"), label="10.0.0.9:1"))
+            assert k.keeper.holds and not k.released
             await k.keeper.on_established(FakeConn(_Peer("ctx", "inc2")))
             if watchable:
                 # Same host: the old process is alive (maybe stopped); its pidfd decides.
