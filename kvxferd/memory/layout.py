@@ -8,6 +8,14 @@ Where the pieces live depends on the layout's *major*:
   piece (layer l, kv k) sits at `(l * kv_factor + k) * piece_bytes`.
 * layer-major: one region per (layer, kv) pair, each holding that piece of every block;
   piece (b, l, k) sits at `((l * kv_factor + k) * num_blocks + b) * piece_bytes`.
+* an explicit order: `major` names the five dimensions block, layer, kv, token, head from
+  the outermost to the innermost, comma-separated (head_dim is always innermost). The two
+  names above are `block,layer,kv,token,head` and `layer,kv,block,token,head`; vLLM's CPU
+  KV cache (one tensor per layer, each block holding per KV head its K rows then its V rows)
+  is `layer,block,head,kv,token`. Whole-block segment math (block_segments, pair_segments)
+  works for every order; pieces (a (layer, kv) slice of a block with its tokens and heads
+  contiguous) exist only in the two named ones, so tensor-parallel head slices, the bounce
+  and staging copies and the reference content need those for now.
 
 Segments are `(offset, length)` rows of an int64 array of shape (N, 2), offsets relative to the
 pool's base. Everything here is vectorised: a transfer of thousands of pieces costs microseconds.
@@ -15,6 +23,7 @@ pool's base. Everything here is vectorised: a transfer of thousands of pieces co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
@@ -26,6 +35,7 @@ from kvxferd.errors import KvxferdError
 
 __all__ = [
     "BLOCK_MAJOR",
+    "DIMS",
     "DTYPE_ITEMSIZE",
     "LAYER_MAJOR",
     "MAJORS",
@@ -40,6 +50,21 @@ __all__ = [
 BLOCK_MAJOR: Final = "block-major"
 LAYER_MAJOR: Final = "layer-major"
 MAJORS: Final = (BLOCK_MAJOR, LAYER_MAJOR)
+#: The dimensions a layout orders (head_dim is always the innermost, contiguous one).
+DIMS: Final = ("block", "layer", "kv", "token", "head")
+_NAMED_ORDERS: Final[Mapping[str, tuple[str, ...]]] = {
+    BLOCK_MAJOR: ("block", "layer", "kv", "token", "head"),
+    LAYER_MAJOR: ("layer", "kv", "block", "token", "head"),
+}
+
+
+def parse_order(major: str) -> tuple[str, ...] | None:
+    """The dimension order a `major` names, outermost first; None when it names none."""
+    if major in _NAMED_ORDERS:
+        return _NAMED_ORDERS[major]
+    order = tuple(part.strip() for part in major.split(","))
+    return order if sorted(order) == sorted(DIMS) else None
+
 
 #: Bytes per element of each supported KV dtype.
 DTYPE_ITEMSIZE: Final[Mapping[str, int]] = {
@@ -116,8 +141,12 @@ class KvLayout:
             problems.append(f"kv_factor must be 2 (K and V) or 1 (MLA), got {self.kv_factor}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             problems.append(f"dtype must be one of {', '.join(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
-        if not isinstance(self.major, str) or self.major not in MAJORS:
-            problems.append(f"major must be one of {', '.join(MAJORS)}, got {self.major!r}")
+        if not isinstance(self.major, str) or parse_order(self.major) is None:
+            problems.append(
+                f"major must be {' or '.join(MAJORS)}, or the dimensions {','.join(DIMS)} in "
+                f"their order outermost first (e.g. layer,block,head,kv,token), got "
+                f"{self.major!r}"
+            )
         if not problems and self.pool_bytes > _MAX_POOL_BYTES:
             problems.append(
                 f"pool of {self.pool_bytes} bytes exceeds the supported maximum of "
@@ -128,6 +157,86 @@ class KvLayout:
         # Normalise numpy integers so that to_wire() and hashing see plain ints.
         for name in _INT_FIELDS:
             object.__setattr__(self, name, int(getattr(self, name)))
+        # An explicit order that one of the names stands for is that name (one spelling,
+        # so comparisons of `major` and the fast paths for the two named orders hold).
+        order = parse_order(self.major)
+        for name, named in _NAMED_ORDERS.items():
+            if order == named:
+                object.__setattr__(self, "major", name)
+
+    # -- order -------------------------------------------------------------------------------
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The five dimensions, outermost first (head_dim is innermost)."""
+        order = parse_order(self.major)
+        assert order is not None  # validated on construction
+        return order
+
+    @property
+    def named(self) -> bool:
+        """Block-major or layer-major: the orders whose (layer, kv) pieces are contiguous."""
+        return self.major in MAJORS
+
+    def _sizes(self) -> dict[str, int]:
+        return {
+            "block": self.num_blocks,
+            "layer": self.num_layers,
+            "kv": self.kv_factor,
+            "token": self.tokens_per_block,
+            "head": self.num_kv_heads,
+        }
+
+    def strides(self) -> dict[str, int]:
+        """Bytes between consecutive indices of each dimension."""
+        sizes = self._sizes()
+        stride = self.head_dim * self.itemsize
+        out: dict[str, int] = {}
+        for dim in reversed(self.order):
+            out[dim] = stride
+            stride *= sizes[dim]
+        return out
+
+    def _runs(self, ids: npt.NDArray[np.int64], enum: tuple[str, ...], merged: int) -> Segments:
+        """Offsets of the runs holding the blocks `ids`, enumerated in the dimension order
+        `enum` (block: the given ids in their order), its last `merged` dimensions folded
+        into each run."""
+        sizes, strides = self._sizes(), self.strides()
+        offsets = np.zeros(1, dtype=np.int64)
+        for dim in enum[: len(enum) - merged]:
+            if dim == "block":
+                step = ids * strides["block"]
+            else:
+                step = np.arange(sizes[dim], dtype=np.int64) * strides[dim]
+            offsets = (offsets[:, None] + step[None, :]).reshape(-1)
+        return offsets
+
+    def _contiguous_tail(self, enum: tuple[str, ...]) -> int:
+        """How many of the last dimensions of `enum` (never block: ids are arbitrary) lie
+        contiguously here, in that order."""
+        sizes, strides = self._sizes(), self.strides()
+        run, merged = self.head_dim * self.itemsize, 0
+        for dim in reversed(enum):
+            if dim == "block" or strides[dim] != run:
+                break
+            run *= sizes[dim]
+            merged += 1
+        return merged
+
+    def _run_bytes(self, enum: tuple[str, ...], merged: int) -> int:
+        sizes = self._sizes()
+        tail = enum[len(enum) - merged :]
+        return self.head_dim * self.itemsize * math.prod(sizes[d] for d in tail)
+
+    def logical_view(self, pool: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+        """A (block, layer, kv, token, head, head_dim bytes) view of a pool's bytes, whatever
+        its order: the meaning of every byte, for checks and tests."""
+        strides = self.strides()
+        shape = (*(self._sizes()[d] for d in DIMS), self.head_dim * self.itemsize)
+        flat = pool[: self.pool_bytes]
+        return np.lib.stride_tricks.as_strided(
+            flat, shape=shape, strides=(*(strides[d] for d in DIMS), 1), writeable=True
+        )
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -255,8 +364,14 @@ class KvLayout:
         block_first=True: shape (len(blocks), pieces_per_block), entry [i, r] is piece
         r = layer * kv_factor + kv of blocks[i]. block_first=False: the transpose, shape
         (pieces_per_block, len(blocks)). Either way the result is C-contiguous, so ravel()
-        enumerates pieces in that order.
+        enumerates pieces in that order. Only block-major and layer-major have pieces.
         """
+        if not self.named:
+            raise LayoutError(
+                f"a pool of order {self.major} has no contiguous (layer, kv) pieces: "
+                "tensor-parallel head slices, the bounce and staging buffers and the "
+                "reference content need a block-major or layer-major pool for now"
+            )
         region = np.arange(self.pieces_per_block, dtype=np.int64)
         p = self.piece_bytes
         if self.major == BLOCK_MAJOR:
@@ -280,6 +395,11 @@ class KvLayout:
         if self.major == BLOCK_MAJOR:
             starts = ids * self.block_bytes
             return _coalesce(starts, starts, self.block_bytes)[0]
+        if not self.named:
+            # Any other order: enumerated in that order, the contiguous tail in each run.
+            merged = self._contiguous_tail(self.order)
+            starts = self._runs(ids, self.order, merged)
+            return _coalesce(starts, starts, self._run_bytes(self.order, merged))[0]
         starts = self.piece_offsets(ids, block_first=False).ravel()
         return _coalesce(starts, starts, self.piece_bytes)[0]
 
@@ -347,6 +467,8 @@ def pair_segments(
             "source and destination pools have different KV geometry: " + "; ".join(problems)
         )
     s, d = paired_blocks(src, src_blocks, dst, dst_blocks)
+    if not (src.named and dst.named):
+        return _pair_ordered(src, s, dst, d)
     if src.major == BLOCK_MAJOR and dst.major == BLOCK_MAJOR:
         # Same geometry => same block_bytes and same in-block arrangement.
         return _coalesce(s * src.block_bytes, d * dst.block_bytes, src.block_bytes)
@@ -355,4 +477,18 @@ def pair_segments(
         src.piece_offsets(s, block_first=block_first).ravel(),
         dst.piece_offsets(d, block_first=block_first).ravel(),
         src.piece_bytes,
+    )
+
+
+def _pair_ordered(
+    src: KvLayout, s: npt.NDArray[np.int64], dst: KvLayout, d: npt.NDArray[np.int64]
+) -> tuple[Segments, Segments]:
+    """pair_segments for layouts of any order: both sides enumerate the bytes in the
+    source's order (so runs are as long as both allow, and as long as each layout's own
+    when the two orders agree) and fold the trailing dimensions that are contiguous on both
+    sides into each run."""
+    enum = src.order
+    merged = min(src._contiguous_tail(enum), dst._contiguous_tail(enum))
+    return _coalesce(
+        src._runs(s, enum, merged), dst._runs(d, enum, merged), src._run_bytes(enum, merged)
     )

@@ -483,6 +483,13 @@ class Daemon:
             layout = KvLayout.from_wire(msg.layout)
         except LayoutError as exc:
             raise RequestError(ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: {exc}") from exc
+        if self.staged and not layout.named:
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"pool {msg.pool_id!r} has the order {layout.major}: the staged (CPP) runtime "
+                "packs (layer, kv) pieces, which only block-major and layer-major pools have; "
+                "use the PYTHON runtime for this pool",
+            )
         if layout.tokens_per_block != self.tokens_per_block:
             raise RequestError(
                 ApiError.BAD_REQUEST,

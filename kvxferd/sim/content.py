@@ -142,6 +142,10 @@ class _Pool:
             raise LayoutError(
                 f"pool array has {pool.size} bytes, the layout needs {layout.pool_bytes}"
             )
+        if not layout.named:
+            raise LayoutError(
+                f"the reference content needs a block-major or layer-major pool, not {layout.major}"
+            )
         self.layout = layout
         nb, r, p = layout.num_blocks, layout.pieces_per_block, layout.piece_bytes
         self.words = p % 8 == 0

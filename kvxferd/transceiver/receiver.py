@@ -483,7 +483,7 @@ class Receiver:
         """Reserve room in the receive region when bouncing this request pays off."""
         if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
             return
-        if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn):
+        if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn) or not s.pool.layout.named:
             return  # head slices move per token: the per-block path
         layout = s.pool.layout
         nbytes = len(s.blocks) * layout.block_bytes

@@ -598,6 +598,7 @@ class Sender:
             or (s.legs and not whole_blocks(s.pool, s.legs[0]))  # head slices: per block
             or req.bounce_nbytes < nbytes
             or conn.info.bounce_nbytes == 0
+            or not s.pool.layout.named  # the copier packs (layer, kv) pieces
             or not worth_bouncing(len(local), nbytes)
         ):
             return local, remote, None

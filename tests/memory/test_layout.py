@@ -66,7 +66,7 @@ def test_sizes_of_a_typical_layout() -> None:
         ({"tokens_per_block": 2.0}, "tokens_per_block must be an integer"),
         ({"kv_factor": 3}, "kv_factor must be 2 (K and V) or 1 (MLA)"),
         ({"dtype": "float64"}, "dtype must be one of"),
-        ({"major": "row-major"}, "major must be one of"),
+        ({"major": "row-major"}, "major must be block-major or layer-major"),
         ({"num_blocks": 2**62}, "exceeds the supported maximum"),
     ],
 )
@@ -111,7 +111,7 @@ def test_wire_round_trip_through_json(major: str) -> None:
         ({**layout().to_wire(), "num_layers": True}, "num_layers must be an integer"),
         ({**layout().to_wire(), "num_blocks": -1}, "num_blocks must be positive"),
         ({**layout().to_wire(), "dtype": "fp4"}, "dtype must be one of"),
-        ({**layout().to_wire(), "major": None}, "major must be one of"),
+        ({**layout().to_wire(), "major": None}, "major must be block-major or layer-major"),
     ],
 )
 def test_bad_wire_input_raises_layout_error(wire: object, needle: str) -> None:
