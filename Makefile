@@ -17,10 +17,13 @@ demo: $(STAMP)
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 # scripts/test-deps.sh installs promtool and systemd-analyze if missing (apt-get;
 # never fatal: the tests that need them then skip and say why).
+# scripts/install-vllm.sh sets up .venv-vllm (vLLM on CPU, its own venv) for the vLLM
+# integration tests (tests/integrations); a no-op when it is there already.
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks
 	$(VENV)/bin/mypy
 	./scripts/test-deps.sh
+	./scripts/install-vllm.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
