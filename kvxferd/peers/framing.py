@@ -108,6 +108,12 @@ class FrameCodec(Generic[T]):
             return self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MalformedMessageError(f"malformed {self._what} message: {exc}") from exc
+        except RecursionError:
+            # A value nested thousands deep (inside a free-form field such as a layout):
+            # msgspec gives up with RecursionError, which no caller expects from a decode.
+            raise MalformedMessageError(
+                f"malformed {self._what} message: nested too deeply to decode"
+            ) from None
 
     async def read(self, reader: asyncio.StreamReader) -> T | None:
         """The next message, or None on a clean end of stream between frames.

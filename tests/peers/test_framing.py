@@ -6,7 +6,13 @@ import asyncio
 import contextlib
 import socket
 
+import msgspec
+import pytest
+
+from kvxferd.api.messages import ENGINE_CODEC
+from kvxferd.errors import MalformedMessageError
 from kvxferd.peers.framing import CorkedWriter
+from kvxferd.peers.messages import PEER_CODEC
 
 
 async def _connect(handler: object) -> tuple[asyncio.AbstractServer, asyncio.StreamWriter]:
@@ -73,3 +79,23 @@ def test_close_fails_a_drain_stuck_on_a_peer_that_stopped_reading() -> None:
             w.close()
 
     asyncio.run(scenario())
+
+
+def _deeply_nested_message(kind: str, fields: dict[str, object], key: str) -> bytes:
+    """A msgpack map of `fields` plus `key` holding a value nested 200,000 deep."""
+    enc = msgspec.msgpack.encode
+    body = bytes([0x80 | (len(fields) + 2)]) + enc("type") + enc(kind)
+    for name, value in fields.items():
+        body += enc(name) + enc(value)
+    return body + enc(key) + b"\x81" + enc("a") + b"\x91" * 200_000 + b"\xc0"
+
+
+def test_a_value_nested_too_deep_is_a_malformed_message_not_a_recursion_error() -> None:
+    engine = _deeply_nested_message(
+        "register_pool", {"call_id": 1, "pool_id": "p", "shm_name": "", "nbytes": 1}, "layout"
+    )
+    with pytest.raises(MalformedMessageError, match="nested too deeply"):
+        ENGINE_CODEC.decode(engine)
+    peer = _deeply_nested_message("info", {"agent_name": "a"}, "compat")
+    with pytest.raises(MalformedMessageError, match="nested too deeply"):
+        PEER_CODEC.decode(peer)
