@@ -55,6 +55,7 @@ from kvxferd.transceiver.legs import (
     source_problem,
     whole_blocks_from,
 )
+from kvxferd.transceiver.loans import BlockLoans
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import (
     EngineLink,
@@ -116,9 +117,7 @@ class Receiver:
         self.holds.on_released = self._hold_released
         self._sending: set[asyncio.Task[bool]] = set()  # Aborts still draining
         # Per pool, which request each block on loan belongs to (in flight or held).
-        # Keyed by the pool object's id: a held pool of a gone engine is set aside under
-        # another pool id.
-        self._loaned: dict[int, dict[int, str]] = {}
+        self.loans = BlockLoans()
         # Told of every hold released (the daemon: metrics, pools of engines gone).
         self.on_hold_released: Callable[[Hold, str], None] | None = None
 
@@ -170,7 +169,7 @@ class Receiver:
                     "bad_request",
                     f"{num_tokens} tokens do not fill {len(blocks)} blocks of {tpb} tokens",
                 )
-        self._lend(pool, blocks, request_id)
+        self.loans.lend(pool, blocks, request_id, self._is_held)
         s = RxSession(
             request_id=request_id,
             engine=engine,
@@ -709,33 +708,9 @@ class Receiver:
             pending=pending,
         )
 
-    def _lend(self, pool: LocalPool, blocks: list[int], request_id: str) -> None:
-        """Put `blocks` on loan to `request_id`, or refuse: a block already on loan (in
-        flight, or held until its writer is fenced) must not take a second receive, or
-        that request's writer could overwrite what this one verifies."""
-        loaned = self._loaned.setdefault(id(pool), {})
-        clash = sorted({b for b in blocks if b in loaned})
-        if clash:
-            owner = loaned[clash[0]]
-            held = owner in self.sessions and self.sessions[owner].held
-            raise RequestError(
-                "blocks_on_loan",
-                f"pool {pool.pool_id!r}: {len(clash)} block(s) ({clash[:8]}"
-                f"{', ...' if len(clash) > 8 else ''}) are still on loan to request "
-                f"{owner!r} ({'held until its writer is fenced' if held else 'in flight'})",
-            )
-        for b in blocks:
-            loaned[b] = request_id
-
-    def _give_back(self, pool: LocalPool | None, blocks: list[int], request_id: str) -> None:
-        if pool is None:
-            return
-        loaned = self._loaned.get(id(pool), {})
-        for b in blocks:
-            if loaned.get(b) == request_id:
-                del loaned[b]
-        if not loaned:
-            self._loaned.pop(id(pool), None)
+    def _is_held(self, request_id: str) -> bool:
+        s = self.sessions.get(request_id)
+        return s is not None and s.held
 
     def _release_reservation(self, res: Reservation) -> None:
         if self.bounce is not None:
@@ -744,7 +719,7 @@ class Receiver:
     def _hold_released(self, hold: Hold, how: str) -> None:
         s = self.sessions.get(hold.request_id)
         if hold.blocks_ids:
-            self._give_back(hold.pool, hold.blocks_ids, hold.request_id)
+            self.loans.give_back(hold.pool, hold.blocks_ids, hold.request_id)
         if s is not None and s.rx_token == hold.rx_token and s.held:
             s.held = False
             if s.forget:
@@ -762,7 +737,7 @@ class Receiver:
         self._phase.pop(s.request_id, None)
         s.held = hold is not None and hold.blocks > 0
         if not s.held:
-            self._give_back(s.pool, s.blocks, s.request_id)
+            self.loans.give_back(s.pool, s.blocks, s.request_id)
         conclude(s, "recv", s.pool, log, blocks_held=s.held)
         if hold is not None:
             # In the same step as conclude (no await between): the pool never looks unused.

@@ -47,8 +47,9 @@ from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result, RoundAck
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
 from kvxferd.transceiver.legs import RxLeg, TxLeg, leg_block_bytes, leg_heads
+from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.receiver import Receiver
-from kvxferd.transceiver.sender import Sender, post_refusal
+from kvxferd.transceiver.sender import Sender
 from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
