@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -43,6 +44,28 @@ from kvxferd.peers.messages import (
 )
 
 NONCE_BYTES = 32
+
+# What a peer may call itself: as a daemon.name in the configuration, bounded. Checked as
+# soon as it arrives, before the name reaches a log line or a message: a newline in it
+# would forge log lines, megabytes of it would flood the log.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_INCARNATION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_ROLES = ("context", "generation", "both")
+
+
+def _check_identity(msg: Hello | Challenge, peer: str) -> None:
+    problems = []
+    if not _NAME.fullmatch(msg.name):
+        problems.append(f"name {msg.name[:40]!r}{'...' if len(msg.name) > 40 else ''}")
+    if not _INCARNATION.fullmatch(msg.incarnation):
+        problems.append(f"incarnation {msg.incarnation[:40]!r}")
+    if msg.role not in _ROLES:
+        problems.append(f"role {msg.role[:40]!r}")
+    if problems:
+        raise ProtocolError(
+            f"{peer} sent a bad identity ({', '.join(problems)}): names are 1-128 letters, "
+            f"digits, '_', '.', '-'; incarnations 1-64 of them; roles {', '.join(_ROLES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,6 +163,7 @@ async def client_handshake(
     )
     msg = await _recv(reader, peer_label)
     msg = _expect(msg, Challenge, peer_label)
+    _check_identity(msg, peer_label)
     if msg.version != PROTOCOL_VERSION:
         text = f"protocol version {msg.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
         await _refuse(writer, "version", text)
@@ -180,6 +204,7 @@ async def server_handshake(
 ) -> tuple[PeerIdentity, Info]:
     hello = await _recv(reader, peer_label)
     hello = _expect(hello, Hello, peer_label)
+    _check_identity(hello, peer_label)
     if hello.version != PROTOCOL_VERSION:
         text = f"protocol version {hello.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
         await _refuse(writer, "version", text)
