@@ -205,6 +205,12 @@ class ApiServer:
             self._conn_tasks.add(task)
             task.add_done_callback(self._conn_tasks.discard)
 
+    async def _refuse_first(self, conn: socket.socket, message: str) -> None:
+        """Answer a connection's unacceptable first frame (bad_request); the caller closes."""
+        await self._send_raw(
+            conn, Reply(call_id=0, ok=False, error=ApiError.BAD_REQUEST, message=message)
+        )
+
     async def _send_raw(self, conn: socket.socket, msg: object) -> None:
         """Best effort: one frame on a connection not (yet) wrapped in streams."""
         with contextlib.suppress(OSError, asyncio.TimeoutError):
@@ -240,28 +246,18 @@ class ApiServer:
                 return
             if first.fds or first.fds_truncated:
                 close_fds(first.fds)
-                await self._send_raw(
+                await self._refuse_first(
                     conn,
-                    Reply(
-                        call_id=0,
-                        ok=False,
-                        error=ApiError.BAD_REQUEST,
-                        message="file descriptors are accepted only with a pool_handoff, "
-                        "as the first frame of its own connection",
-                    ),
+                    "file descriptors are accepted only with a pool_handoff, "
+                    "as the first frame of its own connection",
                 )
                 return
             if not isinstance(msg, EngineHello):
                 log.warning("engine API connection from %s closed: no hello", cred or "?")
-                await self._send_raw(
+                await self._refuse_first(
                     conn,
-                    Reply(
-                        call_id=0,
-                        ok=False,
-                        error=ApiError.BAD_REQUEST,
-                        message=f"the first engine message must be hello (or pool_handoff, on "
-                        f"its own connection), not {type(msg).__name__}",
-                    ),
+                    f"the first engine message must be hello (or pool_handoff, on "
+                    f"its own connection), not {type(msg).__name__}",
                 )
                 return
             reader, writer = await asyncio.open_unix_connection(sock=conn)

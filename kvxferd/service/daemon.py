@@ -10,6 +10,7 @@ deregister pools -> stop the data plane.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -571,8 +572,8 @@ class Daemon:
         """Shutdown: holds get until the drain deadline to be fenced; what is left is
         reported, since the engine must then treat those blocks as never returned."""
         holds = self.receiver.holds
-        while holds.holds and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(holds.empty.wait(), max(0.0, deadline - time.monotonic()))
         for hold in await holds.close():
             log.error(
                 "request %s: shutting down with %d block(s) still held for %s; a write into "

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvxferd.errors import IncompatiblePeerError, KvxferdError
 from kvxferd.peers.channel import PeerConnection
-from kvxferd.peers.messages import Abort, AbortAck
+from kvxferd.peers.messages import Abort
 from kvxferd.peers.process import ProcessInfo, ProcessWatch, watch
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import Reservation
@@ -74,11 +74,14 @@ class Hold:
     reason: str  # why the receive ended
     message: str
     pool: LocalPool | None
-    blocks: int  # engine blocks kept on loan (0: the engine has them back)
+    block_ids: list[int]  # engine blocks kept on loan (none: the engine has them back)
     reservations: list[Reservation]
     pending: list[HeldLeg]
-    blocks_ids: list[int] = field(default_factory=list)  # which ones
     since: float = field(default_factory=time.monotonic)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -119,12 +122,15 @@ class HoldKeeper:
         self.on_released: Callable[[Hold, str], None] | None = None
         self.released_total: dict[str, int] = {}
         self.closed = False
+        self.empty = asyncio.Event()  # set while no hold is kept (shutdown waits on it)
+        self.empty.set()
 
     # ----------------------------------------------------------------- holding
 
     def add(self, hold: Hold) -> None:
         """Keep `hold` until every pending leg is fenced."""
         self.holds[hold.key] = hold
+        self.empty.clear()
         if hold.pool is not None and hold.blocks:
             hold.pool.users.add(hold.user)  # a peer may write into the pool: keep it
         log.warning(
@@ -159,10 +165,6 @@ class HoldKeeper:
             log.warning("cannot watch the process of %s: %s", peer.leg.key, exc)
 
     # ------------------------------------------------------------- the fences
-
-    def on_abort_ack(self, conn: PeerConnection, msg: AbortAck) -> bool:
-        """True when the ack fenced a leg of a hold."""
-        return self.on_fence_message(conn, msg.request_id, msg.rx_token)
 
     def on_fence_message(self, conn: PeerConnection, request_id: str, rx_token: int) -> bool:
         """A message the writer sends only once nothing more of it can land (AbortAck, its
@@ -227,6 +229,8 @@ class HoldKeeper:
 
     def _release(self, hold: Hold, how: str) -> None:
         self.holds.pop(hold.key, None)
+        if not self.holds:
+            self.empty.set()
         for res in hold.reservations:
             self._release_reservation(res)
         hold.reservations = []

@@ -680,8 +680,7 @@ class Receiver:
             if self._reservations_exposed()
             else []
         )
-        blocks = len(s.blocks) if self.exposes_blocks else 0
-        if not blocks and not reservations:
+        if not self.exposes_blocks and not reservations:
             return None  # only our own transport lands bytes, and it has stopped
         pending = []
         for leg in unfenced:
@@ -702,8 +701,7 @@ class Receiver:
             reason=s.terminal.reason,
             message=s.terminal.message,
             pool=s.pool,
-            blocks=blocks,
-            blocks_ids=list(s.blocks) if blocks else [],
+            block_ids=list(s.blocks) if self.exposes_blocks else [],
             reservations=reservations,
             pending=pending,
         )
@@ -718,8 +716,8 @@ class Receiver:
 
     def _hold_released(self, hold: Hold, how: str) -> None:
         s = self.sessions.get(hold.request_id)
-        if hold.blocks_ids:
-            self.loans.give_back(hold.pool, hold.blocks_ids, hold.request_id)
+        if hold.block_ids:
+            self.loans.give_back(hold.pool, hold.block_ids, hold.request_id)
         if s is not None and s.rx_token == hold.rx_token and s.held:
             s.held = False
             if s.forget:

@@ -17,7 +17,7 @@ import pytest
 
 from kvxferd.errors import HandshakeError, IncompatiblePeerError
 from kvxferd.peers import process
-from kvxferd.peers.messages import Abort, AbortAck
+from kvxferd.peers.messages import Abort
 from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.holds import HeldLeg, Hold, HoldKeeper
 
@@ -60,10 +60,9 @@ def hold(leg: HeldLeg, rid: str = "r1") -> Hold:
         reason="receiver_timeout",
         message="",
         pool=None,
-        blocks=3,
+        block_ids=[1, 2, 3],
         reservations=[Reservation(0, 4096)],
         pending=[leg],
-        blocks_ids=[1, 2, 3],
     )
 
 
@@ -124,8 +123,8 @@ def test_an_abort_ack_of_the_same_incarnation_releases() -> None:
         k = Keeper()
         k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", None)))
         # Another incarnation's ack, or another token's, proves nothing.
-        assert not k.keeper.on_abort_ack(FakeConn(_Peer("ctx", "inc2")), AbortAck("r1", 7))
-        assert not k.keeper.on_abort_ack(FakeConn(_Peer("ctx", "inc1")), AbortAck("r1", 8))
+        assert not k.keeper.on_fence_message(FakeConn(_Peer("ctx", "inc2")), "r1", 7)
+        assert not k.keeper.on_fence_message(FakeConn(_Peer("ctx", "inc1")), "r1", 8)
         assert k.keeper.holds
         # A new connection of the same incarnation is asked again...
         conn = FakeConn(_Peer("ctx", "inc1"))
@@ -133,7 +132,7 @@ def test_an_abort_ack_of_the_same_incarnation_releases() -> None:
         assert [type(m) for m in conn.sent] == [Abort] and conn.sent[0].rx_token == 7
         assert k.keeper.holds
         # ... and its answer releases.
-        assert k.keeper.on_abort_ack(conn, AbortAck("r1", 7))
+        assert k.keeper.on_fence_message(conn, "r1", 7)
         assert k.released == [("r1", "abort_ack")] and not k.keeper.holds
 
     asyncio.run(scenario())
