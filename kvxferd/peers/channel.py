@@ -97,7 +97,9 @@ class PeerConnection:
         try:
             self._out.write(PEER_CODEC.encode(msg))
             await self._out.drain()
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            # RuntimeError: uvloop's "the handler is closed", when the peer's socket went
+            # away (killed) between our last read and this write, before we noticed.
             self.close(f"write failed: {exc}")
             return False
         # A drain can end because the connection was closed (and its unsent frames
