@@ -117,6 +117,9 @@ class RequestData(_Msg, tag="request_data"):
     request_id: str
     rx_token: int
     pool_id: str
+    # The receiver's blocks for the request's logical blocks [block_start, ...): the blocks
+    # before block_start are in its prefix cache and get nothing. num_tokens counts from
+    # token 0 all the same.
     blocks: list[int]
     num_tokens: int | None = None
     # A reservation in the receiver's bounce region offered for this request.
@@ -126,6 +129,10 @@ class RequestData(_Msg, tag="request_data"):
     # deadline): the context side posts no write for it after that. Wall clock because
     # monotonic clocks of two hosts are not comparable; skew only moves the refusal.
     expires_unix_ms: int = 0
+    # The default keeps an older generation daemon's message decodable (0: from the first
+    # block). An older context daemon ignores the field and fails the request on the block
+    # count (block_mismatch): it writes only into the blocks listed, never reports success.
+    block_start: int = 0
 
 
 class Result(_Msg, tag="result"):
@@ -139,7 +146,8 @@ class Result(_Msg, tag="result"):
     message: str = ""
     bounced: bool = False  # the bytes are in the receiver's bounce reservation
     # Staged rounds: the blocks [first_block, end_block) of the request are in the
-    # reservation (end_block 0: the whole request).
+    # reservation (end_block 0: the whole request). Logical block indices of the request
+    # (from block 0, whatever the receive's block_start), as in RoundAck.end_block.
     first_block: int = 0
     end_block: int = 0
 

@@ -52,6 +52,17 @@ class TxLeg:
     served: bool = False  # its last Result went out: it has all it asked for
     acked_block: int = 0  # staged: the receiver scattered every block before this one
 
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """What this receiver takes of our blocks [start, end): nothing before its
+        block_start (it has those in its prefix cache); empty when all of them are."""
+        return max(start, self.request.block_start), end
+
+    def dst_blocks(self, first: int, end: int) -> list[int]:
+        """The receiver's blocks for our blocks [first, end) (within its span): it lists
+        its blocks from the request's block block_start on, not from block 0."""
+        b = self.request.block_start
+        return self.request.blocks[first - b : end - b]
+
 
 @dataclass(eq=False)
 class RxLeg:

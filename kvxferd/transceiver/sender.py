@@ -546,11 +546,22 @@ class Sender:
                 Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {req.pool_id!r} is unknown here"
             )
         last = end == len(s.blocks) and s.last_seen
-        if (last and len(req.blocks) != len(s.blocks)) or len(req.blocks) < end:
+        # The receiver's blocks are ours from its block_start on (those before it has).
+        b = req.block_start
+        if (
+            b < 0
+            or not req.blocks
+            or (last and len(req.blocks) != len(s.blocks) - b)
+            or b + len(req.blocks) < end
+        ):
             return Terminal.local(
                 Status.FAILED,
                 Reason.BLOCK_MISMATCH,
-                f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}",
+                f"context sends {len(s.blocks)} blocks, generation expects {len(req.blocks)}"
+                if b == 0
+                else f"context sends {len(s.blocks)} blocks and generation receives from "
+                f"block_start {b} on, so it needs {len(s.blocks) - b} blocks; it gave "
+                f"{len(req.blocks)}",
             )
         try:
             if isinstance(dst_layout, LayoutError):
@@ -572,14 +583,15 @@ class Sender:
         if isinstance(target, Terminal):
             return target
         dst_layout, info, dst_tp = target
+        first, end = leg.span(start, end)
         try:
             return plan_write(
                 s.pool.layout,
                 s.pool.base,
-                s.blocks[start:end],
+                s.blocks[first:end],
                 dst_layout,
                 info.base,
-                leg.request.blocks[start:end],
+                leg.dst_blocks(first, end),
                 s.pool.tp,
                 dst_tp,
             )
@@ -587,9 +599,10 @@ class Sender:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
     async def _bounce_plan(
-        self, s: TxSession, local: np.ndarray, remote: np.ndarray
+        self, s: TxSession, local: np.ndarray, remote: np.ndarray, blocks: list[int]
     ) -> tuple[np.ndarray, np.ndarray, Reservation | None]:
-        """Gather into a send reservation when the receiver offered one and it pays off."""
+        """Gather `blocks` (what the receiver takes of ours) into a send reservation when
+        the receiver offered one and it pays off."""
         req, bounce, conn = s.request, self.bounce, s.conn
         assert req is not None and conn is not None and s.pool is not None
         nbytes = int(local[:, 1].sum())
@@ -608,7 +621,7 @@ class Sender:
             bounce.fallbacks += 1  # never wait for room: take the per-block path now
             return local, remote, None
         bounce.reservations_made += 1
-        await bounce.gather(s.pool.region.array, s.pool.layout, s.blocks, res, nbytes)
+        await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes)
         one_local = np.array([[bounce.send.address + res.offset, nbytes]], dtype=np.int64)
         one_remote = np.array([[conn.info.bounce_base + req.bounce_offset, nbytes]], dtype=np.int64)
         return one_local, one_remote, res
@@ -619,6 +632,8 @@ class Sender:
         legs = s.legs or [TxLeg(s.conn, s.request)]
         if len(legs) > 1 and end > start:
             for leg in legs:  # every plan first: a bad leg fails the request before any write
+                if leg.span(start, end)[0] >= end:
+                    continue  # all before its block_start: nothing to plan for it
                 plan = self._plan(s, start, end, leg)
                 if isinstance(plan, Terminal):
                     s.request_end(plan)
@@ -633,15 +648,19 @@ class Sender:
     async def _write_leg(self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool) -> None:
         nbytes = 0
         bounced = False
-        if end > start:
+        first, _ = leg.span(start, end)
+        if first >= end and not last:
+            return  # the slice is all before the receiver's block_start: nothing for it
+        if end > first:
             plan = self._plan(s, start, end, leg)
             if isinstance(plan, Terminal):
                 s.request_end(plan)
                 return
             local, remote = plan
             reservation = None
-            if start == 0 and last:
-                local, remote, reservation = await self._bounce_plan(s, local, remote)
+            if start == 0 and last:  # the whole request in one write
+                blocks = s.blocks[first:end]
+                local, remote, reservation = await self._bounce_plan(s, local, remote, blocks)
             try:
                 status = await self._post_and_wait(s, local, remote, leg.conn)
             finally:
@@ -661,6 +680,13 @@ class Sender:
             nbytes = int(local[:, 1].sum())
             bounced = reservation is not None
             s.nbytes += nbytes
+        elif first > start:
+            # The last slice, all before the receiver's block_start: nothing to write, but
+            # the block counts still decide whether this is success.
+            target = self._leg_target(s, start, end, leg)
+            if isinstance(target, Terminal):
+                s.request_end(target)
+                return
         sent = await leg.conn.send(
             Result(
                 request_id=s.request_id,

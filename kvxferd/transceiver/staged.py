@@ -140,7 +140,7 @@ class StagedSender(Sender):
                     "source and destination pools have incompatible KV geometry: "
                     + "; ".join(problems)
                 )
-            dst_layout.check_blocks(leg.request.blocks[start:end])
+            dst_layout.check_blocks(leg.dst_blocks(*leg.span(start, end)))
             heads = leg_heads(ours, our_tp, dst_layout, dst_tp)
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
@@ -177,7 +177,9 @@ class StagedSender(Sender):
                     )
                 )
                 return
-            first = start
+            # Rounds count the request's logical blocks (Result.first_block); none before
+            # the receiver's block_start.
+            first, _ = leg.span(start, end)
             while first < end:
                 if s.terminal is not None:
                     return
