@@ -307,6 +307,8 @@ class AsyncClient:
         peer: str | Sequence[str],
         num_tokens: int | None = None,
         beam_width: int = 1,
+        *,
+        block_start: int = 0,
     ) -> None:
         """Generation side: post a receive of `request_id` into `blocks`, from `peer`
         (a static peer name of the daemon's config, or the context daemon's HOST:PORT).
@@ -315,6 +317,11 @@ class AsyncClient:
         whose KV heads this pool holds, when the context instance has more tensor-parallel
         ranks than the generation instance (each writes its heads; the request is done when
         all have).
+
+        `block_start` k: the first k blocks of the request are already here (a prefix
+        cache) and must not be written; `blocks` are ours for the request's logical blocks
+        [k, k + len(blocks)), and only those move. `num_tokens` still counts the whole
+        request's tokens, from token 0.
         """
         single = isinstance(peer, str)
         self._released.pop(request_id, None)  # a release of an earlier request of this id
@@ -328,6 +335,7 @@ class AsyncClient:
                 num_tokens=num_tokens,
                 beam_width=beam_width,
                 peers=[] if single else list(peer),
+                block_start=block_start,
             )
         )
 
@@ -476,8 +484,16 @@ class Client:
         blocks: Sequence[int],
         peer: str | Sequence[str],
         num_tokens: int | None = None,
+        beam_width: int = 1,
+        *,
+        block_start: int = 0,
     ) -> None:
-        self._run(self._client.recv(request_id, pool_id, blocks, peer, num_tokens))
+        """See AsyncClient.recv."""
+        self._run(
+            self._client.recv(
+                request_id, pool_id, blocks, peer, num_tokens, beam_width, block_start=block_start
+            )
+        )
 
     def send(
         self,
@@ -487,8 +503,12 @@ class Client:
         token_end: int,
         token_start: int = 0,
         last: bool = True,
+        beam_width: int = 1,
     ) -> None:
-        self._run(self._client.send(request_id, pool_id, blocks, token_end, token_start, last))
+        """See AsyncClient.send."""
+        self._run(
+            self._client.send(request_id, pool_id, blocks, token_end, token_start, last, beam_width)
+        )
 
     def cancel(self, request_id: str) -> str:
         return self._run(self._client.cancel(request_id))

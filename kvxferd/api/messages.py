@@ -66,7 +66,11 @@ class DeregisterPool(_Msg, tag="deregister_pool"):
 
 class Recv(_Msg, tag="recv"):
     """From `peer` (one context daemon), or from every daemon of `peers` (head-merge: the
-    context instance has more tensor-parallel ranks than we do); exactly one of the two."""
+    context instance has more tensor-parallel ranks than we do); exactly one of the two.
+
+    `blocks` hold the request's logical blocks [block_start, block_start + len(blocks)):
+    the ones before are already here (a prefix cache) and are not written. `num_tokens`
+    counts the whole request's tokens, from token 0."""
 
     call_id: int
     request_id: str
@@ -76,6 +80,7 @@ class Recv(_Msg, tag="recv"):
     num_tokens: int | None = None
     beam_width: int = 1
     peers: list[str] = []
+    block_start: int = 0
 
 
 class Send(_Msg, tag="send"):

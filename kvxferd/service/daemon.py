@@ -361,7 +361,14 @@ class Daemon:
             pool = self._usable_pool(engine, msg.pool_id)
             peers = self._recv_peers(msg)
             self.receiver.recv(
-                engine, msg.request_id, pool, msg.blocks, peers, msg.num_tokens, msg.beam_width
+                engine,
+                msg.request_id,
+                pool,
+                msg.blocks,
+                peers,
+                msg.num_tokens,
+                msg.beam_width,
+                msg.block_start,
             )
             return ""
         if isinstance(msg, Send):

@@ -132,8 +132,10 @@ class Receiver:
         peers: str | list[str],
         num_tokens: int | None,
         beam_width: int = 1,
+        block_start: int = 0,
     ) -> None:
-        """Accept a receive from one context daemon, or from several (head-merge)."""
+        """Accept a receive from one context daemon, or from several (head-merge), of the
+        request's logical blocks [block_start, block_start + len(blocks)) into `blocks`."""
         peers = [peers] if isinstance(peers, str) else list(peers)
         if not peers:
             raise RequestError("bad_request", "a receive needs at least one context peer")
@@ -162,12 +164,25 @@ class Receiver:
             validate_block_ids(pool.layout, blocks)
         except LayoutError as exc:
             raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
+        if block_start < 0:
+            raise RequestError(
+                "bad_request", f"block_start must be 0 or more (a block index), got {block_start}"
+            )
         if num_tokens is not None:
             tpb = pool.layout.tokens_per_block
-            if not (len(blocks) - 1) * tpb < num_tokens <= len(blocks) * tpb:
+            if block_start * tpb >= num_tokens:
                 raise RequestError(
                     "bad_request",
-                    f"{num_tokens} tokens do not fill {len(blocks)} blocks of {tpb} tokens",
+                    f"block_start {block_start} starts at token {block_start * tpb}, at or "
+                    f"past the end of the request's {num_tokens} tokens: nothing to receive",
+                )
+            # num_tokens counts from token 0, the blocks from block_start.
+            end = block_start + len(blocks)
+            if not (end - 1) * tpb < num_tokens <= end * tpb:
+                raise RequestError(
+                    "bad_request",
+                    f"{num_tokens} tokens do not fill {len(blocks)} blocks of {tpb} tokens"
+                    + (f" from block {block_start} on" if block_start else ""),
                 )
         self.loans.lend(pool, blocks, request_id, self._is_held)
         s = RxSession(
@@ -175,6 +190,7 @@ class Receiver:
             engine=engine,
             pool=pool,
             blocks=list(blocks),
+            block_start=block_start,
             num_tokens=num_tokens,
             rx_token=secrets.randbits(63),
             legs=[RxLeg(peer) for peer in peers],
@@ -272,9 +288,12 @@ class Receiver:
                 leg.source = peer if isinstance(peer, tuple) else None
             s.nbytes += msg.nbytes
             if msg.bounced:
-                # Scattered by the session's task, in order, before any ack.
-                end = msg.end_block or len(s.blocks)
-                s.rounds.append((leg, msg.first_block, end, msg.nbytes, msg.last))
+                # Scattered by the session's task, in order, before any ack. Logical block
+                # indices of the request, as the context side counts them.
+                first, end = msg.first_block, msg.end_block
+                if not end:  # the whole request: our blocks
+                    first, end = s.block_start, s.block_start + len(s.blocks)
+                s.rounds.append((leg, first, end, msg.nbytes, msg.last))
                 s.wake.set()
             elif msg.last:
                 leg.done = leg.fenced = True  # written in full: nothing more comes from it
@@ -455,6 +474,7 @@ class Receiver:
                     rx_token=s.rx_token,
                     pool_id=s.pool.pool_id,
                     blocks=s.blocks,
+                    block_start=s.block_start,
                     num_tokens=s.num_tokens,
                     bounce_offset=offer.offset if offer else 0,
                     bounce_nbytes=offer.nbytes if offer else 0,
@@ -595,8 +615,8 @@ class Receiver:
         return leg_heads(s.pool.layout, s.pool.tp, layout, tp)
 
     async def _scatter(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
-        """Move one round of a leg's bytes from its reservation into blocks [first, end)
-        (only into the heads that leg holds)."""
+        """Move one round of a leg's bytes from its reservation into the request's logical
+        blocks [first, end) (only into the heads that leg holds)."""
         res = leg.res
         if self.bounce is None or res is None or s.pool is None:
             raise RuntimeError("the peer bounced a request that has no reservation here")
@@ -606,19 +626,20 @@ class Receiver:
             s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
             return
         expected = (end - first) * leg_block_bytes(s.pool.layout, heads)
-        if not 0 <= first < end <= len(s.blocks) or nbytes != expected or nbytes > res.nbytes:
+        ours = (s.block_start, s.block_start + len(s.blocks))  # the logical blocks we hold
+        if not ours[0] <= first < end <= ours[1] or nbytes != expected or nbytes > res.nbytes:
+            held = f"(we hold [{ours[0]}, {ours[1]}))" if s.block_start else f"of {len(s.blocks)}"
             s.request_end(
                 Terminal.peer(
                     Status.FAILED,
                     Reason.TRANSFER_ERROR,
-                    f"the peer reported blocks [{first}, {end}) of {len(s.blocks)} with "
+                    f"the peer reported blocks [{first}, {end}) {held} with "
                     f"{nbytes} bytes; {expected} expected, at most {res.nbytes} reserved",
                 )
             )
             return
-        await self.bounce.scatter(
-            res, nbytes, s.pool.region.array, s.pool.layout, s.blocks[first:end], heads
-        )
+        dst = s.blocks[first - s.block_start : end - s.block_start]
+        await self.bounce.scatter(res, nbytes, s.pool.region.array, s.pool.layout, dst, heads)
 
     async def _round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         """Bounce never has more than one round; the staged runtime acks each."""

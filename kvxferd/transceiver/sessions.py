@@ -126,6 +126,8 @@ class RxSession(_Session):
 
     pool: LocalPool | None = None
     blocks: list[int] = field(default_factory=list)
+    # `blocks` hold the request's logical blocks [block_start, block_start + len(blocks)).
+    block_start: int = 0
     num_tokens: int | None = None
     rx_token: int = 0
     admitted: bool = False
