@@ -404,11 +404,27 @@ class AsyncClient:
             raise DaemonGoneError(self._closed_reason or "not connected")
         waiter: asyncio.Future[E] = asyncio.get_running_loop().create_future()
         waiters.setdefault(request_id, []).append(waiter)
-        return await asyncio.wait_for(waiter, timeout_s)
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            # A wait that timed out leaves no future behind (an engine polling with short
+            # timeouts would otherwise pile them up until the event came).
+            pending = waiters.get(request_id)
+            if pending is not None and waiter in pending:
+                pending.remove(waiter)
+                if not pending:
+                    del waiters[request_id]
 
     def released(self, request_id: str) -> Released | None:
         """The release of `request_id`'s held blocks, if it has arrived."""
         return self._released.get(request_id)
+
+    @property
+    def gone(self) -> str:
+        """Why the connection to the daemon ended; "" while it is up."""
+        if self._reader_task is None or not self._reader_task.done():
+            return ""
+        return self._closed_reason or "the connection to the daemon ended"
 
     async def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
         """Wait until the blocks of a request whose outcome had `blocks_held` are back
@@ -524,6 +540,11 @@ class Client:
 
     def released(self, request_id: str) -> Released | None:
         return self._client.released(request_id)
+
+    @property
+    def gone(self) -> str:
+        """Why the connection to the daemon ended; "" while it is up."""
+        return self._client.gone
 
     def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
         return self._run(self._client.wait_released(request_id, timeout_s), timeout_s)
