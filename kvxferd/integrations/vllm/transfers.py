@@ -1,0 +1,250 @@
+"""The worker side of the vLLM connector: kvxferd calls, and exactly one completion each.
+
+vLLM's scheduler crashes on a completion it does not expect (an id reported twice, or a
+send reported before the request finished), and leaks the blocks of one it never gets. So
+every planned transfer is an entry here until it is reported once:
+
+* a receive: in `finished_recving` when its outcome is `done`; in `finished_recving` and
+  `failed_recving` (the same step, as vLLM requires) when it failed, but only once no write
+  can land in its blocks any more: a failure with `blocks_held` waits for the daemon's
+  `released` event (fencing), however long that takes;
+* a receive whose request vLLM finished (the client went away) while it is still posted:
+  cancelled (again each step while the daemon says `busy`), then reported as above;
+* a send: in `finished_sending` once its outcome arrived (whatever it says: the blocks are
+  free again only then) and vLLM has named the request in some `finished_req_ids`.
+
+A daemon that went away fails every entry at once (its process, and with it every write it
+brokered, is gone) and is dialed again, at most once a second, when there is work for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
+from kvxferd.integrations.vllm.plan import StepPlan
+
+log = logging.getLogger("kvxferd.vllm")
+
+_REDIAL_EVERY_S = 1.0
+
+
+@dataclass
+class _Entry:
+    transfer_id: str
+    side: str  # "recv" or "send"
+    failed: bool = False
+    outcome: Outcome | None = None
+    aborted: bool = False  # vLLM finished the request while its receive was posted
+    seen_finished: bool = False  # the request was in a finished_req_ids (sends)
+    released: bool = False  # the daemon forgot the request (Client.release)
+
+
+@dataclass
+class Results:
+    sending: set[str]
+    recving: set[str]
+    failed: set[str]
+
+
+class Transfers:
+    """The transfers of one worker. `connect` dials the daemon and registers the pool,
+    returning the client (DaemonGoneError / CallError if it cannot)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Client],
+        pool_id: str,
+        client: Client | None = None,
+        idle_wait_s: float = 0.005,
+        record: Callable[[dict[str, object]], None] | None = None,
+    ) -> None:
+        self._connect = connect
+        self.pool_id = pool_id
+        self._client = client
+        self._last_dial = 0.0
+        self._idle_wait_s = idle_wait_s
+        self._record = record  # each reported transfer's outcome (kv_connector_extra_config)
+        self._entries: dict[str, _Entry] = {}  # by vLLM request id
+        self._ready: Results = Results(set(), set(), set())
+
+    @property
+    def pending(self) -> int:
+        return len(self._entries)
+
+    # ----------------------------------------------------------------- posting
+
+    def _client_or_dial(self) -> Client | None:
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now - self._last_dial < _REDIAL_EVERY_S:
+            return None
+        self._last_dial = now
+        try:
+            self._client = self._connect()
+            log.warning("reconnected to the kvxferd daemon")
+        except (DaemonGoneError, CallError, OSError) as exc:
+            log.warning("the kvxferd daemon is not back: %s", exc)
+        return self._client
+
+    def _lost(self, exc: Exception) -> None:
+        """The daemon went away: nothing it was doing can still write or read."""
+        if self._client is not None:
+            log.error("lost the kvxferd daemon (%s); %d transfers fail", exc, len(self._entries))
+            with contextlib.suppress(Exception):  # closing a dead connection may fail any way
+                self._client.close()
+        self._client = None
+        self._last_dial = time.monotonic()
+        for req_id, entry in list(self._entries.items()):
+            self._finish(req_id, entry, failed=True)
+
+    def post(self, plan: StepPlan) -> None:
+        for refusal in plan.refusals:
+            log.warning("request %s: remote KV load refused: %s", refusal.req_id, refusal.reason)
+            self._ready.recving.add(refusal.req_id)
+            self._ready.failed.add(refusal.req_id)
+        for recv in plan.recvs:
+            entry = self._entries[recv.req_id] = _Entry(recv.transfer_id, "recv")
+            self._call(
+                recv.req_id,
+                entry,
+                lambda c, r=recv: c.recv(  # type: ignore[misc]
+                    r.transfer_id,
+                    self.pool_id,
+                    r.blocks,
+                    r.peer,
+                    r.num_tokens,
+                    block_start=r.block_start,
+                ),
+            )
+        for send in plan.sends:
+            entry = self._entries[send.req_id] = _Entry(send.transfer_id, "send")
+            self._call(
+                send.req_id,
+                entry,
+                lambda c, s=send: c.send(  # type: ignore[misc]
+                    s.transfer_id, self.pool_id, s.blocks, s.num_tokens
+                ),
+            )
+
+    def _call(self, req_id: str, entry: _Entry, call: Callable[[Client], None]) -> None:
+        client = self._client_or_dial()
+        if client is None:
+            log.warning("request %s: no kvxferd daemon to %s with", req_id, entry.side)
+            self._finish(req_id, entry, failed=True)
+            return
+        try:
+            call(client)
+        except CallError as exc:
+            log.warning("request %s: the daemon refused the %s: %s", req_id, entry.side, exc)
+            entry.released = True  # never accepted: nothing to forget
+            self._finish(req_id, entry, failed=True)
+        except (DaemonGoneError, OSError, TimeoutError) as exc:
+            self._lost(exc)
+
+    # -------------------------------------------------------------- collecting
+
+    def collect(self, finished_req_ids: set[str], idle: bool = False) -> Results:
+        """What to tell vLLM this step (each id once, ever)."""
+        for req_id in finished_req_ids:
+            entry = self._entries.get(req_id)
+            if entry is None:
+                continue
+            entry.seen_finished = True
+            if entry.side == "recv" and entry.outcome is None:
+                entry.aborted = True
+        if self._client is not None and self._client.gone:
+            self._lost(DaemonGoneError(self._client.gone))
+        try:
+            if idle:
+                self._wait_a_little()
+            for req_id, entry in list(self._entries.items()):
+                self._advance(req_id, entry)
+        except (DaemonGoneError, OSError, TimeoutError) as exc:
+            self._lost(exc)
+        out, self._ready = self._ready, Results(set(), set(), set())
+        return out
+
+    def _wait_a_little(self) -> None:
+        """A step with nothing to compute comes right back (vLLM loops while transfers are
+        pending, ~600 steps/s): wait briefly for an outcome instead of spinning the CPU
+        the daemons need to move the bytes."""
+        client = self._client
+        waiting = [e for e in self._entries.values() if e.outcome is None and not e.failed]
+        if client is None or not waiting:
+            return
+        with contextlib.suppress(TimeoutError):  # the usual case: nothing yet
+            client.wait(waiting[0].transfer_id, self._idle_wait_s)
+
+    def _advance(self, req_id: str, entry: _Entry) -> None:
+        client = self._client
+        if client is None:
+            return
+        if entry.outcome is None:
+            entry.outcome = client.poll(entry.transfer_id, entry.side)
+        if entry.outcome is None:
+            if entry.aborted:
+                # "cancelled" and "finished" both mean an outcome is on its way; "busy" means
+                # a write is in flight: ask again next step.
+                try:
+                    client.cancel(entry.transfer_id)
+                except CallError as exc:
+                    log.warning("request %s: cancel refused: %s", req_id, exc)
+            return
+        outcome = entry.outcome
+        failed = outcome.status != "done"
+        if not entry.released:
+            entry.released = True
+            try:
+                client.release(entry.transfer_id)
+            except CallError as exc:  # the daemon forgot it already: nothing leaks
+                log.debug("request %s: release: %s", req_id, exc)
+            if failed and not entry.aborted:
+                log.warning(
+                    "request %s: KV %s of transfer %s %s: %s %s",
+                    req_id,
+                    entry.side,
+                    entry.transfer_id,
+                    outcome.status,
+                    outcome.reason,
+                    outcome.message,
+                )
+        if outcome.blocks_held and client.released(entry.transfer_id) is None:
+            return  # a write may still land: the blocks stay vLLM's-but-lent until fenced
+        if entry.side == "send" and not entry.seen_finished:
+            return  # vLLM's rule: a send is reported only after its request finished
+        self._finish(req_id, entry, failed=failed)
+
+    def _finish(self, req_id: str, entry: _Entry, *, failed: bool) -> None:
+        self._entries.pop(req_id, None)
+        if self._record is not None:
+            o = entry.outcome
+            self._record(
+                {
+                    "transfer_id": entry.transfer_id,
+                    "request_id": req_id,
+                    "side": entry.side,
+                    "status": o.status if o else "not_posted",
+                    "reason": o.reason if o else "",
+                    "nbytes": o.nbytes if o else 0,
+                    "elapsed_ms": o.elapsed_ms if o else 0.0,
+                    "aborted": entry.aborted,
+                    "reported_unix_ms": int(time.time() * 1000),
+                }
+            )
+        if entry.side == "send":
+            self._ready.sending.add(req_id)
+            return
+        self._ready.recving.add(req_id)
+        if failed:
+            self._ready.failed.add(req_id)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
