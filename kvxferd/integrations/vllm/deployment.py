@@ -21,6 +21,7 @@ from kvxferd.integrations.vllm.launch import (
     VllmServer,
     connector_config,
     free_port,
+    http_json,
     make_tiny_model,
     start_vllm,
 )
@@ -46,6 +47,10 @@ class Deployment:
     decode: VllmServer | None = None
     proxy: subprocess.Popen[bytes] | None = None
     proxy_url: str = ""
+    ctx_port: int = 0
+    # More decode servers (name -> kv_load_failure_policy), not behind the proxy.
+    more_decoders: dict[str, str] = field(default_factory=dict)
+    decoders: dict[str, VllmServer] = field(default_factory=dict)
 
     def start(self, timeout_s: float = 420.0) -> Deployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -71,15 +76,23 @@ class Deployment:
             extra_args=self.prefill_args,
         )
         self.decode = self.start_decode(self.decode_policy)
+        for name, policy in self.more_decoders.items():
+            self.decoders[name] = self.start_decode(policy, name)
         deadline = time.monotonic() + timeout_s
-        for server in (self.prefill, self.decode):
+        for server in (self.prefill, self.decode, *self.decoders.values()):
             server.wait_healthy(max(deadline - time.monotonic(), 1.0))
         self.start_proxy()
         return self
 
     def start_ctx(self) -> DaemonProc:
+        """The context daemon, always on the same peer port: one that restarts is found at
+        the address the decode side and the proxy know."""
         assert self.cluster is not None
-        self.ctx = self.cluster.start_daemon("ctx", "context")
+        if not self.ctx_port:
+            self.ctx_port = free_port()
+        self.ctx = self.cluster.start_daemon(
+            "ctx", "context", daemon={"peer_listen": f"127.0.0.1:{self.ctx_port}"}
+        )
         return self.ctx
 
     def start_decode(self, policy: str, name: str = "decode") -> VllmServer:
@@ -137,6 +150,14 @@ class Deployment:
                 time.sleep(0.2)
         raise LaunchError(f"the proxy did not answer within {timeout_s} s")
 
+    @staticmethod
+    def status(daemon: DaemonProc) -> dict[str, Any]:
+        """The daemon's /v1/status."""
+        code, body = http_json(f"http://{daemon.http_address}/v1/status", timeout_s=10)
+        if code != 200:
+            raise LaunchError(f"daemon {daemon.name}: /v1/status answered {code}: {body}")
+        return body
+
     def outcomes(self, name: str) -> list[dict[str, Any]]:
         """What the connector of vLLM server `name` reported, one record per transfer."""
         import json
@@ -153,7 +174,7 @@ class Deployment:
                 self.proxy.wait(10)
             except subprocess.TimeoutExpired:
                 self.proxy.kill()
-        for server in (self.decode, self.prefill):
+        for server in (*self.decoders.values(), self.decode, self.prefill):
             if server is not None:
                 server.stop()
         if self.cluster is not None:

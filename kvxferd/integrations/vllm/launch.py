@@ -192,7 +192,6 @@ def start_vllm(
         "--enforce-eager",
         "--seed",
         "0",
-        "--disable-log-stats",
     ]
     if kv_transfer_config is not None:
         cmd += [

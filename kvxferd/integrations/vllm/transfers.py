@@ -79,6 +79,9 @@ class Transfers:
     # ----------------------------------------------------------------- posting
 
     def _client_or_dial(self) -> Client | None:
+        if self._client is not None and self._client.gone:
+            # Noticed only now if vLLM was idle meanwhile; the daemon may well be back.
+            self._lost(DaemonGoneError(self._client.gone))
         if self._client is not None:
             return self._client
         now = time.monotonic()
@@ -99,7 +102,7 @@ class Transfers:
             with contextlib.suppress(Exception):  # closing a dead connection may fail any way
                 self._client.close()
         self._client = None
-        self._last_dial = time.monotonic()
+        self._last_dial = 0.0  # dial again as soon as there is work (then once a second)
         for req_id, entry in list(self._entries.items()):
             self._finish(req_id, entry, failed=True)
 
