@@ -3,7 +3,7 @@
 VENV ?= .venv
 STAMP := $(VENV)/.kvxferd-installed
 
-.PHONY: setup demo test lint
+.PHONY: setup demo demo-vllm test lint
 
 $(STAMP): pyproject.toml scripts/install.sh
 	VENV=$(VENV) ./scripts/install.sh
@@ -13,6 +13,12 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvxferd demo
+
+# vLLM prefill and decode instances exchanging KV through two daemons (issue 12); sets up
+# .venv-vllm on first use (scripts/install-vllm.sh, ~1.5 min with a warm cache).
+demo-vllm: $(STAMP)
+	./scripts/install-vllm.sh
+	$(VENV)/bin/python -m kvxferd.integrations.vllm.demo
 
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 # scripts/test-deps.sh installs promtool and systemd-analyze if missing (apt-get;

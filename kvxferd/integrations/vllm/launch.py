@@ -265,6 +265,7 @@ class Streamed:
     ttft_s: float  # request sent -> first token (inf if none)
     total_s: float
     error: str = ""
+    transfer_id: str = ""  # the proxy's X-Kvxferd-Transfer-Id header
 
 
 def stream_completion(
@@ -296,6 +297,7 @@ def stream_completion(
     finish: str | None = None
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            transfer_id = resp.headers.get("X-Kvxferd-Transfer-Id", "")
             for raw in resp:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -321,4 +323,4 @@ def stream_completion(
         )
     except (OSError, ValueError) as exc:
         return Streamed(0, ids, finish, first, time.perf_counter() - start, str(exc))
-    return Streamed(200, ids, finish, first, time.perf_counter() - start)
+    return Streamed(200, ids, finish, first, time.perf_counter() - start, "", transfer_id)

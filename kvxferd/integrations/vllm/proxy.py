@@ -33,6 +33,7 @@ from aiohttp import web
 log = logging.getLogger("kvxferd.vllm.proxy")
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions")
+TRANSFER_HEADER = "X-Kvxferd-Transfer-Id"
 
 
 def split_request(
@@ -106,13 +107,19 @@ class Proxy:
                 log.warning("transfer %s: prefill answered %d", transfer_id, p_status)
                 return web.Response(status=p_status, text=p_text, content_type="application/json")
             resp = await decode
+            # The transfer id names the request in both daemons' logs and metrics.
+            headers = {TRANSFER_HEADER: transfer_id}
             try:
                 if not body.get("stream"):
                     return web.Response(
-                        status=resp.status, text=await resp.text(), content_type="application/json"
+                        status=resp.status,
+                        text=await resp.text(),
+                        content_type="application/json",
+                        headers=headers,
                     )
                 out = web.StreamResponse(
-                    status=resp.status, headers={"Content-Type": "text/event-stream"}
+                    status=resp.status,
+                    headers={"Content-Type": "text/event-stream", **headers},
                 )
                 await out.prepare(request)
                 async for chunk in resp.content.iter_any():
