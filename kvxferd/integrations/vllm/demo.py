@@ -45,7 +45,7 @@ def summarize(
     disagg: list[Streamed],
     outcomes: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for prompt, one, two in zip(batch, single, disagg, strict=True):
         sent = outcomes.get(two.transfer_id, {})
         rows.append(
