@@ -186,7 +186,7 @@ def test_a_cancelled_request_leaves_nothing_behind(dep: Any) -> None:
 
 def test_context_daemon_killed_fail_and_recompute(dep: Any) -> None:
     """Receives wait on both decode servers; the context daemon is SIGKILLed. Under `fail`
-    the request ends in error without tokens; under `recompute` decode computes the prompt
+    the request ends in an error (HTTP 500, no tokens); under `recompute` decode computes the prompt
     itself and gives one instance's tokens."""
     rng = random.Random(8)
     prompt = _prompt(rng, 120)
@@ -218,11 +218,8 @@ def test_context_daemon_killed_fail_and_recompute(dep: Any) -> None:
         r_status, r_body = recomputing.result(120)
     assert r_status == 200, r_body
     assert token_ids(r_body) == want
-    if f_status == 200:
-        assert f_body["choices"][0]["finish_reason"] == "error", f_body
-        assert not token_ids(f_body)
-    else:
-        assert f_status >= 500, f_body
+    # vLLM's OpenAI server turns finish_reason "error" into 500 (GenerationError).
+    assert f_status == 500, f_body
     _until("the generation daemon forgets both", lambda: _quiet(dep, dep.gen))
 
 
