@@ -185,6 +185,10 @@ class Transfers:
             client.wait(waiting[0].transfer_id, self._idle_wait_s)
 
     def _advance(self, req_id: str, entry: _Entry) -> None:
+        if entry.failed:  # a send that failed without an outcome, held back (see _finish)
+            if entry.seen_finished:
+                self._finish(req_id, entry, failed=True)
+            return
         client = self._client
         if client is None:
             return
@@ -224,6 +228,12 @@ class Transfers:
         self._finish(req_id, entry, failed=failed)
 
     def _finish(self, req_id: str, entry: _Entry, *, failed: bool) -> None:
+        if entry.side == "send" and not entry.seen_finished:
+            # A send refused, or whose daemon went away, before vLLM named its request in
+            # finished_req_ids: reporting it now would free the blocks of a running request.
+            # It stays an entry, failed, and _advance reports it once vLLM finished it.
+            entry.failed = True
+            return
         self._entries.pop(req_id, None)
         if self._record is not None:
             o = entry.outcome

@@ -1,0 +1,484 @@
+"""The vLLM connector's worker side (transfers.Transfers) against real daemons, without vLLM.
+
+Each `Worker` is what KvxferdConnector's worker instance is: a KV pool in a sealed memfd
+registered with its daemon, and a `Transfers` that vLLM drives once a step with that step's
+plan (`post`, in start_load_kv) and the step's `finished_req_ids` (`collect`, in
+get_transfer_results). Plans come from a real `Planner`, as vLLM's scheduler makes them.
+
+vLLM's rules, checked on everything each test's workers report: an id is reported once,
+ever (a second report crashes the scheduler); a failed load is in finished_recving and
+failed_recving the same step; a send is reported only in or after the step whose
+finished_req_ids named its request (before, vLLM would free the blocks of a running request).
+Two `kvxferd run` daemons (NIXL on loopback) serve the module; the test that kills and
+restarts them runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxferd.client import Client
+from kvxferd.integrations.vllm.plan import Planner, Refusal, StepPlan
+from kvxferd.integrations.vllm.transfers import Results, Transfers
+from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.memfd import MemfdRegion
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
+
+pytest.importorskip("nixl_cu12", reason="the daemons need NIXL (scripts/install.sh)")
+
+# Small blocks (2 layers x K, V x 16 tokens x 2 heads x 16 dims x fp16 = 4 KiB): the bytes
+# are checked, not the bandwidth.
+GEOMETRY: dict[str, Any] = {
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "tokens_per_block": 16,
+    "dtype": "float16",
+    "layout": "block-major",
+}
+BS: int = GEOMETRY["tokens_per_block"]
+POOL_BLOCKS = 64
+SENTINEL = 0xA5  # what every block holds that no transfer may write
+TIMEOUT_S = 20.0
+TRANSCEIVER = {"kv_transfer_timeout_ms": 15000}
+
+
+class Daemons:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.ctx = self.start("ctx", "context")
+        self.gen = self.start("gen", "generation")
+
+    def start(self, name: str, role: str) -> DaemonProc:
+        return self.cluster.start_daemon(name, role, transceiver=TRANSCEIVER)
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    with LocalCluster(tmp_path_factory.mktemp("vllm-transfers"), geometry=GEOMETRY) as c:
+        d = Daemons(c)
+        yield d
+        # The daemons serving at the end (the kill test restarts both) drain cleanly; one a
+        # failed test left dead is that test's failure, not this one.
+        live = [x for x in (d.ctx, d.gen) if x.alive()]
+        codes = {x.name: x.stop() for x in live}
+        assert codes == {x.name: 0 for x in live}, [x.log_text()[-2000:] for x in live]
+
+
+def status(daemon: DaemonProc) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{daemon.http_address}/v1/status", timeout=10) as resp:
+        doc: dict[str, Any] = json.loads(resp.read())
+    return doc
+
+
+def no_sessions(daemon: DaemonProc) -> None:
+    assert status(daemon)["sessions"] == {"send": {}, "recv": {}}
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Worker:
+    """One vLLM worker: its pool, its Transfers, and everything they reported."""
+
+    def __init__(self, daemon: DaemonProc, name: str, *, pool_id: str = "") -> None:
+        self.daemon = daemon
+        self.name = name
+        self.layout = KvLayout(
+            num_layers=GEOMETRY["num_layers"],
+            kv_factor=2,
+            num_kv_heads=GEOMETRY["num_kv_heads"],
+            head_dim=GEOMETRY["head_dim"],
+            tokens_per_block=BS,
+            dtype=GEOMETRY["dtype"],
+            major=GEOMETRY["layout"],
+            num_blocks=POOL_BLOCKS,
+        )
+        self.region = MemfdRegion.create(self.layout.pool_bytes, f"vllm-test-{name}")
+        self.region.array[: self.layout.pool_bytes] = SENTINEL
+        self.registered = f"{name}-kv"
+        self.dialed: list[Client] = []
+        self.records: list[dict[str, object]] = []
+        self.steps: list[Results] = []
+        # A pool id other than the registered one: every call names a pool the daemon lacks.
+        self.transfers = Transfers(
+            self.connect,
+            pool_id or self.registered,
+            client=self.connect(),
+            idle_wait_s=0.005,
+            record=self.records.append,
+        )
+
+    def connect(self) -> Client:
+        """What the connector's _redial does: dial, and register the same memory again."""
+        client = Client(self.daemon.api_socket, engine=f"vllm-test-{self.name}")
+        try:
+            client.register_pool(self.registered, self.region, self.layout)
+        except BaseException:
+            client.close()
+            raise
+        self.dialed.append(client)
+        return client
+
+    # ------------------------------------------------------------------ memory
+
+    def block(self, b: int) -> np.ndarray:
+        size = self.layout.block_bytes
+        return self.region.array[b * size : (b + 1) * size]
+
+    def fill(self, blocks: Iterable[int], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for b in blocks:
+            self.block(b)[:] = rng.integers(0, 256, self.layout.block_bytes, dtype=np.uint8)
+
+    def clear(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            self.block(b)[:] = 0
+
+    def untouched(self, written: Iterable[int]) -> None:
+        """Every block but `written` still holds nothing but SENTINEL bytes."""
+        others = sorted(set(range(POOL_BLOCKS)) - set(written))
+        bad = [b for b in others if not np.all(self.block(b) == SENTINEL)]
+        assert not bad, f"{self.name}: blocks written that no transfer was given: {bad}"
+
+    # --------------------------------------------------------------- stepping
+
+    def step(self, plan: StepPlan | None = None, finished: Iterable[str] = ()) -> Results:
+        """One vLLM step: start_load_kv (post), then get_transfer_results (collect)."""
+        plan = plan if plan is not None else StepPlan(idle=True)
+        self.transfers.post(plan)
+        got = self.transfers.collect(set(finished), idle=plan.idle)
+        assert got.failed <= got.recving, f"{self.name}: failed loads not in finished_recving"
+        self.steps.append(got)
+        self.check_once()
+        return got
+
+    def count(self, what: str, req_id: str) -> int:
+        return sum(req_id in getattr(r, what) for r in self.steps)
+
+    def reported(self, what: str) -> Counter[str]:
+        return Counter(i for r in self.steps for i in getattr(r, what))
+
+    def check_once(self) -> None:
+        for what in ("sending", "recving", "failed"):
+            twice = {i: n for i, n in self.reported(what).items() if n > 1}
+            assert not twice, f"{self.name}: reported more than once in {what}: {twice}"
+
+    def close(self) -> None:
+        self.transfers.close()
+        self.region.close()
+
+
+@pytest.fixture
+def workers(daemons: Daemons) -> Iterator[Callable[..., Worker]]:
+    made: list[Worker] = []
+
+    def make(daemon: DaemonProc, name: str, **kw: Any) -> Worker:
+        w = Worker(daemon, name, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def run_until(what: str, done: Callable[[], bool], *workers: Worker) -> int:
+    """Step every worker (nothing new planned, nothing finished) until `done`; the steps."""
+    deadline = time.monotonic() + TIMEOUT_S
+    n = 0
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        for w in workers:
+            w.step()
+        n += 1
+    return n
+
+
+def recv_params(tid: str, peer: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "kvxferd": {"transfer_id": tid, "peer": peer}}
+
+
+def send_params(tid: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "kvxferd": {"transfer_id": tid}}
+
+
+def plan_recv(
+    req_id: str, tid: str, peer: str, prompt: int, blocks: list[int], local_hit: int = 0
+) -> StepPlan:
+    """What the decode scheduler plans for a request vLLM just allocated `blocks` for."""
+    planner = Planner(BS, consumer=True, producer=False)
+    params = recv_params(tid, peer)
+    n = planner.matched_tokens(req_id, params, prompt, local_hit)
+    assert n == prompt - local_hit
+    planner.after_alloc(req_id, params, prompt, blocks, n, "")
+    plan = planner.take(0)
+    assert len(plan.recvs) == 1 and not plan.refusals, plan
+    return plan
+
+
+def plan_send(req_id: str, tid: str, prompt: int, blocks: list[int]) -> StepPlan:
+    """What the prefill scheduler plans when the request's prompt is done."""
+    planner = Planner(BS, consumer=False, producer=True)
+    keep, reply = planner.finished(req_id, send_params(tid), True, prompt, blocks)
+    assert keep and reply is not None and reply["kvxferd"]["transfer_id"] == tid
+    plan = planner.take(0)
+    assert len(plan.sends) == 1, plan
+    return plan
+
+
+def outcome_arrived(w: Worker, req_id: str) -> bool:
+    # White-box: the send's outcome reached the Transfers (only vLLM's finished_req_ids
+    # still holds its report back).
+    entry = w.transfers._entries.get(req_id)
+    return entry is not None and entry.outcome is not None
+
+
+# ------------------------------------------------------------------------ the tests
+
+
+def test_a_transfer_is_reported_once_on_each_side_and_the_send_after_finished(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    prompt = 100  # 7 blocks, the last partial
+    p_blocks = [12, 3, 40, 7, 8, 21, 30]
+    d_blocks = [5, 9, 33, 2, 60, 61, 17, 18]  # one more than the prompt's: decode growth
+    p.fill(p_blocks, seed=1)
+    d.clear(d_blocks[:7])
+
+    d.step(plan_recv("d-1", "t-1", daemons.ctx.peer_address, prompt, d_blocks))
+    # vLLM names the request in finished_req_ids with the plan; here it is held back.
+    p.step(plan_send("p-1", "t-1", prompt, p_blocks))
+
+    run_until("the receive", lambda: d.count("recving", "d-1") > 0, d, p)
+    assert d.count("failed", "d-1") == 0
+    run_until("the send's outcome", lambda: outcome_arrived(p, "p-1"), d, p)
+    for _ in range(5):
+        assert not p.step().sending
+    assert p.count("sending", "p-1") == 0 and p.transfers.pending == 1
+
+    got = p.step(finished={"p-1"})
+    assert got.sending == {"p-1"} and not got.recving and not got.failed
+    # The decode request finishing later is none of the connector's business any more.
+    d.step(finished={"d-1"})
+    for _ in range(5):
+        d.step()
+        p.step()
+
+    assert d.reported("recving") == {"d-1": 1} and not d.reported("failed")
+    assert d.reported("sending") == Counter()
+    assert p.reported("sending") == {"p-1": 1} and not p.reported("recving")
+    assert d.transfers.pending == p.transfers.pending == 0
+
+    for db, pb in zip(d_blocks[:7], p_blocks, strict=True):
+        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.untouched(d_blocks[:7])
+    (rec,) = d.records
+    assert rec["status"] == "done" and rec["nbytes"] == 7 * d.layout.block_bytes, rec
+    assert p.records[0]["status"] == "done"
+    no_sessions(daemons.gen)
+    no_sessions(daemons.ctx)
+
+
+def test_a_receive_from_block_start_k_moves_only_blocks_k_on(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    prompt, k = 150, 3  # 10 blocks, the first 3 a local prefix-cache hit
+    p_blocks = list(range(20, 30))
+    cached, fresh = [1, 2, 3], [44, 45, 50, 51, 52, 53, 9]
+    p.fill(p_blocks, seed=2)
+    d.clear(fresh)
+
+    plan = plan_recv("d-k", "t-k", daemons.ctx.peer_address, prompt, cached + fresh, k * BS)
+    (recv,) = plan.recvs
+    assert recv.block_start == k and recv.blocks == tuple(fresh)
+    d.step(plan)
+    p.step(plan_send("p-k", "t-k", prompt, p_blocks), finished={"p-k"})  # as vLLM does
+    run_until(
+        "both sides",
+        lambda: d.count("recving", "d-k") > 0 and p.count("sending", "p-k") > 0,
+        d,
+        p,
+    )
+
+    assert d.reported("recving") == {"d-k": 1} and not d.reported("failed")
+    assert p.reported("sending") == {"p-k": 1}
+    for db, pb in zip(fresh, p_blocks[k:], strict=True):
+        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.untouched(fresh)  # the cached blocks above all
+    assert d.records[0]["nbytes"] == len(fresh) * d.layout.block_bytes
+
+
+def test_a_receive_aborted_before_any_send_is_cancelled_and_reported_once(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    d = workers(daemons.gen, "decode")
+    blocks = [4, 5, 6]
+    d.clear(blocks)
+    d.step(plan_recv("d-ab", "t-ab", daemons.ctx.peer_address, 40, blocks))
+    for _ in range(3):
+        assert d.step() == Results(set(), set(), set())
+
+    # The client went away: vLLM finishes the request while its receive is posted.
+    d.step(finished={"d-ab"})
+    run_until("the cancelled receive", lambda: d.count("recving", "d-ab") > 0, d)
+    for _ in range(5):
+        d.step()
+
+    assert d.reported("recving") == {"d-ab": 1} and d.reported("failed") == {"d-ab": 1}
+    (rec,) = d.records
+    assert rec["status"] == "cancelled" and rec["aborted"] is True, rec
+    assert d.transfers.pending == 0
+    no_sessions(daemons.gen)
+    d.untouched(blocks)
+    assert all(not d.block(b).any() for b in blocks)
+
+
+def test_refusals_in_the_plan_are_failed_loads_reported_once(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    d = workers(daemons.gen, "decode")
+    planner = Planner(BS, consumer=True, producer=False)
+    malformed = {"do_remote_prefill": True, "kvxferd": {"transfer_id": "no spaces allowed"}}
+    no_peer = {"do_remote_prefill": True, "kvxferd": {"transfer_id": "t-np"}}
+    for req_id, params in (("d-bad", malformed), ("d-nopeer", no_peer)):
+        n = planner.matched_tokens(req_id, params, 32, 0)
+        planner.after_alloc(req_id, params, 32, [1, 2], n, "")
+    planner.refuse("d-raised", "planning raised")
+    plan = planner.take(0)
+    assert {r.req_id for r in plan.refusals} == {"d-bad", "d-nopeer", "d-raised"}
+    plan.refusals.append(Refusal("d-direct", "a refusal as the metadata carries it"))
+
+    got = d.step(plan)
+    want = {"d-bad", "d-nopeer", "d-raised", "d-direct"}
+    assert got.recving == want and got.failed == want and not got.sending
+    for _ in range(5):
+        d.step(planner.take(0))
+    d.step(finished=want)
+    assert d.reported("recving") == dict.fromkeys(want, 1)
+    assert d.reported("failed") == dict.fromkeys(want, 1)
+    assert d.transfers.pending == 0 and not d.records  # nothing reached the daemon
+    no_sessions(daemons.gen)
+
+
+def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    peer = daemons.ctx.peer_address
+    # A pool id the daemon never registered, on both sides.
+    d_lost = workers(daemons.gen, "decode-nopool", pool_id="not-registered")
+    p_lost = workers(daemons.ctx, "prefill-nopool", pool_id="not-registered")
+    got = d_lost.step(plan_recv("d-np", "t-np", peer, 32, [1, 2]))
+    assert got.recving == {"d-np"} and got.failed == {"d-np"}
+    assert d_lost.records[0]["status"] == "not_posted"
+    # A refused send is still a send: reported once, and not before vLLM finished it.
+    assert not p_lost.step(plan_send("p-np", "t-np", 32, [1, 2])).sending
+    for _ in range(3):
+        assert not p_lost.step().sending
+    got = p_lost.step(finished={"p-np"})
+    assert got.sending == {"p-np"}
+
+    # One transfer id twice: the second call is refused, the first goes on unharmed.
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    p.fill([10, 11, 12], seed=3)
+    d.clear([1, 2, 3])  # [4, 5, 6], the refused receive's, keep their SENTINEL
+    first = plan_recv("d-a", "t-dup", peer, 40, [1, 2, 3])
+    second = plan_recv("d-b", "t-dup", peer, 40, [4, 5, 6])
+    got = d.step(StepPlan(recvs=first.recvs + second.recvs))
+    assert got.recving == {"d-b"} and got.failed == {"d-b"}
+    sends = plan_send("p-a", "t-dup", 40, [10, 11, 12]).sends
+    sends += plan_send("p-b", "t-dup", 40, [13, 14, 15]).sends
+    p.step(StepPlan(sends=sends), finished={"p-a", "p-b"})
+    run_until(
+        "the first transfer",
+        lambda: d.count("recving", "d-a") > 0 and p.count("sending", "p-a") > 0,
+        d,
+        p,
+    )
+    for _ in range(5):
+        d.step()
+        p.step()
+
+    assert d.reported("recving") == {"d-a": 1, "d-b": 1} and d.reported("failed") == {"d-b": 1}
+    assert p.reported("sending") == {"p-a": 1, "p-b": 1}
+    for w in (d_lost, p_lost, d, p):
+        assert w.transfers.pending == 0, w.name
+    for db, pb in zip([1, 2, 3], [10, 11, 12], strict=True):
+        assert np.array_equal(d.block(db), p.block(pb))
+    d.untouched([1, 2, 3])  # the refused receive's blocks too
+    assert {r["status"] for r in p.records} == {"done", "not_posted"}
+    no_sessions(daemons.gen)
+    no_sessions(daemons.ctx)
+
+
+def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., Worker]) -> None:
+    """Runs last: it kills both daemons of the module and leaves restarted ones behind."""
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    peer = daemons.ctx.peer_address
+    # A receive and a send that wait for each other's counterpart (other transfer ids).
+    d.step(plan_recv("d-k", "t-k-recv", peer, 40, [1, 2, 3]))
+    p.step(plan_send("p-k", "t-k-send", 40, [1, 2, 3]))  # finished_req_ids held back
+    for _ in range(3):
+        assert d.step() == Results(set(), set(), set())
+        assert p.step() == Results(set(), set(), set())
+
+    daemons.gen.kill(signal.SIGKILL)
+    daemons.ctx.kill(signal.SIGKILL)
+    wait_for("the connections to end", lambda: bool(d.dialed[-1].gone and p.dialed[-1].gone))
+    got = d.step()
+    assert got.recving == {"d-k"} and got.failed == {"d-k"}
+    # The send failed too, but vLLM has not finished its request: not reported yet.
+    for _ in range(3):
+        assert not p.step().sending
+        d.step()
+    assert p.step(finished={"p-k"}).sending == {"p-k"}
+    assert d.transfers.pending == p.transfers.pending == 0
+    assert len(d.dialed) == len(p.dialed) == 1  # no work: nobody dialed a dead daemon
+
+    # The same api sockets, new processes: the next post dials them.
+    daemons.gen = daemons.start("gen", "generation")
+    daemons.ctx = daemons.start("ctx", "context")
+    prompt = 70
+    p.fill([30, 31, 32, 33, 34], seed=4)
+    d.clear([40, 41, 42, 43, 44])
+    d.step(plan_recv("d-new", "t-new", daemons.ctx.peer_address, prompt, [40, 41, 42, 43, 44]))
+    p.step(plan_send("p-new", "t-new", prompt, [30, 31, 32, 33, 34]), finished={"p-new"})
+    assert len(d.dialed) == len(p.dialed) == 2
+    run_until(
+        "the transfer after the restart",
+        lambda: d.count("recving", "d-new") > 0 and p.count("sending", "p-new") > 0,
+        d,
+        p,
+    )
+    for _ in range(3):
+        d.step()
+        p.step()
+
+    assert d.reported("recving") == {"d-k": 1, "d-new": 1} and d.reported("failed") == {"d-k": 1}
+    assert p.reported("sending") == {"p-k": 1, "p-new": 1}
+    for db, pb in zip([40, 41, 42, 43, 44], [30, 31, 32, 33, 34], strict=True):
+        assert np.array_equal(d.block(db), p.block(pb))
+    d.untouched([40, 41, 42, 43, 44])
+    no_sessions(daemons.gen)
+    no_sessions(daemons.ctx)
