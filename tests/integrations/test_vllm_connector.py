@@ -32,10 +32,15 @@ from kvxferd.integrations.vllm.launch import (
     token_ids,
 )
 
-pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.is_file(),
-    reason=f"no vLLM environment at {VLLM_PYTHON}: run scripts/install-vllm.sh to set it up",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not VLLM_PYTHON.is_file(),
+        reason=f"no vLLM environment at {VLLM_PYTHON}: run scripts/install-vllm.sh to set it up",
+    ),
+    # The first test also pays for the module's deployment: three vLLM servers starting on
+    # two cores take 1.5-4 minutes.
+    pytest.mark.timeout(600),
+]
 
 MAX_TOKENS = 8
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4  # layers * KV heads * (K, V) * tokens * head_dim * fp32
