@@ -234,7 +234,12 @@ def complete(
     **extra: Any,
 ) -> tuple[int, dict[str, Any]]:
     """A greedy /v1/completions request (one prompt)."""
-    body: dict[str, Any] = {
+    return http_json(server_url + "/v1/completions", _greedy(prompt, max_tokens, extra), timeout_s)
+
+
+def _greedy(prompt: list[int] | str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """A deterministic completion body: greedy, exactly max_tokens, token ids returned."""
+    return {
         "model": MODEL_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -243,7 +248,6 @@ def complete(
         "return_token_ids": True,
         **extra,
     }
-    return http_json(server_url + "/v1/completions", body, timeout_s)
 
 
 def token_ids(response: dict[str, Any]) -> list[int] | None:
@@ -276,16 +280,7 @@ def stream_completion(
     **extra: Any,
 ) -> Streamed:
     """A greedy streamed /v1/completions request, timing its first token."""
-    body: dict[str, Any] = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-        **extra,
-    }
+    body = _greedy(prompt, max_tokens, {"stream": True, **extra})
     req = urllib.request.Request(
         server_url + "/v1/completions",
         data=json.dumps(body).encode(),
