@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -429,6 +430,83 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
     assert {r["status"] for r in p.records} == {"done", "not_posted"}
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
+
+
+# Its own daemons: short deadlines, so that a stopped writer fails the receive in ~2 s
+# (the module's have 15 s), and a stopped daemon the module's other tests never see.
+FENCING: dict[str, Any] = {
+    "transceiver": {"kv_transfer_timeout_ms": 2000},
+    "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
+}
+
+
+def test_a_receive_failed_with_blocks_held_is_reported_only_once_released(
+    tmp_path: Path,
+) -> None:
+    """The writer (the context daemon) is stopped once it knows the request: the receive
+    fails at its deadline (or the heartbeat timeout) with blocks_held, since nothing proves
+    that the stopped process will not write. vLLM must not hear of it (it would reuse the
+    blocks) until the daemon's `released`; after SIGCONT the writer's AbortAck releases it,
+    and it is reported once, in finished_recving and failed_recving in the same step."""
+    with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
+        ctx = cluster.start_daemon("ctx", "context", **FENCING)
+        gen = cluster.start_daemon("gen", "generation", **FENCING)
+        d = Worker(gen, "decode")
+        p = Worker(ctx, "prefill")  # its pool registered; its send is never planned
+        try:
+            blocks = [7, 8, 9]
+            d.clear(blocks)
+            d.step(plan_recv("d-h", "t-h", ctx.peer_address, 40, blocks))
+            wait_for(
+                "the context daemon to know the request",
+                lambda: status(ctx)["sessions"]["send"] == {"ready": 1},
+            )
+            ctx.kill(signal.SIGSTOP)
+            try:
+                run_until(
+                    "the failed receive's outcome",
+                    lambda: outcome_arrived(d, "d-h") or d.count("recving", "d-h") > 0,
+                    d,
+                )
+                assert d.count("recving", "d-h") == 0, "reported while its blocks are held"
+                outcome = d.transfers._entries["d-h"].outcome  # white-box, as outcome_arrived
+                assert outcome is not None and outcome.status in ("failed", "timed_out"), outcome
+                assert outcome.blocks_held, outcome
+                # Held while the writer stays stopped: step for a while, nothing reported.
+                held_until = time.monotonic() + 1.0
+                steps = 0
+                while time.monotonic() < held_until or steps < 10:
+                    got = d.step()
+                    assert "d-h" not in got.recving and "d-h" not in got.failed, got
+                    assert d.dialed[-1].released("t-h") is None
+                    steps += 1
+                    assert steps < 10_000, "the held phase never ended"
+                assert d.transfers.pending == 1 and not d.records
+                holds = status(gen)["holds"]
+                assert holds["requests"] == 1 and holds["blocks"] == len(blocks), holds
+            finally:
+                ctx.kill(signal.SIGCONT)
+
+            run_until("the fenced receive's report", lambda: d.count("recving", "d-h") > 0, d)
+            (at,) = [r for r in d.steps if "d-h" in r.recving]
+            assert "d-h" in at.failed, at  # the same step
+            released = d.dialed[-1].released("t-h")
+            assert released is not None and released.how == "abort_ack", released
+            for _ in range(5):
+                d.step()
+            assert d.reported("recving") == {"d-h": 1} and d.reported("failed") == {"d-h": 1}
+            assert d.transfers.pending == 0
+            (rec,) = d.records
+            assert rec["status"] == outcome.status and rec["aborted"] is False, rec
+            holds = status(gen)["holds"]
+            assert holds["requests"] == 0 and holds["blocks"] == 0, holds
+            no_sessions(gen)
+            d.untouched(blocks)
+        finally:
+            d.close()
+            p.close()
+        codes = {x.name: x.stop() for x in (ctx, gen)}
+        assert codes == {"ctx": 0, "gen": 0}, [x.log_text()[-2000:] for x in (ctx, gen)]
 
 
 def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., Worker]) -> None:
