@@ -19,7 +19,57 @@ from kvxferd.errors import StartupError
 
 log = logging.getLogger("kvxferd.http")
 
-_MAX_REQUEST_LINE = 8192
+# Limits on what a client may send before it is answered (nothing here needs more): one
+# line (the request line or a header) of 8 KiB, 64 header lines, 32 KiB of head in all, and
+# the whole head within 10 s, however slowly it trickles in.
+_MAX_LINE = 8192
+_MAX_HEADERS = 64
+_MAX_HEAD_BYTES = 32768
+_HEAD_DEADLINE_S = 10.0
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    503: "Unavailable",
+}
+
+
+class _Refused(Exception):
+    """The request head broke a limit: answer `code` and close."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def _line(reader: asyncio.StreamReader, too_long: int) -> bytes:
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _Refused(too_long, "line too long") from None
+    except asyncio.IncompleteReadError as exc:
+        return exc.partial  # the client closed: whatever came is the last line
+
+
+async def _read_head(reader: asyncio.StreamReader) -> list[str]:
+    """The request line's words; headers are read (within the limits) and ignored:
+    nothing here depends on them."""
+    line = await _line(reader, 414)
+    parts = line.decode("latin-1").split()
+    total = len(line)
+    for _ in range(_MAX_HEADERS + 1):
+        header = await _line(reader, 431)
+        total += len(header)
+        if total > _MAX_HEAD_BYTES:
+            raise _Refused(431, "request head too large")
+        if header in (b"\r\n", b"\n", b""):
+            return parts
+    raise _Refused(431, "too many header lines")
 
 
 class StatusSource(Protocol):
@@ -37,7 +87,8 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> str:
         try:
-            self._server = await asyncio.start_server(self._serve, host, port)
+            # The stream limit is the longest line readuntil accepts.
+            self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
         except OSError as exc:
             raise StartupError(f"cannot serve HTTP on {host}:{port}: {exc}") from exc
         sock = self._server.sockets[0].getsockname()
@@ -59,27 +110,29 @@ class HttpServer:
         return 404, "text/plain", b"not found\n"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parts: list[str] = []
         try:
-            line = await asyncio.wait_for(reader.readline(), 5.0)
-            parts = line[:_MAX_REQUEST_LINE].decode("latin-1").split()
-            # Headers are read and ignored: nothing here depends on them.
-            while True:
-                header = await asyncio.wait_for(reader.readline(), 5.0)
-                if header in (b"\r\n", b"\n", b""):
-                    break
-            if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+            try:
+                parts = await asyncio.wait_for(_read_head(reader), _HEAD_DEADLINE_S)
+            except asyncio.TimeoutError:
+                raise _Refused(408, "request head not complete in time") from None
+            if len(parts) < 2:
+                code, ctype, body = 400, "text/plain", b"bad request line\n"
+            elif parts[0] not in ("GET", "HEAD"):
                 code, ctype, body = 405, "text/plain", b"only GET\n"
             else:
                 code, ctype, body = self.route(parts[1].split("?", 1)[0])
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Unavailable"}
+        except _Refused as refused:
+            code, ctype, body = refused.code, "text/plain", f"{refused}\n".encode()
+        try:
             head = (
-                f"HTTP/1.1 {code} {reason.get(code, '')}\r\nContent-Type: {ctype}\r\n"
+                f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             ).encode()
-            writer.write(head + (body if parts and parts[0] != "HEAD" else b""))
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError, OSError, UnicodeDecodeError):
-            pass
+            writer.write(head + (body if not parts or parts[0] != "HEAD" else b""))
+            await asyncio.wait_for(writer.drain(), _HEAD_DEADLINE_S)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass  # the client went away or does not read: nothing more to do for it
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
