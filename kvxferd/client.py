@@ -348,10 +348,16 @@ class AsyncClient:
         token_start: int = 0,
         last: bool = True,
         beam_width: int = 1,
+        peer: str | None = None,
     ) -> None:
         """Context side: the KV of tokens [token_start, token_end) is ready. `blocks`
         are all blocks of the request up to token_end; `last` marks the final chunk
-        (with pipelined transfer each chunk's complete blocks move right away)."""
+        (with pipelined transfer each chunk's complete blocks move right away).
+
+        `peer`: the generation daemon this request is for, by the name it announces
+        (its `daemon.name`); the daemon then serves only that daemon's receive and
+        refuses any other's (`not_your_request`). None: whoever asks first (the first
+        chunk's value counts; a later chunk may repeat it or leave it out)."""
         await self._call(
             Send(
                 call_id=next(self._ids),
@@ -362,6 +368,7 @@ class AsyncClient:
                 token_end=token_end,
                 last=last,
                 beam_width=beam_width,
+                peer=peer or "",
             )
         )
 
@@ -520,10 +527,13 @@ class Client:
         token_start: int = 0,
         last: bool = True,
         beam_width: int = 1,
+        peer: str | None = None,
     ) -> None:
         """See AsyncClient.send."""
         self._run(
-            self._client.send(request_id, pool_id, blocks, token_end, token_start, last, beam_width)
+            self._client.send(
+                request_id, pool_id, blocks, token_end, token_start, last, beam_width, peer
+            )
         )
 
     def cancel(self, request_id: str) -> str:

@@ -84,6 +84,9 @@ class Recv(_Msg, tag="recv"):
 
 
 class Send(_Msg, tag="send"):
+    """`peer`: the generation daemon (its announced name) whose receive this request
+    serves; "" serves whoever asks first."""
+
     call_id: int
     request_id: str
     pool_id: str
@@ -92,6 +95,7 @@ class Send(_Msg, tag="send"):
     token_end: int
     last: bool = True
     beam_width: int = 1
+    peer: str = ""
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Coroutine
@@ -78,6 +79,9 @@ from kvxferd.transceiver.staged import (
 )
 
 log = logging.getLogger("kvxferd.daemon")
+
+# A peer named by a send: a daemon name, as the handshake accepts one (1-128 characters).
+_DAEMON_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class Daemon:
@@ -197,6 +201,7 @@ class Daemon:
         self.metrics.bind(self)
         self.api.on_outcome = self.metrics.observe_outcome
         self.sender.on_write_done = self.metrics.observe_write
+        self.sender.on_refused = self.metrics.request_refused
         self.admission.on_wait = self.metrics.observe_admission_wait
         self.peers.observer = self.metrics
         self.peers.on_established = self._established
@@ -375,6 +380,12 @@ class Daemon:
             self._require_role(SENDING_ROLES, "send")
             self._check_request_id(msg.request_id)
             pool = self._usable_pool(engine, msg.pool_id)
+            if msg.peer and not _DAEMON_NAME.fullmatch(msg.peer):
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"peer {msg.peer[:40]!r}{'...' if len(msg.peer) > 40 else ''} is not a "
+                    "daemon name (1-128 letters, digits, '_', '.', '-')",
+                )
             self.sender.send(
                 engine,
                 msg.request_id,
@@ -384,6 +395,7 @@ class Daemon:
                 msg.token_end,
                 msg.last,
                 msg.beam_width,
+                msg.peer,
             )
             return ""
         if isinstance(msg, Cancel):

@@ -14,6 +14,7 @@ Counters and histograms are fed at a few points every request passes:
 * the context side's write, once the backend reports it done (wire time,
   descriptors per transfer);
 * the admission window, when a receive is admitted (admission wait);
+* the context side, when it refuses a receiver's RequestData (by reason);
 * the peer manager (handshakes, their failures, peers lost to missed heartbeats).
 
 Gauges (requests in flight, blocked by admission, engine and peer connections,
@@ -160,6 +161,14 @@ class DaemonMetrics:
             ["peer"],
             registry=r,
         )
+        self.refused_requests = Counter(
+            "kvxferd_refused_request_data",
+            "Context side: receivers' RequestData refused without being served, by reason "
+            "(not_your_request: the send names another generation daemon; already_served: "
+            "another receive got the KV; duplicate_request, block_mismatch, shutdown, ...).",
+            ["reason"],
+            registry=r,
+        )
         self.reloads = Counter(
             "kvxferd_config_reloads",
             "SIGHUP reloads, by result (applied, unchanged, rejected).",
@@ -173,6 +182,8 @@ class DaemonMetrics:
             self.bytes.labels(side=side)
         for result in ("applied", "unchanged", "rejected"):
             self.reloads.labels(result=result)
+        for reason in (Reason.NOT_YOUR_REQUEST, Reason.ALREADY_SERVED):
+            self.refused_requests.labels(reason=reason)
 
     def set_info(self, name: str, role: str, backend: str, runtime: str, fingerprint: str) -> None:
         self.info.info(
@@ -208,6 +219,9 @@ class DaemonMetrics:
     def observe_write(self, wire_s: float, descriptors: int) -> None:
         self.wire_seconds.observe(wire_s)
         self.descriptors.observe(descriptors)
+
+    def request_refused(self, reason: str) -> None:
+        self.refused_requests.labels(reason=reason).inc()
 
     def observe_admission_wait(self, wait_s: float) -> None:
         self.admission_seconds.observe(wait_s)

@@ -85,6 +85,9 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
         "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
         "open_transfer_handles": daemon.sender.open_handles,
+        # Context side: receives of other daemons waiting for the send to say whose request
+        # it is (Send.peer); the first receive of each request is in `sessions`.
+        "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
         "handshake_failures": dict(daemon.peers.handshake_failures),
     }
 

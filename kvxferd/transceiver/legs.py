@@ -169,7 +169,8 @@ def refusal(
     if legs and not (still_open and another_rank(legs, leg)):
         return (
             Reason.DUPLICATE_REQUEST,
-            f"request {leg.request.request_id!r} is already requested by another receive",
+            f"request {leg.request.request_id!r} is already requested by another receive "
+            f"(from {legs[0].conn.peer.name})",
         )
     # Refused alone: the request waits on for the ranks that hold our heads.
     stray = no_common_heads(pool, leg)

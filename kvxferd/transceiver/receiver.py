@@ -320,6 +320,9 @@ class Receiver:
             term = Terminal.peer(Status.FAILED, Reason.PEER_TIMED_OUT, msg.message)
         elif msg.reason in (Reason.CANCELLED, Reason.PEER_CANCELLED):
             term = Terminal.peer(Status.CANCELLED, Reason.PEER_CANCELLED, msg.message)
+        elif msg.reason in (Reason.NOT_YOUR_REQUEST, Reason.ALREADY_SERVED):
+            # Not a failure of the context side: this request's KV is someone else's.
+            term = Terminal.peer(Status.FAILED, msg.reason, f"context side: {msg.message}")
         else:
             term = Terminal.peer(
                 Status.FAILED, Reason.PEER_FAILED, f"context side: {msg.reason}: {msg.message}"

@@ -16,6 +16,15 @@ decides which RequestData are legs and how many the request needs). The write st
 once every expected leg is known, each leg gets only the heads it holds, and the
 engine hears `done` only when every leg was served. Any leg failing fails the
 request, and the other receivers are told (Abort).
+
+Whose request it is: a send may name the generation daemon it serves (`peer`, the name
+that daemon announced in the handshake). A RequestData from any other daemon is then
+refused (`not_your_request`) and the request waits on for the named one. RequestData
+usually arrive before the send, when nobody can tell yet whose request it is: the first
+is taken as today, and those of other daemons wait as *contenders* instead of being
+refused as duplicates, so that a receive posted first by someone else cannot shut out
+the real one. The send then keeps the named daemon's and turns the others away; a send
+naming nobody keeps the first and refuses the rest as duplicates, as before.
 """
 
 from __future__ import annotations
@@ -103,6 +112,8 @@ class Sender:
         self.open_handles = 0  # posted writes not yet confirmed quiescent
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
+        # Told the reason of each RequestData refused without being served.
+        self.on_refused: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------ engine calls
 
@@ -116,8 +127,11 @@ class Sender:
         token_end: int,
         last: bool,
         beam_width: int = 1,
+        peer: str = "",
     ) -> None:
-        """Accept one send call (a chunk; `last` marks the final one) or raise RequestError."""
+        """Accept one send call (a chunk; `last` marks the final one) or raise RequestError.
+        `peer`: the generation daemon (by name) the request is for; "" for anyone. The
+        first chunk's counts; a later chunk may repeat it or leave it empty."""
         tpb = pool.layout.tokens_per_block
         if self.pipelined and beam_width != 1:
             raise RequestError(
@@ -139,6 +153,12 @@ class Sender:
         except LayoutError as exc:
             raise RequestError("bad_request", f"pool {pool.pool_id!r}: {exc}") from exc
         s = self._session_for_send(engine, request_id, token_start)
+        if s.task is not None and peer and peer != s.serve_peer:
+            self._reject_chunk(
+                s,
+                f"a later chunk names peer {peer!r}, the first one "
+                f"{repr(s.serve_peer) if s.serve_peer else 'none'}",
+            )
         if s.blocks and blocks[: len(s.blocks)] != s.blocks:
             # Earlier chunks' blocks may already be written: they cannot move.
             self._reject_chunk(
@@ -151,6 +171,8 @@ class Sender:
         pool.users.add(f"tx:{s.request_id}")
         now = time.monotonic()
         if s.task is None:
+            s.serve_peer = peer
+            self._choose_receivers(s)
             if not self.pipelined:
                 s.deadline = self._deadline(now)  # from the first send, never reset
             s.task = asyncio.create_task(self._run(s), name=f"tx-{s.request_id}")
@@ -224,19 +246,26 @@ class Sender:
         s = self.sessions.get(msg.request_id)
         if s is None:
             if not self.accepting:
-                await _refuse(conn, msg, Reason.SHUTDOWN, "context daemon is shutting down")
+                await self._refuse(conn, msg, Reason.SHUTDOWN, "context daemon is shutting down")
                 return
             # Generation-first: remember the request until the engine sends.
             s = TxSession(request_id=msg.request_id, engine=None)
             self.sessions[msg.request_id] = s
+        elif s.serve_peer and conn.peer.name != s.serve_peer:
+            # The send names another daemon: whatever the request's state, not this one's.
+            await self._refuse(conn, msg, *self._not_yours(s, TxLeg(conn, msg)))
+            return
         elif s.finished and s.terminal is not None:
-            # The engine's send already ended (e.g. its deadline passed before the
-            # receiver asked): say why, so the generation side can tell the operator.
-            why = f"the context side already ended this request: {s.terminal.message}"
-            await _refuse(conn, msg, s.terminal.reason, why)
+            await self._refuse(conn, msg, *self._ended(s, conn))
             return
         elif s.leg_of(conn, msg.rx_token) is not None:
             await self._asked_twice(s, conn, msg)
+            return
+        elif (contender := s.contender_of(conn, msg.rx_token)) is not None:
+            # It was never taken: refusing it ends only that receive.
+            s.contenders.remove(contender)
+            message = f"{conn.peer.name} sent the RequestData of one receive twice"
+            await self._refuse(conn, msg, Reason.DUPLICATE_REQUEST, message)
             return
         leg = TxLeg(conn, msg)
         # A further RequestData is another generation rank of a head-split only before
@@ -244,14 +273,107 @@ class Sender:
         still_open = s.terminal is None and not (s.writing or s.written or s.nbytes)
         refused = refusal(s.pool, s.legs, leg, still_open)
         if refused is not None:
-            await _refuse(conn, msg, *refused)
+            if (
+                s.engine is None
+                and refused[0] == Reason.DUPLICATE_REQUEST
+                and all(each.conn.peer.name != conn.peer.name for each in s.legs + s.contenders)
+            ):
+                # Before the send nobody can tell whose request this is: the send may name
+                # this daemon, so it waits (one per daemon) instead of being refused.
+                s.contenders.append(leg)
+                return
+            await self._refuse(conn, msg, *refused)
             return
+        self._take(s, leg)
+
+    def _take(self, s: TxSession, leg: TxLeg) -> None:
+        """`leg` is a receiver of the request from now on."""
         if s.request is None:
-            s.request = msg
-            s.conn = conn
+            s.request = leg.request
+            s.conn = leg.conn
             s.advance(SessionState.READY if s.engine is None else SessionState.WAITING_FOR_PEER)
         s.legs.append(leg)
         s.wake.set()
+
+    def _choose_receivers(self, s: TxSession) -> None:
+        """At the first send: of the receivers that asked so far (the legs taken, then the
+        contenders, in arrival order), keep those the send allows (the named daemon's, or
+        the first one's when it names none) and turn the others away (told by the task)."""
+        if not s.contenders and all(
+            not s.serve_peer or leg.conn.peer.name == s.serve_peer for leg in s.legs
+        ):
+            return  # the usual case: nothing to choose
+        waiting = s.legs + s.contenders
+        s.legs, s.contenders = [], []
+        s.request = s.conn = None
+        for leg in waiting:
+            if s.serve_peer and leg.conn.peer.name != s.serve_peer:
+                s.turned_away.append((leg, *self._not_yours(s, leg)))
+                continue
+            refused = refusal(s.pool, s.legs, leg, True)
+            if refused is not None:
+                s.turned_away.append((leg, *refused))
+                continue
+            self._take(s, leg)
+
+    def _not_yours(self, s: TxSession, leg: TxLeg) -> tuple[str, str]:
+        """Why a RequestData from a daemon the send does not name is refused (logged)."""
+        log.warning(
+            "request %s: refused the RequestData of peer %s: the send names %s (%s)",
+            _shown(s.request_id),
+            _shown(leg.conn.peer.name),
+            _shown(s.serve_peer),
+            Reason.NOT_YOUR_REQUEST,
+        )
+        return (
+            Reason.NOT_YOUR_REQUEST,
+            f"request {s.request_id!r} is not yours: the context engine sends it to another "
+            "generation daemon",
+        )
+
+    def _ended(self, s: TxSession, conn: PeerConnection) -> tuple[str, str]:
+        """Why a RequestData (from `conn`) for a request that already has an outcome is
+        refused."""
+        assert s.terminal is not None
+        served = [leg.conn.peer.name for leg in s.legs if leg.served]
+        if s.terminal.status == Status.DONE and served:
+            log.warning(
+                "request %s: refused the RequestData of peer %s: already served to %s (%s)",
+                _shown(s.request_id),
+                _shown(conn.peer.name),
+                ", ".join(map(_shown, served)),
+                Reason.ALREADY_SERVED,
+            )
+            whom = ", ".join(served)
+            return (
+                Reason.ALREADY_SERVED,
+                f"request {s.request_id!r} was already served to "
+                + (whom if conn.peer.name in served else f"another peer ({whom})")
+                + "; the context engine's send named "
+                + (repr(s.serve_peer) if s.serve_peer else "no peer, so the first to ask got it"),
+            )
+        # The engine's send already ended (e.g. its deadline passed before the receiver
+        # asked): say why, so the generation side can tell the operator.
+        return (
+            s.terminal.reason,
+            f"the context side already ended this request: {s.terminal.message}",
+        )
+
+    async def _refuse(
+        self, conn: PeerConnection, msg: RequestData, reason: str, message: str
+    ) -> None:
+        """Answer a RequestData that is not taken: this request ends for that receive."""
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        await conn.send(
+            Abort(request_id=msg.request_id, rx_token=msg.rx_token, reason=reason, message=message)
+        )
+
+    async def _tell_turned_away(self, s: TxSession) -> None:
+        while s.turned_away:
+            leg, reason, message = s.turned_away.pop(0)
+            leg.told = True
+            await self._refuse(leg.conn, leg.request, reason, message)
 
     async def _refuse_strangers(self, s: TxSession) -> None:
         """Refuse the receivers that asked before our pool was known and hold none of our
@@ -273,12 +395,16 @@ class Sender:
         message = f"{conn.peer.name} sent the RequestData of one receive twice"
         log.warning("request %s: %s", s.request_id, message)
         if s.engine is None:
-            del self.sessions[s.request_id]  # nothing was written: tell every receiver now
-            await abort_legs(s.request_id, s.legs, None, Reason.DUPLICATE_REQUEST, message)
+            legs = self._without_legs(s)  # nothing was written: tell every receiver now
+            await abort_legs(s.request_id, legs, None, Reason.DUPLICATE_REQUEST, message)
         else:
             s.request_end(Terminal.peer(Status.FAILED, Reason.DUPLICATE_REQUEST, message))
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
+        if self._drop_contender(conn, msg.request_id, msg.rx_token):
+            # A receive that was never taken: nothing was written for it.
+            await conn.send(AbortAck(request_id=msg.request_id, rx_token=msg.rx_token))
+            return
         s = self._match(conn, msg.request_id, msg.rx_token)
         if s is None:
             await self._quiesce_elsewhere(conn, msg)
@@ -292,10 +418,10 @@ class Sender:
                     msg.reason,
                     msg.message,
                 )
-                del self.sessions[s.request_id]
+                legs = self._without_legs(s)
                 await abort_legs(
                     s.request_id,
-                    s.legs,
+                    legs,
                     leg,
                     Reason.PEER_FAILED,
                     f"another generation rank ended it: {msg.reason}",
@@ -371,15 +497,17 @@ class Sender:
     async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
         cancelled = True
-        if s is not None:
+        if s is None:
+            self._drop_contender(conn, msg.request_id, msg.rx_token)
+        else:
             leg = s.leg_of(conn, msg.rx_token)
             if s.writing:
                 cancelled = False
             elif s.engine is None:
-                del self.sessions[s.request_id]
+                legs = self._without_legs(s)
                 await abort_legs(
                     s.request_id,
-                    s.legs,
+                    legs,
                     leg,
                     Reason.PEER_CANCELLED,
                     "cancelled by another generation rank",
@@ -402,6 +530,7 @@ class Sender:
     async def on_peer_closed(self, conn: PeerConnection) -> None:
         lost = []
         for s in list(self.sessions.values()):
+            s.contenders = [each for each in s.contenders if each.conn is not conn]
             leg = s.leg_of(conn)
             if leg is None or leg.served:
                 # A receiver already served has what we wrote; it going away changes
@@ -409,10 +538,10 @@ class Sender:
                 continue
             leg.told = True  # nobody left to tell on that connection
             if s.engine is None:
-                del self.sessions[s.request_id]
+                legs = self._without_legs(s)
                 await abort_legs(
                     s.request_id,
-                    s.legs,
+                    legs,
                     leg,
                     Reason.PEER_FAILED,
                     f"another generation rank was lost: {conn.close_reason}",
@@ -424,6 +553,32 @@ class Sender:
             s.mark_told(leg)
             lost.append(s)
         await settle(lost)
+
+    def _without_legs(self, s: TxSession) -> list[TxLeg]:
+        """A request the engine has not sent loses its receivers (one of them ended, left
+        or asked twice; the caller tells the others): forgotten, unless receives of other
+        daemons wait as contenders: then the first of them becomes its receiver. Returns
+        the receivers it had."""
+        legs, waiting = s.legs, s.contenders
+        s.legs, s.contenders = [], []
+        s.request = s.conn = None
+        if not waiting:
+            del self.sessions[s.request_id]
+        for leg in waiting:
+            if refusal(s.pool, s.legs, leg, True) is None:
+                self._take(s, leg)
+            else:
+                s.contenders.append(leg)
+        return legs
+
+    def _drop_contender(self, conn: PeerConnection, request_id: str, rx_token: int) -> bool:
+        """Forget a contender's receive (it ended on its side); True if it was one."""
+        s = self.sessions.get(request_id)
+        leg = s.contender_of(conn, rx_token) if s is not None else None
+        if s is None or leg is None:
+            return False
+        s.contenders.remove(leg)
+        return True
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> TxSession | None:
         s = self.sessions.get(request_id)
@@ -453,7 +608,7 @@ class Sender:
                 del self.sessions[s.request_id]
                 await abort_legs(
                     s.request_id,
-                    s.legs,
+                    s.legs + s.contenders,
                     None,
                     Reason.SHUTDOWN,
                     "context daemon shut down before its engine sent the KV",
@@ -473,6 +628,7 @@ class Sender:
     async def _run(self, s: TxSession) -> None:
         try:
             while s.terminal is None:
+                await self._tell_turned_away(s)
                 await self._refuse_strangers(s)
                 work = self._next_slice(s)
                 if work is None:
@@ -835,6 +991,7 @@ class Sender:
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal
         assert term is not None
+        await self._tell_turned_away(s)
         # The peers are always told; the write is already quiescent here.
         if term.status != Status.DONE and s.request and s.conn and not s.peer_told:
             if s.legs:
@@ -851,8 +1008,7 @@ class Sender:
         conclude(s, "send", s.pool, log)
 
 
-async def _refuse(conn: PeerConnection, msg: RequestData, reason: str, message: str) -> None:
-    """Answer a RequestData that is not taken: this request ends for that receive."""
-    await conn.send(
-        Abort(request_id=msg.request_id, rx_token=msg.rx_token, reason=reason, message=message)
-    )
+def _shown(text: str, limit: int = 64) -> str:
+    """A peer-supplied string for a log line: quoted and escaped (no forged lines), and
+    bounded."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

@@ -84,6 +84,9 @@ class TxSession(_Session):
     """Context side: the engine's send(s) and the peers' RequestData meet here.
 
     `request` and `conn` are those of the first leg; `legs` lists every receiver.
+    `serve_peer`: the generation daemon the send names ("" until then, or when it names
+    none). `contenders`: RequestData from other daemons that arrived before the send,
+    after the first receiver; the send decides which of them (if any) it serves.
     """
 
     pool: LocalPool | None = None
@@ -97,10 +100,20 @@ class TxSession(_Session):
     posting: bool = False  # from just before the post until the write is quiescent
     written: int = 0  # blocks already written (pipelined slices)
     legs: list[TxLeg] = field(default_factory=list)
+    serve_peer: str = ""
+    contenders: list[TxLeg] = field(default_factory=list)
+    # Receivers the send turned away, to be told (by the session's task) before it works.
+    turned_away: list[tuple[TxLeg, str, str]] = field(default_factory=list)
 
     @property
     def writing(self) -> bool:
         return self.posting or self.xfer is not None
+
+    def contender_of(self, conn: PeerConnection, rx_token: int) -> TxLeg | None:
+        for leg in self.contenders:
+            if leg.conn is conn and leg.request.rx_token == rx_token:
+                return leg
+        return None
 
     def leg_of(self, conn: PeerConnection, rx_token: int | None = None) -> TxLeg | None:
         for leg in self.legs:

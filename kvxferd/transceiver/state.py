@@ -43,6 +43,10 @@ class Reason:
     BAD_CHUNK = "bad_chunk"
     UNKNOWN_POOL = "unknown_pool"
     DUPLICATE_REQUEST = "duplicate_request"
+    # A RequestData refused because the send names another generation daemon (Send.peer).
+    NOT_YOUR_REQUEST = "not_your_request"
+    # A RequestData for a request whose KV already went to another receive.
+    ALREADY_SERVED = "already_served"
     ENGINE_DISCONNECTED = "engine_disconnected"
     SHUTDOWN = "shutdown"
 
