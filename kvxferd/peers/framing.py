@@ -21,7 +21,27 @@ _HEADER = struct.Struct(">I")
 # enough that a hostile length prefix cannot make us allocate gigabytes.
 MAX_FRAME_BYTES = 16 << 20
 
+# Until a peer has proved the shared secret it may only send Hello, Challenge, Auth or
+# Refused. Measured at the largest identity the handshake accepts (128-character name,
+# 64-character incarnation, 32-byte nonce and proof): Hello 294 bytes, Challenge 338,
+# Auth 55, a version Refused naming a 255-character host 353. The NIXL agent metadata
+# (tens of KiB) and the pools travel in Info, which each side sends only after the other
+# proved the secret, under MAX_FRAME_BYTES. 64 KiB is ~180x the largest legitimate
+# pre-authentication frame (room for a later protocol version's Hello, which must still
+# decode to be refused by version) and no more than asyncio's own StreamReader buffer
+# limit, so an unauthenticated peer makes us hold at most that much of a frame body.
+PREAUTH_MAX_FRAME_BYTES = 64 << 10
+
 T = TypeVar("T")
+
+
+class FrameTooLargeError(ProtocolError):
+    """A length prefix over the limit of the connection's state; the body was not read."""
+
+    def __init__(self, message: str, length: int, limit: int) -> None:
+        super().__init__(message)
+        self.length = length
+        self.limit = limit
 
 
 class CorkedWriter:
@@ -115,11 +135,16 @@ class FrameCodec(Generic[T]):
                 f"malformed {self._what} message: nested too deeply to decode"
             ) from None
 
-    async def read(self, reader: asyncio.StreamReader) -> T | None:
+    async def read(
+        self, reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES
+    ) -> T | None:
         """The next message, or None on a clean end of stream between frames.
 
-        Raises ProtocolError on a truncated frame, an oversize length or a body
-        that does not decode; the connection is then unusable.
+        `max_bytes` is the largest body taken (PREAUTH_MAX_FRAME_BYTES before the peer
+        is authenticated); the length prefix is checked against it before any of the
+        body is read. Raises ProtocolError on a truncated frame, an oversize length
+        (FrameTooLargeError) or a body that does not decode; the connection is then
+        unusable.
         """
         try:
             header = await reader.readexactly(_HEADER.size)
@@ -128,9 +153,11 @@ class FrameCodec(Generic[T]):
                 return None
             raise ProtocolError(f"truncated {self._what} frame header") from exc
         (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise ProtocolError(
-                f"{self._what} frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+        if length > max_bytes:
+            raise FrameTooLargeError(
+                f"{self._what} frame of {length} bytes exceeds the {max_bytes}-byte limit",
+                length,
+                max_bytes,
             )
         try:
             body = await reader.readexactly(length)

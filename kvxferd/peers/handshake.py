@@ -16,6 +16,10 @@ Both proofs are HMAC-SHA256 over both nonces and both identities, keyed by the
 shared secret, so each side proves knowledge of the secret before the other
 reveals any agent metadata or memory layout. Any refusal is sent as Refused
 (reason code + message naming the mismatch) and raised on both sides.
+
+Until the other side has proved the secret (the server: Hello and Auth; the client:
+Challenge) a frame may be at most PREAUTH_MAX_FRAME_BYTES: a stranger's length prefix
+cannot make us buffer megabytes. Info and later frames take MAX_FRAME_BYTES.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TypeVar
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES
 from kvxferd.peers.messages import (
     PEER_CODEC,
     Auth,
@@ -114,8 +119,10 @@ async def _send(writer: asyncio.StreamWriter, msg: object) -> None:
     await writer.drain()
 
 
-async def _recv(reader: asyncio.StreamReader, peer: str) -> PeerMessage:
-    msg = await PEER_CODEC.read(reader)
+async def _recv(
+    reader: asyncio.StreamReader, peer: str, max_bytes: int = MAX_FRAME_BYTES
+) -> PeerMessage:
+    msg = await PEER_CODEC.read(reader, max_bytes)
     if msg is None:
         raise HandshakeError(f"{peer} closed the connection during the handshake")
     if isinstance(msg, Refused):
@@ -161,7 +168,7 @@ async def client_handshake(
             nonce=nonce_c,
         ),
     )
-    msg = await _recv(reader, peer_label)
+    msg = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)  # not authenticated yet
     msg = _expect(msg, Challenge, peer_label)
     _check_identity(msg, peer_label)
     if msg.version != PROTOCOL_VERSION:
@@ -201,8 +208,11 @@ async def server_handshake(
     check: InfoCheck,
     peer_label: str,
     admit: Admit | None = None,
+    authenticated: Callable[[], None] | None = None,
 ) -> tuple[PeerIdentity, Info]:
-    hello = await _recv(reader, peer_label)
+    """The accepting side. `authenticated` is called once the client proved the secret
+    (the manager stops counting the connection as unauthenticated then)."""
+    hello = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)
     hello = _expect(hello, Hello, peer_label)
     _check_identity(hello, peer_label)
     if hello.version != PROTOCOL_VERSION:
@@ -224,12 +234,14 @@ async def server_handshake(
             proof=_proof(me.secret, b"server", hello.nonce, nonce_s, names),
         ),
     )
-    auth = await _recv(reader, peer_label)
+    auth = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)
     auth = _expect(auth, Auth, peer_label)
     expected = _proof(me.secret, b"client", nonce_s, hello.nonce, names)
     if not hmac.compare_digest(expected, auth.proof):
         await _refuse(writer, "auth", "wrong shared secret")
         raise HandshakeError(f"{hello.name} at {peer_label} could not prove the shared secret")
+    if authenticated is not None:
+        authenticated()
     peer = PeerIdentity(name=hello.name, incarnation=hello.incarnation, role=hello.role)
     await _admit(admit, writer, peer, peer_label)
     await _send(writer, await make_info())
