@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
 from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.peers.handshake import (
     Identity,
     InfoCheck,
@@ -26,6 +28,21 @@ from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate, Refused
 from kvxferd.transceiver.dataplane import DataPlane
 
 log = logging.getLogger("kvxferd.peers")
+
+# Accepted connections whose peer has not proved the shared secret yet. Each costs at most
+# one pre-authentication frame (PREAUTH_MAX_FRAME_BYTES) plus asyncio's buffers (see
+# docs/operations.md, "Unauthenticated peer connections"), and lives at most
+# handshake_timeout_ms. A daemon has one connection per peer daemon; what arrives at once
+# is a reconnect wave (every generation rank redialing a restarted context daemon).
+# Overall: 64 handshakes in flight at once, far above a reconnect wave of a few hosts.
+PREAUTH_MAX_CONNECTIONS = 64
+# Per source address: 16 is twice the daemons of an 8-GPU host (one per rank, all of
+# which may redial at once), and lets no single address take more than a quarter of
+# PREAUTH_MAX_CONNECTIONS.
+PREAUTH_MAX_PER_SOURCE = 16
+# Refusals are counted each in /metrics but logged at most once per this many seconds
+# (a flood of connections must not become a flood of log lines).
+_REFUSAL_LOG_INTERVAL_S = 10.0
 
 OnMessage = Callable[[PeerConnection, PeerMessage], Awaitable[None]]
 OnClosed = Callable[[PeerConnection], Awaitable[None]]
@@ -44,6 +61,8 @@ class PeerObserver(Protocol):
     def handshake_ok(self, peer: str) -> None: ...
 
     def handshake_failed(self, exc: BaseException) -> None: ...
+
+    def connection_refused(self, reason: str) -> None: ...
 
     def peer_closed(self, peer: str, heartbeat_lost: bool) -> None: ...
 
@@ -81,6 +100,13 @@ class PeerManager:
         self._server: asyncio.base_events.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self.handshake_failures: dict[str, int] = {}
+        # Accepted connections not yet authenticated, overall and by source address;
+        # refused connections by reason (preauth_limit, preauth_per_source_limit).
+        self.preauth_connections = 0
+        self._preauth_by_source: dict[str, int] = {}
+        self.refused_connections: dict[str, int] = {}
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self.listen_address = ""
         self.observer: PeerObserver | None = None
         # Called once a connection is registered, with the Info we sent in its handshake:
@@ -104,6 +130,29 @@ class PeerManager:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         label = f"{peername[0]}:{peername[1]}" if peername else "unknown"
+        source = str(peername[0]) if peername else "unknown"
+        # Before anything is read: over a cap, the connection is dropped at once.
+        refusal = self._preauth_refusal(source)
+        if refusal is not None:
+            writer.transport.abort()
+            self._count_refusal(refusal, label)
+            return
+        self.preauth_connections += 1
+        self._preauth_by_source[source] = self._preauth_by_source.get(source, 0) + 1
+        counted = True
+
+        def authenticated() -> None:
+            """The peer proved the secret (or the attempt ended): it no longer counts."""
+            nonlocal counted
+            if counted:
+                counted = False
+                self.preauth_connections -= 1
+                left = self._preauth_by_source[source] - 1
+                if left:
+                    self._preauth_by_source[source] = left
+                else:
+                    del self._preauth_by_source[source]
+
         task = asyncio.current_task()
         if task is not None:
             self._handshakes.add(task)
@@ -111,7 +160,14 @@ class PeerManager:
         try:
             peer, info = await asyncio.wait_for(
                 server_handshake(
-                    reader, writer, self.me, make_info, self._check_info, label, self._admit
+                    reader,
+                    writer,
+                    self.me,
+                    make_info,
+                    self._check_info,
+                    label,
+                    self._admit,
+                    authenticated,
                 ),
                 self.timings.handshake_s,
             )
@@ -119,10 +175,42 @@ class PeerManager:
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
             self._count_failure(exc)
             log.warning("handshake from %s failed: %s", label, exc or "timed out")
-            writer.close()
+            if isinstance(exc, FrameTooLargeError):
+                writer.transport.abort()  # its body is not read, nor waited for
+            else:
+                writer.close()
         finally:
+            authenticated()
             if task is not None:
                 self._handshakes.discard(task)
+
+    def _preauth_refusal(self, source: str) -> str | None:
+        """Why a new connection from `source` may not start a handshake now, or None."""
+        if self.preauth_connections >= PREAUTH_MAX_CONNECTIONS:
+            return "preauth_limit"
+        if self._preauth_by_source.get(source, 0) >= PREAUTH_MAX_PER_SOURCE:
+            return "preauth_per_source_limit"
+        return None
+
+    def _count_refusal(self, reason: str, label: str) -> None:
+        self.refused_connections[reason] = self.refused_connections.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer.connection_refused(reason)
+        self._refusals_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            log.warning(
+                "closed %d peer connection(s) before their handshake (latest from %s: %s; "
+                "%d unauthenticated now, at most %d, %d per source address)",
+                self._refusals_unlogged,
+                label,
+                reason,
+                self.preauth_connections,
+                PREAUTH_MAX_CONNECTIONS,
+                PREAUTH_MAX_PER_SOURCE,
+            )
+            self._refusals_unlogged = 0
+            self._refusal_logged_at = now
 
     # --------------------------------------------------------------- dialing
 
@@ -301,7 +389,9 @@ class PeerManager:
 
     def _count_failure(self, exc: BaseException) -> None:
         kind = type(exc).__name__
-        if isinstance(exc, ProtocolError):
+        if isinstance(exc, FrameTooLargeError):
+            kind = "oversize_frame"
+        elif isinstance(exc, ProtocolError):
             kind = "protocol"
         self.handshake_failures[kind] = self.handshake_failures.get(kind, 0) + 1
         if self.observer is not None:

@@ -15,7 +15,8 @@ Counters and histograms are fed at a few points every request passes:
   descriptors per transfer);
 * the admission window, when a receive is admitted (admission wait);
 * the context side, when it refuses a receiver's RequestData (by reason);
-* the peer manager (handshakes, their failures, peers lost to missed heartbeats).
+* the peer manager (handshakes, their failures, connections refused before a handshake,
+  peers lost to missed heartbeats).
 
 Gauges (requests in flight, blocked by admission, engine and peer connections,
 loop lag...) are read from the daemon's state at scrape time.
@@ -40,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvxferd import __version__
 from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
 if TYPE_CHECKING:
@@ -77,6 +79,8 @@ def handshake_failure_reason(exc: BaseException) -> str:
         return "version" if "protocol version" in text else "incompatible"
     if isinstance(exc, HandshakeError):
         return "handshake"
+    if isinstance(exc, FrameTooLargeError):
+        return "oversize_frame"  # a length prefix over the pre-authentication limit
     if isinstance(exc, ProtocolError):
         return "protocol"
     if isinstance(exc, OSError):
@@ -149,6 +153,14 @@ class DaemonMetrics:
             ["reason"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "kvxferd_peer_connections_refused",
+            "Peer connections closed before their handshake began, by reason "
+            "(preauth_limit: too many unauthenticated connections in all; "
+            "preauth_per_source_limit: too many from that source address).",
+            ["reason"],
+            registry=r,
+        )
         self.heartbeats_missed = Counter(
             "kvxferd_heartbeats_missed",
             "Peer connections closed because the peer was silent past heartbeat_timeout_ms.",
@@ -184,6 +196,8 @@ class DaemonMetrics:
             self.reloads.labels(result=result)
         for reason in (Reason.NOT_YOUR_REQUEST, Reason.ALREADY_SERVED):
             self.refused_requests.labels(reason=reason)
+        for reason in ("preauth_limit", "preauth_per_source_limit"):
+            self.connections_refused.labels(reason=reason)
 
     def set_info(self, name: str, role: str, backend: str, runtime: str, fingerprint: str) -> None:
         self.info.info(
@@ -231,6 +245,9 @@ class DaemonMetrics:
 
     def handshake_failed(self, exc: BaseException) -> None:
         self.handshake_failures.labels(reason=handshake_failure_reason(exc)).inc()
+
+    def connection_refused(self, reason: str) -> None:
+        self.connections_refused.labels(reason=reason).inc()
 
     def peer_closed(self, peer: str, heartbeat_lost: bool) -> None:
         self.peers_lost.labels(peer=peer).inc()
@@ -280,6 +297,11 @@ class _LiveCollector:
             "kvxferd_peer_connections",
             "Established, authenticated peer connections.",
             len(d.peers.connections),
+        )
+        yield _gauge(
+            "kvxferd_peer_unauthenticated_connections",
+            "Accepted peer connections whose peer has not proved the shared secret yet.",
+            d.peers.preauth_connections,
         )
         yield _gauge(
             "kvxferd_open_transfer_handles",
