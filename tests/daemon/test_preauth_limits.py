@@ -1,0 +1,236 @@
+"""Bounded cost of unauthenticated peer connections (issue 14).
+
+Before this, 24 strangers each announcing a 16 MiB frame grew the context daemon by
+~300 MiB, and 2,000 idle strangers were all accepted until the handshake timeout. Now a
+frame before authentication may be at most PREAUTH_MAX_FRAME_BYTES (checked on the length
+prefix, before any of the body is read), and at most PREAUTH_MAX_CONNECTIONS connections
+(PREAUTH_MAX_PER_SOURCE from one address) may be unauthenticated at once: more are closed
+before anything is read, and counted. Authenticated peers are served throughout.
+
+The strangers connect from distinct loopback addresses (127.0.0.x, all of 127/8 is local
+on Linux), so the per-source cap is tested apart from the overall one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import threading
+import urllib.request
+
+import pytest
+from daemon_harness import status
+from prometheus_client.parser import text_string_to_metric_families
+from test_faults import _cfg, peer_names, serve_once, until
+
+from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES, FrameTooLargeError
+from kvxferd.peers.manager import PREAUTH_MAX_CONNECTIONS, PREAUTH_MAX_PER_SOURCE
+from kvxferd.peers.messages import PEER_CODEC, Auth
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
+
+MiB = 1 << 20
+
+
+def metric(daemon: DaemonProc, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://{daemon.http_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    raise AssertionError(f"no sample {name}{labels} in /metrics")
+
+
+def rss_bytes(daemon: DaemonProc) -> int:
+    with open(f"/proc/{daemon.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+class RssPeak:
+    """The largest VmRSS seen while the block runs (sampled every 5 ms in a thread)."""
+
+    def __init__(self, daemon: DaemonProc) -> None:
+        self.daemon = daemon
+        self.peak = rss_bytes(daemon)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes(self.daemon))
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.peak = max(self.peak, rss_bytes(self.daemon))
+
+
+async def connect_from(
+    daemon: DaemonProc, source: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = daemon.peer_address.rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+
+
+async def closed_by_daemon(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> bool:
+    """True when the daemon ends the connection (EOF or reset) within `timeout_s`."""
+
+    async def drain() -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while await reader.read(64 << 10):
+                pass
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+def test_the_length_prefix_is_checked_before_the_body_is_awaited() -> None:
+    """Only the header of a frame over the limit has arrived: read raises at once (it does
+    not wait for, nor buffer, the announced body); under the normal limit it would wait."""
+
+    async def scenario() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack(">I", PREAUTH_MAX_FRAME_BYTES + 1))
+        with pytest.raises(FrameTooLargeError, match="exceeds the 65536-byte limit"):
+            await asyncio.wait_for(PEER_CODEC.read(reader, PREAUTH_MAX_FRAME_BYTES), 5)
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack(">I", PREAUTH_MAX_FRAME_BYTES + 1))
+        with pytest.raises(asyncio.TimeoutError):  # waits for the body: it may come
+            await asyncio.wait_for(PEER_CODEC.read(reader), 0.2)
+        reader = asyncio.StreamReader()
+        reader.feed_data(PEER_CODEC.encode(Auth(proof=b"p" * 32)))
+        assert await PEER_CODEC.read(reader, PREAUTH_MAX_FRAME_BYTES) == Auth(proof=b"p" * 32)
+
+    asyncio.run(scenario())
+
+
+def test_an_oversize_frame_before_authentication_is_refused_unread(cluster: LocalCluster) -> None:
+    """Each stranger announces a 16 MiB frame and pushes its body: the daemon closes the
+    connection on the length prefix; its memory grows by nowhere near 16 MiB each."""
+    assert PREAUTH_MAX_FRAME_BYTES < MAX_FRAME_BYTES
+    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
+    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    n = 24
+    announced = 16 * MiB
+    chunk = b"\0" * MiB
+
+    async def stranger(i: int) -> bool:
+        reader, writer = await connect_from(ctx, f"127.0.0.{10 + i}")
+        try:
+            with contextlib.suppress(ConnectionError, OSError):
+                writer.write(struct.pack(">I", announced))
+                for _ in range(announced // len(chunk)):
+                    writer.write(chunk)
+                    await writer.drain()
+            return await closed_by_daemon(reader)
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        await serve_once(ctx, gen, "before")
+        failures = dict(status(ctx)["handshake_failures"])
+        oversize_before = failures.get("oversize_frame", 0)
+        before = rss_bytes(ctx)
+        with RssPeak(ctx) as rss:
+            closed = await asyncio.wait_for(asyncio.gather(*(stranger(i) for i in range(n))), 60)
+        assert all(closed), closed
+        await until(
+            lambda: (
+                status(ctx)["handshake_failures"].get("oversize_frame", 0) == oversize_before + n
+            ),
+            what="every oversize frame counted as a handshake failure",
+        )
+        assert metric(ctx, "kvxferd_handshake_failures_total", reason="oversize_frame") == n
+        grown = rss.peak - before
+        print(f"context daemon RSS: {before / MiB:.1f} MiB, peak +{grown / MiB:.1f} MiB")
+        # Unbounded, this was n x 16 MiB (384 MiB); bounded, a few MiB at most.
+        assert grown < n * announced // 8, f"RSS grew by {grown / MiB:.1f} MiB"
+        assert f"exceeds the {PREAUTH_MAX_FRAME_BYTES}-byte limit" in ctx.log_text()
+        assert metric(ctx, "kvxferd_peer_unauthenticated_connections") == 0
+        assert peer_names(ctx) == ["gen"]
+        await serve_once(ctx, gen, "after")
+
+    asyncio.run(scenario())
+
+
+def test_idle_strangers_beyond_the_caps_are_closed_at_once(cluster: LocalCluster) -> None:
+    """Idle unauthenticated connections fill the caps (a long handshake timeout keeps them
+    open): the next one, per source and overall, is closed at once and counted; the
+    authenticated peer is served meanwhile, and after the strangers leave a new daemon
+    completes its handshake and moves a request."""
+    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000, handshake_timeout_ms=120000))
+    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def unauthenticated() -> float:
+        return metric(ctx, "kvxferd_peer_unauthenticated_connections")
+
+    def refused(reason: str) -> float:
+        return metric(ctx, "kvxferd_peer_connections_refused_total", reason=reason)
+
+    async def hold(source: str, count: int) -> None:
+        for _ in range(count):
+            held.append(await connect_from(ctx, source))
+
+    async def refused_at_once(source: str) -> None:
+        reader, writer = await connect_from(ctx, source)
+        try:
+            # Closed long before the 120 s handshake timeout could close it.
+            assert await closed_by_daemon(reader, 10.0), f"a connection from {source} stayed open"
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        try:
+            await caps()
+        finally:
+            for _, writer in held:
+                writer.close()
+
+    async def caps() -> None:
+        await serve_once(ctx, gen, "before")  # gen is authenticated: it does not count
+        assert refused("preauth_limit") == 0 and refused("preauth_per_source_limit") == 0
+
+        # Per source: one address may hold PREAUTH_MAX_PER_SOURCE, not one more.
+        await hold("127.0.0.2", PREAUTH_MAX_PER_SOURCE)
+        await until(lambda: unauthenticated() == PREAUTH_MAX_PER_SOURCE, what="strangers held")
+        await refused_at_once("127.0.0.2")
+        await until(lambda: refused("preauth_per_source_limit") == 1, what="per-source refusal")
+        assert unauthenticated() == PREAUTH_MAX_PER_SOURCE
+
+        # Overall: fill the rest from other addresses, then any address is refused.
+        sources = PREAUTH_MAX_CONNECTIONS // PREAUTH_MAX_PER_SOURCE
+        for k in range(1, sources):
+            await hold(f"127.0.0.{2 + k}", PREAUTH_MAX_PER_SOURCE)
+        assert len(held) == PREAUTH_MAX_CONNECTIONS
+        await until(lambda: unauthenticated() == PREAUTH_MAX_CONNECTIONS, what="caps full")
+        await refused_at_once("127.0.0.200")
+        await refused_at_once("127.0.0.1")  # where the real peers come from, too
+        await until(lambda: refused("preauth_limit") == 2, what="overall refusals")
+        assert refused("preauth_per_source_limit") == 1
+        assert not any(r.at_eof() for r, _ in held)  # the held ones wait for their timeout
+
+        # The authenticated connection is not affected by the full caps.
+        await serve_once(ctx, gen, "during")
+
+        for _, writer in held:
+            writer.close()
+        await until(lambda: unauthenticated() == 0, what="the strangers' slots freed")
+        gen2 = cluster.start_daemon("gen2", "generation", **_cfg(10000))
+        await serve_once(ctx, gen2, "after-new-peer")
+        await serve_once(ctx, gen, "after")
+        assert peer_names(ctx) == ["gen", "gen2"]
+        assert "closed 1 peer connection(s) before their handshake" in ctx.log_text()
+
+    asyncio.run(scenario())
