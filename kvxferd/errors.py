@@ -31,7 +31,12 @@ class ProtocolError(KvxferdError):
 
 
 class MalformedMessageError(ProtocolError):
-    """One message did not decode; the stream itself is intact and can go on."""
+    """One message did not decode; the stream itself is intact and can go on. `body`: the
+    frame's bytes, for a reader that can still find out whom to answer (a call id)."""
+
+    def __init__(self, message: str, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.body = body
 
 
 class HandshakeError(KvxferdError):

@@ -17,6 +17,8 @@ import stat
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import msgspec
+
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.handoff import (
     FIRST_FRAME_TIMEOUT_S,
@@ -47,6 +49,23 @@ from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
 log = logging.getLogger("kvxferd.api")
+
+
+class _CallIdOnly(msgspec.Struct):
+    """What a malformed call may still say: its id (anything else is ignored)."""
+
+    call_id: int = -1
+
+
+_CALL_ID = msgspec.msgpack.Decoder(_CallIdOnly)
+
+
+def _call_id_of(body: bytes) -> int:
+    """The call id of a frame that did not decode as a call; -1 if it has none."""
+    try:
+        return _CALL_ID.decode(body).call_id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return -1
 
 
 class EngineConnection:
@@ -373,9 +392,10 @@ class ApiServer:
                 try:
                     msg = await ENGINE_CODEC.read(reader)
                 except MalformedMessageError as exc:
-                    # The frame boundary held, so the stream can go on.
+                    # The frame boundary held, so the stream can go on; the call it was
+                    # fails at once on the caller's side when its id can still be read.
                     log.warning("engine %r sent a malformed call: %s", engine.name, exc)
-                    engine.error(-1, ApiError.BAD_REQUEST, str(exc))
+                    engine.error(_call_id_of(exc.body), ApiError.BAD_REQUEST, str(exc))
                     await engine.drain()
                     continue
                 if msg is None:

@@ -129,12 +129,12 @@ class FrameCodec(Generic[T]):
         try:
             return self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MalformedMessageError(f"malformed {self._what} message: {exc}") from exc
+            raise MalformedMessageError(f"malformed {self._what} message: {exc}", body) from exc
         except RecursionError:
             # A value nested thousands deep (inside a free-form field such as a layout):
             # msgspec gives up with RecursionError, which no caller expects from a decode.
             raise MalformedMessageError(
-                f"malformed {self._what} message: nested too deeply to decode"
+                f"malformed {self._what} message: nested too deeply to decode", body
             ) from None
 
     async def read(

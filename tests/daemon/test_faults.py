@@ -768,17 +768,21 @@ def test_malformed_engine_calls(cluster: LocalCluster) -> None:
             opened(gen) as g,
         ):  # attached before the bad engine, used after it
             reader, writer = await _raw_engine(gen.api_socket)
+            # With the call id the reply names, when one can still be read: the caller's
+            # call fails at once instead of waiting for a reply it cannot match.
             garbage = [
-                b"\xc1\xc1\xc1\xc1",  # 0xc1 is never valid msgpack
-                b"\x81\xa4type\xa4send",  # a send without any of its fields
-                b"\x82\xa4type\xa6launch\xa7call_id\x07",  # an unknown call
-                b"\x83\xa4type\xa5query\xa7call_id\xa1x\xaarequest_id\x01",  # wrong types
+                (b"\xc1\xc1\xc1\xc1", -1),  # 0xc1 is never valid msgpack
+                (b"\x81\xa4type\xa4send", -1),  # a send without any of its fields
+                (b"\x82\xa4type\xa6launch\xa7call_id\x07", 7),  # an unknown call
+                (b"\x83\xa4type\xa5query\xa7call_id\xa1x\xaarequest_id\x01", -1),  # types
+                (b"\x83\xa4type\xa5query\xa7call_id\x09\xaarequest_id\x01", 9),  # a bad field
             ]
-            for body in garbage:
+            for body, call_id in garbage:
                 writer.write(_frame(body))
                 await writer.drain()
                 reply = await _next_reply(reader)
                 assert (reply.ok, reply.error) == (False, "bad_request"), (body, reply)
+                assert reply.call_id == call_id, (body, reply)
                 assert reply.message, reply
             # The same connection still works: valid calls get their own replies.
             writer.write(ENGINE_CODEC.encode(Query(call_id=41, request_id="nothing")))
