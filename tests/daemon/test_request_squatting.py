@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from daemon_harness import GEOMETRY, SimEngine, assert_clean, status
+import pytest
+from daemon_harness import SimEngine, assert_clean, status
 from test_faults import _cfg, blocks_untouched, logged, opened, until
 
+from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import fill_blocks, request_seed
 
-TPB = int(GEOMETRY["tokens_per_block"])
 TOKENS = 100
 WAIT_S = 20.0
 
@@ -103,6 +104,10 @@ def test_squatter_after_a_send_naming_the_real_peer(cluster: LocalCluster) -> No
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g, opened(squat) as q:
+            # A peer must be a daemon name: refused before anything is accepted.
+            with pytest.raises(CallError) as err:
+                await c.client.send("r-bad-peer", c.pool_id, [0], TOKENS, peer="gen\nforged")
+            assert err.value.code == "bad_request" and "not a daemon name" in str(err.value)
             await send(c, rid, peer="gen")
             q_blocks = await q.recv(rid, TOKENS, ctx.peer_address)
             squatted = await q.client.wait(rid, timeout_s=WAIT_S)
