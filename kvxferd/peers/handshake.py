@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import inspect
 import os
 import re
 from collections.abc import Awaitable, Callable
@@ -89,7 +90,20 @@ class PeerIdentity:
 
 
 # Returns None when the peer's Info is acceptable, else (reason code, message).
-InfoCheck = Callable[[PeerIdentity, Info], "tuple[str, str] | None"]
+# Whether a peer's Info is acceptable: None, or (reason, message) for the Refused. It may be
+# a coroutine (the daemon loads the peer's agent metadata there, before Ready).
+InfoCheck = Callable[
+    [PeerIdentity, Info], "tuple[str, str] | Awaitable[tuple[str, str] | None] | None"
+]
+
+
+async def _checked(check: InfoCheck, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
+    refusal = check(peer, info)
+    if inspect.isawaitable(refusal):
+        return await refusal
+    return refusal
+
+
 # Asked once the peer proved the secret, before any metadata is sent: None to go on,
 # else the Refused to send (e.g. its name belongs to a live, connected peer).
 Admit = Callable[[PeerIdentity], Awaitable["Refused | None"]]
@@ -190,7 +204,7 @@ async def client_handshake(
         exc.peer_name, exc.peer_incarnation = peer.name, peer.incarnation  # who refused
         raise
     info = _expect(info, Info, peer_label)
-    refusal = check(peer, info)
+    refusal = await _checked(check, peer, info)
     if refusal is not None:
         await _refuse(writer, *refusal)
         raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
@@ -247,7 +261,7 @@ async def server_handshake(
     await _send(writer, await make_info())
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)
-    refusal = check(peer, info)
+    refusal = await _checked(check, peer, info)
     if refusal is not None:
         await _refuse(writer, *refusal)
         raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -157,6 +158,7 @@ class PeerManager:
         if task is not None:
             self._handshakes.add(task)
         make_info, sent = self._recording_info()
+        load = _AgentLoad(self)
         try:
             peer, info = await asyncio.wait_for(
                 server_handshake(
@@ -164,15 +166,16 @@ class PeerManager:
                     writer,
                     self.me,
                     make_info,
-                    self._check_info,
+                    load,
                     label,
                     self._admit,
                     authenticated,
                 ),
                 self.timings.handshake_s,
             )
-            await self._established(reader, writer, peer, info, label, sent)
+            await self._established(reader, writer, peer, info, label, load.agent, sent)
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
+            await load.undo()
             self._count_failure(exc)
             log.warning("handshake from %s failed: %s", label, exc or "timed out")
             if isinstance(exc, FrameTooLargeError):
@@ -243,21 +246,26 @@ class PeerManager:
             self._count_failure(exc)
             raise HandshakeError(f"cannot connect to peer {address}: {exc or 'timed out'}") from exc
         make_info, sent = self._recording_info()
+        load = _AgentLoad(self)
         try:
             peer, info = await asyncio.wait_for(
-                client_handshake(reader, writer, self.me, make_info, self._check_info, address),
+                client_handshake(reader, writer, self.me, make_info, load, address),
                 self.timings.handshake_s,
             )
         except asyncio.TimeoutError as exc:
             writer.close()
+            await load.undo()
             self._count_failure(exc)
             raise HandshakeError(f"handshake with {address} timed out") from exc
         except (KvxferdError, OSError) as exc:
             writer.close()
+            await load.undo()
             self._count_failure(exc)
             log.warning("handshake with %s failed: %s", address, exc)
             raise
-        conn = await self._established(reader, writer, peer, info, address, sent, dialed=True)
+        conn = await self._established(
+            reader, writer, peer, info, address, load.agent, sent, dialed=True
+        )
         self._by_address[address] = conn
         return conn
 
@@ -325,9 +333,11 @@ class PeerManager:
         peer: PeerIdentity,
         info: Info,
         label: str,
+        agent: str,
         sent: list[Info] | None = None,
         dialed: bool = False,
     ) -> PeerConnection:
+        """`agent`: the peer's agent, loaded in the handshake (_AgentLoad)."""
         # A restarted peer (same name, new incarnation) replaces its old connection.
         for old in list(self.connections.values()):
             if old.peer.name == peer.name and old.peer.incarnation != peer.incarnation:
@@ -338,11 +348,6 @@ class PeerManager:
                     peer.incarnation,
                 )
                 old.close("peer restarted with a new incarnation")
-        try:
-            agent = await self._dp.call(self._dp.backend.add_peer, info.agent_metadata)
-        except KvxferdError as exc:
-            writer.close()
-            raise HandshakeError(f"cannot load the agent metadata of {peer.name}: {exc}") from exc
         conn = PeerConnection(
             reader,
             writer,
@@ -416,3 +421,35 @@ class PeerManager:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+
+class _AgentLoad:
+    """One handshake's check of the peer's Info, which also loads its agent metadata into
+    the backend: metadata the backend cannot load is refused inside the handshake, before
+    Ready (reason `agent_metadata`), so the peer hears why instead of seeing a connection
+    that was answered Ready close at once."""
+
+    def __init__(self, manager: PeerManager) -> None:
+        self._m = manager
+        self.agent = ""
+
+    async def __call__(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
+        refusal = self._m._check_info(peer, info)
+        if inspect.isawaitable(refusal):
+            refusal = await refusal
+        if refusal is not None:
+            return refusal
+        dp = self._m._dp
+        try:
+            self.agent = await dp.call(dp.backend.add_peer, info.agent_metadata)
+        except KvxferdError as exc:
+            return "agent_metadata", f"cannot load the agent metadata of {peer.name}: {exc}"
+        return None
+
+    async def undo(self) -> None:
+        """The handshake failed after the load: evict the agent unless a live connection
+        of the same incarnation uses it."""
+        agent, self.agent = self.agent, ""
+        if agent and not any(c.agent_name == agent for c in self._m.connections.values()):
+            with contextlib.suppress(KvxferdError):
+                await self._m._dp.call(self._m._dp.backend.remove_peer, agent)

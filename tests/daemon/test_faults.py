@@ -687,6 +687,44 @@ def _accept(peer: PeerIdentity, info: Info) -> None:
     return None
 
 
+def test_agent_metadata_that_does_not_load_is_refused_in_the_handshake(
+    cluster: LocalCluster,
+) -> None:
+    """Info whose agent metadata the backend cannot load gets a Refused naming it, before
+    Ready: the peer hears why, instead of a Ready followed by a closed connection."""
+    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
+    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
+
+    async def handshake() -> None:
+        host, port = ctx.peer_address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        me = Identity("garbled", "1", "generation", secret)
+        try:
+            with pytest.raises(IncompatiblePeerError) as err:
+                await asyncio.wait_for(
+                    client_handshake(
+                        reader,
+                        writer,
+                        me,
+                        _async(lambda: _fake_gen_info(gen, "garbled.1", b"not an agent")),
+                        _accept,
+                        ctx.peer_address,
+                    ),
+                    10,
+                )
+            assert "agent_metadata" in str(err.value), err.value
+        finally:
+            writer.close()
+
+    asyncio.run(handshake())
+    logged(ctx, "handshake", "agent metadata")
+    assert "garbled" not in peer_names(ctx)
+    asyncio.run(serve_once(ctx, gen, "after-garbled"))
+    assert_clean(ctx)
+    assert healthy(ctx)
+
+
 def test_incompatible_settings_refused(cluster: LocalCluster) -> None:
     ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
     gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
