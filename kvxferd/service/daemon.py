@@ -57,6 +57,7 @@ from kvxferd.peers.messages import (
     Result,
     RoundAck,
 )
+from kvxferd.service import listeners
 from kvxferd.service.http import HttpServer
 from kvxferd.service.loopmon import LoopMonitor
 from kvxferd.service.metrics import DaemonMetrics
@@ -111,6 +112,8 @@ class Daemon:
                 "set daemon.shared_secret_file to a file holding a shared secret"
             )
         self.secret_configured = secret is not None
+        # Before the backend starts: UCX listens on every device it finds otherwise.
+        self.ucx_devices = listeners.pin_ucx_devices(host)
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
         # MOONCAKE tells peers `host` and keeps its own timeouts below ours.
         options = registry.BackendOptions(host, settings.kv_transfer_timeout_ms)
@@ -259,6 +262,18 @@ class Daemon:
         if self.http is not None and d.http:
             http_address = await self.http.start(*split_hostport(d.http))
             log.info("HTTP (health, status) on %s", http_address)
+        # Every listener is up now, the backend's included: none may be where the
+        # configuration does not allow it.
+        found = listeners.check_listeners(
+            self.secret_configured,
+            [split_hostport(d.peer_listen)[0], split_hostport(d.http)[0] if d.http else ""],
+            self.settings.backend,
+        )
+        log.info(
+            "listening sockets: %s%s",
+            ", ".join(found),
+            f" (UCX_NET_DEVICES={self.ucx_devices})" if self.ucx_devices else "",
+        )
         self.ready = True
         log.info("ready")
 
