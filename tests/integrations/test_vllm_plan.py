@@ -308,6 +308,15 @@ def test_finished_plans_the_send_and_returns_the_params() -> None:
     assert _empty(p.take(0))
 
 
+def test_finished_names_the_generation_daemon_it_serves() -> None:
+    """A "peer" in the prefill's params is the decode daemon's name: the send serves it only."""
+    params = {"do_remote_decode": True, "kvxferd": {"transfer_id": "t", "peer": "gen-7"}}
+    p = _producer()
+    keep, _ = p.finished("r", params, True, 40, [1, 2, 3])  # 40 tokens: 3 blocks of 16
+    assert keep
+    assert p.take(0).sends == [SendPlan("r", "t", (1, 2, 3), 40, "gen-7")]
+
+
 def test_finished_without_an_advertised_peer() -> None:
     _, reply = _producer().finished("r", _send_params("t"), True, 16, [1])
     assert reply is not None and "peer" not in reply["kvxferd"]

@@ -128,6 +128,8 @@ class Deployment:
                 self.decode.url,
                 "--prefill-peer",
                 self.ctx.peer_address,
+                "--decode-peer",
+                self.gen.name if self.gen is not None else "",
                 "--port",
                 str(port),
             ],

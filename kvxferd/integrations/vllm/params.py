@@ -4,7 +4,10 @@ A router (kvxferd.integrations.vllm.proxy is one) gives every disaggregated requ
 id, unique across the deployment, and sends the same prompt to both instances:
 
 * to the prefill (context) instance, with `max_tokens` 1:
-  `{"do_remote_decode": true, "kvxferd": {"transfer_id": ID}}`
+  `{"do_remote_decode": true, "kvxferd": {"transfer_id": ID, "peer": GEN}}`, GEN (optional)
+  being the name the decode instance's daemon announces (its `daemon.name`): the context
+  daemon then serves that daemon only, and refuses any other that asks for the transfer id
+  (`not_your_request`); without it, whoever asks first is served
 * to the decode (generation) instance:
   `{"do_remote_prefill": true, "kvxferd": {"transfer_id": ID, "peer": PEER}}`, PEER being the
   prefill instance's kvxferd daemon (its HOST:PORT, or a static peer name of the decode

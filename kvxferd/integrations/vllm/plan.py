@@ -49,6 +49,7 @@ class SendPlan:
     transfer_id: str
     blocks: tuple[int, ...]
     num_tokens: int
+    peer: str = ""  # the generation daemon (its name) the KV is for; "": whoever asks first
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class Planner:
             )
             return False, None
         self._next.sends.append(
-            SendPlan(req_id, wanted.transfer_id, tuple(block_ids[:need]), prompt_len)
+            SendPlan(req_id, wanted.transfer_id, tuple(block_ids[:need]), prompt_len, wanted.peer)
         )
         return True, prefill_reply(wanted, prompt_len, self.advertise_peer)
 

@@ -37,18 +37,18 @@ TRANSFER_HEADER = "X-Kvxferd-Transfer-Id"
 
 
 def split_request(
-    body: dict[str, Any], transfer_id: str, prefill_peer: str
+    body: dict[str, Any], transfer_id: str, prefill_peer: str, decode_peer: str = ""
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(prefill body, decode body) for one client request."""
     prefill = dict(body)
+    served: dict[str, Any] = {"transfer_id": transfer_id}
+    if decode_peer:
+        served["peer"] = decode_peer  # only that daemon is served (no squatting)
     prefill.update(
         {
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "kvxferd": {"transfer_id": transfer_id},
-            },
+            "kv_transfer_params": {"do_remote_decode": True, "kvxferd": served},
         }
     )
     prefill.pop("max_completion_tokens", None)
@@ -62,10 +62,11 @@ def split_request(
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str, prefill_peer: str) -> None:
+    def __init__(self, prefill: str, decode: str, prefill_peer: str, decode_peer: str = "") -> None:
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
         self.prefill_peer = prefill_peer
+        self.decode_peer = decode_peer
         self._session: aiohttp.ClientSession | None = None
 
     async def _http(self) -> aiohttp.ClientSession:
@@ -94,7 +95,7 @@ class Proxy:
                 status=400,
             )
         transfer_id = uuid.uuid4().hex
-        p_body, d_body = split_request(body, transfer_id, self.prefill_peer)
+        p_body, d_body = split_request(body, transfer_id, self.prefill_peer, self.decode_peer)
         http = await self._http()
         path = request.path
         prefill = asyncio.create_task(self._prefill(http, path, p_body))
@@ -185,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="the prefill daemon's peer address HOST:PORT (default: the decode connector's)",
     )
+    p.add_argument(
+        "--decode-peer",
+        default="",
+        help="the decode daemon's name (its daemon.name): the prefill daemon then serves it "
+        "only (default: whoever asks first for the transfer id)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     web.run_app(
-        make_app(Proxy(args.prefill, args.decode, args.prefill_peer)),
+        make_app(Proxy(args.prefill, args.decode, args.prefill_peer, args.decode_peer)),
         host=args.host,
         port=args.port,
         print=lambda msg: log.info("%s", msg),

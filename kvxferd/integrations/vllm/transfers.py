@@ -131,7 +131,7 @@ class Transfers:
                 send.req_id,
                 entry,
                 lambda c, s=send: c.send(  # type: ignore[misc]
-                    s.transfer_id, self.pool_id, s.blocks, s.num_tokens
+                    s.transfer_id, self.pool_id, s.blocks, s.num_tokens, peer=s.peer or None
                 ),
             )
 
