@@ -687,6 +687,25 @@ def _accept(peer: PeerIdentity, info: Info) -> None:
     return None
 
 
+def _refused_handshake(ctx: DaemonProc, me: Identity, info: Any) -> IncompatiblePeerError:
+    """Dial `ctx` as `me`, offering the Info `info()` makes; the refusal it must end in."""
+
+    async def handshake() -> IncompatiblePeerError:
+        host, port = ctx.peer_address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            with pytest.raises(IncompatiblePeerError) as err:
+                await asyncio.wait_for(
+                    client_handshake(reader, writer, me, _async(info), _accept, ctx.peer_address),
+                    10,
+                )
+            return err.value
+        finally:
+            writer.close()
+
+    return asyncio.run(handshake())
+
+
 def test_agent_metadata_that_does_not_load_is_refused_in_the_handshake(
     cluster: LocalCluster,
 ) -> None:
@@ -696,28 +715,12 @@ def test_agent_metadata_that_does_not_load_is_refused_in_the_handshake(
     gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
 
-    async def handshake() -> None:
-        host, port = ctx.peer_address.rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        me = Identity("garbled", "1", "generation", secret)
-        try:
-            with pytest.raises(IncompatiblePeerError) as err:
-                await asyncio.wait_for(
-                    client_handshake(
-                        reader,
-                        writer,
-                        me,
-                        _async(lambda: _fake_gen_info(gen, "garbled.1", b"not an agent")),
-                        _accept,
-                        ctx.peer_address,
-                    ),
-                    10,
-                )
-            assert "agent_metadata" in str(err.value), err.value
-        finally:
-            writer.close()
-
-    asyncio.run(handshake())
+    err = _refused_handshake(
+        ctx,
+        Identity("garbled", "1", "generation", secret),
+        lambda: _fake_gen_info(gen, "garbled.1", b"not an agent"),
+    )
+    assert "agent_metadata" in str(err), err
     logged(ctx, "handshake", "agent metadata")
     assert "garbled" not in peer_names(ctx)
     asyncio.run(serve_once(ctx, gen, "after-garbled"))
@@ -730,24 +733,9 @@ def test_incompatible_settings_refused(cluster: LocalCluster) -> None:
     gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
 
-    async def handshake() -> None:
-        host, port = ctx.peer_address.rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        me = Identity("cpp-gen", "1", "generation", secret)
-        try:
-            with pytest.raises(IncompatiblePeerError) as err:
-                await asyncio.wait_for(
-                    client_handshake(
-                        reader, writer, me, _async(_cpp_info), _accept, ctx.peer_address
-                    ),
-                    10,
-                )
-            assert "runtime" in str(err.value), err.value
-            assert "CPP" in str(err.value) and "PYTHON" in str(err.value), err.value
-        finally:
-            writer.close()
-
-    asyncio.run(handshake())
+    err = _refused_handshake(ctx, Identity("cpp-gen", "1", "generation", secret), _cpp_info)
+    assert "runtime" in str(err), err
+    assert "CPP" in str(err) and "PYTHON" in str(err), err
     lines = logged(ctx, "handshake", "runtime")
     assert "CPP" in lines[-1], ctx.log_text()[-3000:]
     assert "cpp-gen" not in peer_names(ctx)

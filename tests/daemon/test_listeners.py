@@ -30,17 +30,10 @@ def _host(address: str) -> str:
 def _external_device() -> tuple[str, str] | None:
     """A non-loopback network device with an IPv4 address, if the host has one."""
     for _, name in socket.if_nameindex():
-        if name == "lo":
-            continue
-        for host in _addresses(name):
-            if device_of(host) == name:
-                return name, host
+        host = ipv4_of(name) if name != "lo" else None
+        if host is not None and device_of(host) == name:
+            return name, host
     return None
-
-
-def _addresses(name: str) -> list[str]:
-    ip = ipv4_of(name)
-    return [ip] if ip else []
 
 
 @pytest.fixture

@@ -199,14 +199,16 @@ class KvxferdConnector(KVConnectorBase_V1):
                 f"KvxferdConnector: no kvxferd daemon at {s.socket} ({exc}); start "
                 "`kvxferd run --config ...` beside this vLLM instance first"
             ) from exc
-        wanted = {"context"} if not self.consumer else {"generation"}
+        # A daemon of role "both" serves any kv_role; otherwise the roles must match.
         if self.consumer and self.producer:
-            wanted = {"both"}
-        if client.role not in wanted | {"both"}:
+            allowed = {"both"}
+        else:
+            allowed = {"generation" if self.consumer else "context", "both"}
+        if client.role not in allowed:
             client.close()
             raise ConnectorConfigError(
                 f"KvxferdConnector (kv_role {self._kv_transfer_config.kv_role}) needs a daemon "
-                f"of role {' or '.join(sorted(wanted | {'both'}))}; {client.daemon} at "
+                f"of role {' or '.join(sorted(allowed))}; {client.daemon} at "
                 f"{s.socket} is {client.role}"
             )
         if client.tokens_per_block != self.block_size:

@@ -7,6 +7,7 @@ Used by `make demo-vllm`, the tests and the benchmark. Runs in kvxferd's own env
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -162,8 +163,6 @@ class Deployment:
 
     def outcomes(self, name: str) -> list[dict[str, Any]]:
         """What the connector of vLLM server `name` reported, one record per transfer."""
-        import json
-
         path = self.workdir / f"{name}-outcomes.jsonl"
         if not path.is_file():
             return []

@@ -78,10 +78,14 @@ class Transfers:
 
     # ----------------------------------------------------------------- posting
 
-    def _client_or_dial(self) -> Client | None:
+    def _drop_if_gone(self) -> None:
+        """A connection the daemon ended fails what was in flight on it. Noticed only when
+        there is work (vLLM may have idled meanwhile), so the daemon may well be back."""
         if self._client is not None and self._client.gone:
-            # Noticed only now if vLLM was idle meanwhile; the daemon may well be back.
             self._lost(DaemonGoneError(self._client.gone))
+
+    def _client_or_dial(self) -> Client | None:
+        self._drop_if_gone()
         if self._client is not None:
             return self._client
         now = time.monotonic()
@@ -161,8 +165,7 @@ class Transfers:
             entry.seen_finished = True
             if entry.side == "recv" and entry.outcome is None:
                 entry.aborted = True
-        if self._client is not None and self._client.gone:
-            self._lost(DaemonGoneError(self._client.gone))
+        self._drop_if_gone()
         try:
             if idle:
                 self._wait_a_little()
