@@ -34,6 +34,7 @@ from kvxferd.errors import IncompatiblePeerError, KvxferdError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Abort
 from kvxferd.peers.process import ProcessInfo, ProcessWatch, watch
+from kvxferd.service.logs import shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import Reservation
 
@@ -135,7 +136,7 @@ class HoldKeeper:
             hold.pool.users.add(hold.user)  # a peer may write into the pool: keep it
         log.warning(
             "request %s: %d block(s) and %d reservation(s) held until %s cannot write any more",
-            hold.request_id,
+            shown(hold.request_id),
             hold.blocks,
             len(hold.reservations),
             ", ".join(leg.key for leg in hold.pending),
@@ -221,7 +222,7 @@ class HoldKeeper:
         if leg not in hold.pending:
             return
         hold.pending.remove(leg)
-        log.info("request %s: %s fenced (%s)", hold.request_id, leg.key, how)
+        log.info("request %s: %s fenced (%s)", shown(hold.request_id), leg.key, how)
         if not hold.pending:
             self._release(hold, how)
         if not self._holds_of(leg.key):
@@ -239,7 +240,7 @@ class HoldKeeper:
         self.released_total[how] = self.released_total.get(how, 0) + 1
         log.warning(
             "request %s: held memory released after %.1f s (%s)",
-            hold.request_id,
+            shown(hold.request_id),
             time.monotonic() - hold.since,
             how,
             extra={"request_id": hold.request_id},

@@ -43,6 +43,7 @@ from kvxferd.peers.messages import (
     Result,
 )
 from kvxferd.peers.process import exited
+from kvxferd.service.logs import shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
@@ -439,7 +440,7 @@ class Receiver:
             if s.terminal is None:
                 raise
         except Exception as exc:  # a bug must fail the request, not the daemon
-            log.exception("request %s: unexpected error", s.request_id)
+            log.exception("request %s: unexpected error", shown(s.request_id))
             s.request_end(Terminal.local(Status.FAILED, "internal", f"internal error: {exc}"))
         finally:
             with contextlib.suppress(asyncio.CancelledError):

@@ -53,6 +53,7 @@ from kvxferd.peers.messages import (
     RequestData,
     Result,
 )
+from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.dataplane import DataPlane
@@ -114,6 +115,9 @@ class Sender:
         self.on_write_done: Callable[[float, int], None] | None = None
         # Told the reason of each RequestData refused without being served.
         self.on_refused: Callable[[str], None] | None = None
+        # A peer can send refused RequestData in a loop: a few lines per peer and
+        # reason, then a count (the refusals metric counts every one).
+        self.log_limiter = LogLimiter(interval_s=10.0, burst=5)
 
     # ------------------------------------------------------------ engine calls
 
@@ -318,11 +322,14 @@ class Sender:
 
     def _not_yours(self, s: TxSession, leg: TxLeg) -> tuple[str, str]:
         """Why a RequestData from a daemon the send does not name is refused (logged)."""
-        log.warning(
+        self.log_limiter.log(
+            log,
+            logging.WARNING,
+            (Reason.NOT_YOUR_REQUEST, leg.conn.peer.name),
             "request %s: refused the RequestData of peer %s: the send names %s (%s)",
-            _shown(s.request_id),
-            _shown(leg.conn.peer.name),
-            _shown(s.serve_peer),
+            shown(s.request_id),
+            shown(leg.conn.peer.name),
+            shown(s.serve_peer),
             Reason.NOT_YOUR_REQUEST,
         )
         return (
@@ -337,11 +344,14 @@ class Sender:
         assert s.terminal is not None
         served = [leg.conn.peer.name for leg in s.legs if leg.served]
         if s.terminal.status == Status.DONE and served:
-            log.warning(
+            self.log_limiter.log(
+                log,
+                logging.WARNING,
+                (Reason.ALREADY_SERVED, conn.peer.name),
                 "request %s: refused the RequestData of peer %s: already served to %s (%s)",
-                _shown(s.request_id),
-                _shown(conn.peer.name),
-                ", ".join(map(_shown, served)),
+                shown(s.request_id),
+                shown(conn.peer.name),
+                ", ".join(map(shown, served)),
                 Reason.ALREADY_SERVED,
             )
             whom = ", ".join(served)
@@ -393,7 +403,14 @@ class Sender:
         tells that receive its request ended, so it ends here too: told (Abort) only once
         no write into its blocks can land."""
         message = f"{conn.peer.name} sent the RequestData of one receive twice"
-        log.warning("request %s: %s", s.request_id, message)
+        self.log_limiter.log(
+            log,
+            logging.WARNING,
+            (Reason.DUPLICATE_REQUEST, conn.peer.name),
+            "request %s: %s",
+            shown(s.request_id),
+            message,
+        )
         if s.engine is None:
             legs = self._without_legs(s)  # nothing was written: tell every receiver now
             await abort_legs(s.request_id, legs, None, Reason.DUPLICATE_REQUEST, message)
@@ -412,11 +429,14 @@ class Sender:
             leg = s.leg_of(conn, msg.rx_token)
             if s.engine is None:
                 # The engine never sent it; nothing to report to it, but say so here.
-                log.warning(
+                self.log_limiter.log(
+                    log,
+                    logging.WARNING,
+                    ("ended before the send", conn.peer.name),
                     "request %s: the generation side ended it (%s) before the engine sent: %s",
-                    s.request_id,
-                    msg.reason,
-                    msg.message,
+                    shown(s.request_id),
+                    shown(msg.reason),
+                    shown(msg.message, TEXT_LIMIT, quote=False),
                 )
                 legs = self._without_legs(s)
                 await abort_legs(
@@ -639,7 +659,7 @@ class Sender:
                     s.request_end(Terminal.local(Status.DONE, Reason.OK, ""))
                     s.peer_told = True
         except Exception as exc:  # a bug must fail the request, not the daemon
-            log.exception("request %s: unexpected error", s.request_id)
+            log.exception("request %s: unexpected error", shown(s.request_id))
             s.request_end(Terminal.local(Status.FAILED, "internal", f"internal error: {exc}"))
         finally:
             await self._finish(s)
@@ -982,7 +1002,12 @@ class Sender:
                 # A backend that cannot cancel (Mooncake) refuses until the write ends,
                 # which can take its whole timeout: say so once, then back off quietly.
                 level = logging.WARNING if pause == _RELEASE_RETRY_S else logging.DEBUG
-                log.log(level, "request %s: release refused, retrying: %s", s.request_id, exc)
+                log.log(
+                    level,
+                    "request %s: release refused, retrying: %s",
+                    shown(s.request_id),
+                    shown(exc, TEXT_LIMIT),
+                )
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _RELEASE_RETRY_MAX_S)
         s.xfer = None
@@ -1006,9 +1031,3 @@ class Sender:
                     )
                 )
         conclude(s, "send", s.pool, log)
-
-
-def _shown(text: str, limit: int = 64) -> str:
-    """A peer-supplied string for a log line: quoted and escaped (no forged lines), and
-    bounded."""
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")

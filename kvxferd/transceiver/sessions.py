@@ -14,6 +14,7 @@ from kvxferd.backends.base import XferHandle
 from kvxferd.errors import RequestError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RequestData
+from kvxferd.service.logs import TEXT_LIMIT, shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
@@ -44,7 +45,9 @@ class Terminal:
 
     @staticmethod
     def peer(status: str, reason: str, message: str) -> Terminal:
-        return Terminal(status, reason, Fault.PEER, message)
+        # The message usually quotes the peer's own (an Abort's, a Result's): bounded and
+        # escaped before it reaches a log line or the engine's outcome.
+        return Terminal(status, reason, Fault.PEER, shown(message, TEXT_LIMIT, quote=False))
 
 
 @dataclass(eq=False)
@@ -229,11 +232,11 @@ def conclude(
         logging.DEBUG if term.status == Status.DONE else logging.WARNING,
         "%s %s: %s (%s, %s fault)%s%s",
         side,
-        session.request_id,
+        shown(session.request_id),
         term.status,
-        term.reason,
+        shown(term.reason, quote=False),
         term.fault,
-        f": {term.message}" if term.message else "",
+        f": {shown(term.message, TEXT_LIMIT, quote=False)}" if term.message else "",
         "; blocks held until the writer is fenced" if blocks_held else "",
         extra={"request_id": session.request_id},
     )
