@@ -29,6 +29,7 @@ from typing import Final
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.messages import DAEMON_CODEC, ENGINE_CODEC, PoolHandoff, Reply
 from kvxferd.errors import ProtocolError
+from kvxferd.service.logs import shown
 
 log = logging.getLogger("kvxferd.api")
 
@@ -213,8 +214,8 @@ class HandoffTable:
         entry = self._pending.pop(token, None)
         if entry is not None:
             log.warning(
-                "pool handoff for %r from %s expired unused after %g s; its fd is closed",
-                entry.pool_id,
+                "pool handoff for %s from %s expired unused after %g s; its fd is closed",
+                shown(entry.pool_id),
                 entry.cred or "an unknown process",
                 self.ttl_s,
             )

@@ -46,6 +46,7 @@ from kvxferd.api.messages import (
 from kvxferd.errors import MalformedMessageError, ProtocolError, RequestError, StartupError
 from kvxferd.memory.memfd import MemfdError, UnsealedMemfdError, check_memfd
 from kvxferd.peers.framing import CorkedWriter
+from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.transceiver.state import Outcome
 
 log = logging.getLogger("kvxferd.api")
@@ -72,7 +73,9 @@ class EngineConnection:
     """One engine attached to the daemon; implements the EngineLink protocol."""
 
     def __init__(self, writer: asyncio.StreamWriter, name: str) -> None:
-        self.name = name
+        # A label the engine chose: escaped and bounded once, here, since it goes into
+        # log lines and outcome messages.
+        self.name = shown(name, quote=False)
         self.peer: PeerCred | None = None  # SO_PEERCRED of the engine process (pool handoffs)
         self._out = CorkedWriter(writer)
         self.closed = False
@@ -172,6 +175,9 @@ class ApiServer:
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.on_engine_count: Callable[[int], Awaitable[None]] | None = None
         self.on_outcome: Callable[[Outcome], None] | None = None
+        # An engine can repeat a bad call (or a bad connection) as fast as it likes: a few
+        # lines per engine connection (per process before the hello) and a count.
+        self.log_limiter = LogLimiter(interval_s=10.0, burst=3)
 
     async def start(self) -> None:
         if os.path.exists(self.path):
@@ -244,7 +250,7 @@ class ApiServer:
             try:
                 first = await read_first_frame(conn, self.first_frame_timeout_s)
             except ProtocolError as exc:
-                log.warning("engine API connection from %s closed: %s", cred or "?", exc)
+                self._refused_log(cred, exc)
                 await self._send_raw(
                     conn, Reply(call_id=0, ok=False, error=ApiError.BAD_REQUEST, message=str(exc))
                 )
@@ -255,7 +261,7 @@ class ApiServer:
                 msg = ENGINE_CODEC.decode(first.body)
             except MalformedMessageError as exc:
                 close_fds(first.fds)
-                log.warning("engine API connection from %s closed: %s", cred or "?", exc)
+                self._refused_log(cred, exc)
                 await self._send_raw(
                     conn, Reply(call_id=0, ok=False, error=ApiError.BAD_REQUEST, message=str(exc))
                 )
@@ -272,7 +278,7 @@ class ApiServer:
                 )
                 return
             if not isinstance(msg, EngineHello):
-                log.warning("engine API connection from %s closed: no hello", cred or "?")
+                self._refused_log(cred, "no hello")
                 await self._refuse_first(
                     conn,
                     f"the first engine message must be hello (or pool_handoff, on "
@@ -289,6 +295,18 @@ class ApiServer:
             if not handed_over:
                 _close_quietly(conn)
         await self._serve(msg, reader, writer, cred)
+
+    def _refused_log(self, cred: PeerCred | None, why: object) -> None:
+        """One engine API connection closed at its first frame, logged within the rate of
+        its process (a client can open connections in a loop)."""
+        self.log_limiter.log(
+            log,
+            logging.WARNING,
+            ("first frame", cred.pid if cred is not None else None),
+            "engine API connection from %s closed: %s",
+            cred or "?",
+            shown(why, TEXT_LIMIT),
+        )
 
     async def _handoff(
         self, conn: socket.socket, msg: PoolHandoff, first: FirstFrame, cred: PeerCred | None
@@ -326,7 +344,14 @@ class ApiServer:
             token = self.handoffs.put(fds[0], cred, msg.pool_id, msg.nbytes)
             fds.clear()  # the table owns it now
         except HandoffError as exc:
-            log.warning("pool handoff from %s refused: %s", cred or "?", exc)
+            self.log_limiter.log(
+                log,
+                logging.WARNING,
+                ("handoff", cred.pid if cred is not None else None),
+                "pool handoff from %s refused: %s",
+                cred or "?",
+                shown(exc, TEXT_LIMIT),
+            )
             await self._send_raw(
                 conn, Reply(call_id=msg.call_id, ok=False, error=exc.code, message=str(exc))
             )
@@ -335,7 +360,7 @@ class ApiServer:
             close_fds(fds)
         log.info(
             "pool %s handed over as a sealed memfd by %s (%d bytes)",
-            msg.pool_id,
+            shown(msg.pool_id),
             cred or "?",
             msg.nbytes,
         )
@@ -394,7 +419,14 @@ class ApiServer:
                 except MalformedMessageError as exc:
                     # The frame boundary held, so the stream can go on; the call it was
                     # fails at once on the caller's side when its id can still be read.
-                    log.warning("engine %r sent a malformed call: %s", engine.name, exc)
+                    self.log_limiter.log(
+                        log,
+                        logging.WARNING,
+                        ("malformed", id(engine)),
+                        "engine %r sent a malformed call: %s",
+                        engine.name,
+                        shown(exc, TEXT_LIMIT),
+                    )
                     engine.error(_call_id_of(exc.body), ApiError.BAD_REQUEST, str(exc))
                     await engine.drain()
                     continue
@@ -402,7 +434,11 @@ class ApiServer:
                     break
                 await self._dispatch(engine, msg)
         except ProtocolError as exc:
-            log.warning("engine connection closed: %s", exc)
+            log.warning(
+                "engine %r: connection closed: %s",
+                engine.name if engine is not None else "?",
+                shown(exc, TEXT_LIMIT),
+            )
         except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
@@ -414,7 +450,12 @@ class ApiServer:
                 engine.flush()
                 engine.closed = True
                 self.engines.discard(engine)
-                log.info("engine %r detached", engine.name)
+                unlogged = self.log_limiter.forget(("malformed", id(engine)))
+                log.info(
+                    "engine %r detached%s",
+                    engine.name,
+                    f" ({unlogged} malformed call(s) not logged)" if unlogged else "",
+                )
                 await self._handler.engine_gone(engine)
             with contextlib.suppress(Exception):
                 writer.close()

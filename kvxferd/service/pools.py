@@ -12,6 +12,7 @@ from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion, UnsealedMemfdError
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.messages import PoolInfo
+from kvxferd.service.logs import shown
 from kvxferd.transceiver.dataplane import DataPlane
 
 log = logging.getLogger("kvxferd.pools")
@@ -140,11 +141,11 @@ class PoolRegistry:
         self.pools[pool_id] = pool
         log.info(
             "registered pool %s: %d blocks x %d bytes (%s, %s, %d KV heads, %s)",
-            pool_id,
+            shown(pool_id, quote=False),
             layout.num_blocks,
             layout.block_bytes,
             layout.major,
-            "sealed memfd" if fd is not None else f"shm {shm_name}",
+            "sealed memfd" if fd is not None else f"shm {shown(shm_name)}",
             layout.num_kv_heads,
             pool.tp,
         )
@@ -153,7 +154,7 @@ class PoolRegistry:
                 "pool %s is shared by shm name: if its engine shrinks the object, this daemon "
                 "dies of SIGBUS at its next access to it; hand pools over as sealed memfds "
                 "(docs/engine-integration.md, 'Handing a pool to the daemon')",
-                pool_id,
+                shown(pool_id, quote=False),
             )
         return pool
 
@@ -168,4 +169,4 @@ class PoolRegistry:
         del self.pools[pool_id]
         await self._dp.call(self._dp.backend.deregister, pool.registration)
         pool.region.close()
-        log.info("deregistered pool %s", pool_id)
+        log.info("deregistered pool %s", shown(pool_id, quote=False))
