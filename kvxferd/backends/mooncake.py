@@ -114,6 +114,7 @@ import numpy as np
 
 from kvxferd.backends.base import Segments, XferHandle, XferStatus
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
+from kvxferd.service.logs import shown
 
 log = logging.getLogger("kvxferd.backends.mooncake")
 
@@ -462,9 +463,9 @@ class MooncakeBackend:
                 log.warning(
                     "MOONCAKE: peer %s reuses the engine address %s of %s; Mooncake may still "
                     "hold that engine's descriptor",
-                    meta.agent,
-                    meta.session,
-                    name,
+                    shown(meta.agent),
+                    shown(meta.session),
+                    shown(name),
                 )
         self._fetch_segment(meta)
         self._peers[meta.agent] = _Peer(meta)

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvxferd.backends.base import Segments, XferHandle, XferStatus
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.nixl")
 
@@ -123,7 +124,7 @@ class NixlBackend:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:
             # Already gone is the state we wanted.
-            log.debug("remove_remote_agent(%s): %s", agent_name, exc)
+            log.debug("remove_remote_agent(%s): %s", shown(agent_name), shown(exc, TEXT_LIMIT))
 
     def connect(self, agent_name: str) -> None:
         # The first transfer to a new peer otherwise pays the connection set-up.

@@ -117,6 +117,7 @@ from kvxferd.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.ucx")
 
@@ -428,12 +429,17 @@ class UcxTransport:
             # side, our recv() for that peer finds the endpoint.
             await asyncio.wait_for(ep.send(self._hello, tag=_ACK_TAG), HELLO_TIMEOUT_S)
         except Exception as exc:
-            log.warning("UCX: refused an incoming endpoint (peer %s): %s", key, exc)
+            # Before the peer channel vouched for it: the key is whatever was sent.
+            log.warning(
+                "UCX: refused an incoming endpoint (peer %s): %s",
+                shown(key),
+                shown(exc, TEXT_LIMIT),
+            )
             if key is not None:
                 self._unregister(key, ep)
             self._abort(ep)
             return
-        log.info("UCX: peer %s connected to us", key)
+        log.info("UCX: peer %s connected to us", shown(key))
 
     async def connect(self, peer_key: str, address: str, timeout_s: float) -> None:
         """Open an endpoint to the peer listening at `address` and identify ourselves."""

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.mpi")
 
@@ -230,7 +231,12 @@ class Links:
             writer.write(wire.frame(wire.READY))
             await writer.drain()
         except (Exception, asyncio.CancelledError) as exc:
-            log.warning("MPI: refused an incoming connection (peer %s): %s", key, exc)
+            # Before the peer channel vouched for it: the key is whatever was sent.
+            log.warning(
+                "MPI: refused an incoming connection (peer %s): %s",
+                shown(key),
+                shown(exc, TEXT_LIMIT),
+            )
             if key is not None and key in self.peers:
                 self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
             writer.close()
@@ -244,7 +250,7 @@ class Links:
             return
         with contextlib.suppress(Exception):
             MPI.Close_port(port)
-        log.info("MPI: peer %s connected to us", key)
+        log.info("MPI: peer %s connected to us", shown(key))
 
     def _release_accept(self, accepting: asyncio.Future[Any], port: str, rt: Runtime) -> None:
         """End an MPI_Comm_accept whose peer will never connect: it would spin forever.
@@ -427,7 +433,7 @@ class Links:
             return
         if link.lost is None:
             link.lost = reason
-            log.info("MPI: link to %s lost: %s", peer.key, reason)
+            log.info("MPI: link to %s lost: %s", shown(peer.key), shown(reason, TEXT_LIMIT))
         link.writer.close()
 
     def drop_links(self, peer: Peer, reason: str, writer: Any = None) -> None:

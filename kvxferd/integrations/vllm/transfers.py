@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
 from kvxferd.integrations.vllm.plan import StepPlan
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.vllm")
 
@@ -222,7 +223,8 @@ class Transfers:
                     entry.transfer_id,
                     outcome.status,
                     outcome.reason,
-                    outcome.message,
+                    # It may quote the other daemon's peer: bounded, as the daemon's own logs.
+                    shown(outcome.message, TEXT_LIMIT, quote=False),
                 )
         if outcome.blocks_held and client.released(entry.transfer_id) is None:
             return  # a write may still land: the blocks stay vLLM's-but-lent until fenced
