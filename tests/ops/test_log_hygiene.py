@@ -27,12 +27,14 @@ from kvxferd.memory.shm import ShmRegion
 from kvxferd.service.logs import (
     MESSAGE_LIMIT,
     SHOWN_LIMIT,
+    TEXT_LIMIT,
     JsonFormatter,
     LogLimiter,
     TextFormatter,
     shown,
 )
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.transceiver.sessions import Terminal
 
 FORGED = "2026-12-01 00:00:00,000 ERROR kvxferd.daemon: forged line"
 MIB = 1 << 20
@@ -182,6 +184,16 @@ def test_limiter_rejects_nonsense_settings() -> None:
         LogLimiter(burst=0)
     with pytest.raises(ValueError):
         LogLimiter(max_keys=0)
+
+
+def test_a_peer_message_in_an_outcome_is_bounded() -> None:
+    """A peer's Abort or Result message becomes the request's outcome message (logged, and
+    sent to the engine): bounded and escaped on the way in."""
+    text = f"context side: x\n{FORGED}" + "m" * MIB
+    term = Terminal.peer("failed", "peer_failed", text)
+    assert "\n" not in term.message and term.message.endswith(f"({len(text)} chars)")
+    assert len(term.message) < TEXT_LIMIT + 64
+    assert Terminal.peer("failed", "peer_failed", "plain").message == "plain"
 
 
 # -------------------------------------------------------- formatter backstop
