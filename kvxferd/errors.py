@@ -34,13 +34,24 @@ class MalformedMessageError(ProtocolError):
     """One message did not decode; the stream itself is intact and can go on. `body`: the
     frame's bytes, for a reader that can still find out whom to answer (a call id)."""
 
+    # The decoder's text can quote what was sent (a type name, a field): bounded here,
+    # once, for every place that logs it or answers with it.
+    MESSAGE_LIMIT = 1024
+
     def __init__(self, message: str, body: bytes = b"") -> None:
+        if len(message) > self.MESSAGE_LIMIT:
+            message = f"{message[: self.MESSAGE_LIMIT]}... ({len(message)} chars)"
         super().__init__(message)
         self.body = body
 
 
 class HandshakeError(KvxferdError):
     """The peer handshake failed (authentication, timeout, connection)."""
+
+
+class TlsError(HandshakeError):
+    """Mutual TLS with a peer failed: no certificate, one the CA did not sign, one that
+    does not name the peer's daemon, or a peer that does not speak TLS at all."""
 
 
 class IncompatiblePeerError(HandshakeError):

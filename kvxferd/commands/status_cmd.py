@@ -63,6 +63,19 @@ def fetch_status(address: str, timeout_s: float) -> dict[str, Any]:
     return doc
 
 
+def _security(sec: dict[str, Any]) -> str:
+    tls = sec.get("tls")
+    parts = []
+    if tls:
+        parts.append(
+            f"mutual TLS as {', '.join(tls.get('names') or ['?'])}, "
+            f"certificate expires {tls.get('not_after') or '?'}"
+        )
+    if sec.get("shared_secret"):
+        parts.append("shared secret")
+    return " + ".join(parts) or "not authenticated, loopback only"
+
+
 def summary(doc: dict[str, Any]) -> str:
     state = "draining" if doc.get("draining") else "ready" if doc.get("ready") else "not ready"
     settings = doc.get("settings", {})
@@ -76,11 +89,15 @@ def summary(doc: dict[str, Any]) -> str:
         f"sender slice {settings.get('kv_transfer_sender_future_timeout_ms')} ms, "
         f"poll {settings.get('kv_transfer_poll_interval_ms')} ms",
         f"  engine API {doc.get('api_socket')} ({doc.get('engines')} engine(s)), "
-        f"peers on {doc.get('peer_listen')}",
+        f"peers on {doc.get('peer_listen')} ({_security(doc.get('peer_security') or {})})",
     ]
     peers = doc.get("peers", [])
     lines.append(f"  peers: {len(peers)}")
-    lines += [f"    {p['name']} ({p['role']}) via {p['address']}" for p in peers]
+    lines += [
+        f"    {p['name']} ({p['role']}) via {p['address']}"
+        + (f", {p['tls']}" if p.get("tls") else "")
+        for p in peers
+    ]
     for side, counts in doc.get("sessions", {}).items():
         text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
         lines.append(f"  sessions {side}: {text}")

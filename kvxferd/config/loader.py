@@ -27,6 +27,10 @@ from kvxferd.config import trtllm
 from kvxferd.config.diagnostics import Loc, dotted, format_validation_error, show
 from kvxferd.config.model import KvxferdConfig
 from kvxferd.errors import ConfigError
+from kvxferd.peers import tls
+
+# Daemon-section settings that name files.
+_DAEMON_FILES = ("shared_secret_file", *tls.FIELDS)
 
 ROLES = ("context", "generation", "both")
 SECTIONS = ("cache_transceiver_config", "engine", "daemon")
@@ -142,21 +146,29 @@ def _check_role(role: str | None, source: str) -> None:
 
 def _finish(cfg: KvxferdConfig, doc: _Document, paths: Mapping[str, str]) -> KvxferdConfig:
     """Attach the source and check what can only be checked outside the model."""
-    secret = cfg.daemon.shared_secret_file
-    if secret is not None and not os.path.isabs(secret):
-        daemon = cfg.daemon.model_copy(update={"shared_secret_file": str(doc.base_dir / secret)})
-        cfg = cfg.model_copy(update={"daemon": daemon})
+    # Files named by the daemon section are relative to the configuration file.
+    relative = {
+        key: str(doc.base_dir / value)
+        for key in _DAEMON_FILES
+        if (value := getattr(cfg.daemon, key)) is not None and not os.path.isabs(value)
+    }
+    if relative:
+        cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=relative)})
     try:
         cfg.daemon.read_shared_secret()
+        tls.load(cfg.daemon)  # unreadable or mismatched files fail here, not at start
     except ConfigError as exc:
         raise _fail(
             doc.source,
-            [
-                doc.problem(("daemon", "shared_secret_file"), p.split(": ", 1)[1])
-                for p in exc.problems
-            ],
+            [_file_problem(doc, p) for p in exc.problems],
         ) from None
     return cfg.with_source(doc.source, paths)
+
+
+def _file_problem(doc: _Document, problem: str) -> str:
+    """A 'daemon.KEY: text' problem, placed at KEY's line in the document."""
+    path, text = problem.split(": ", 1)
+    return doc.problem(("daemon", path.split(".", 1)[1]), text)
 
 
 def _load_native(doc: _Document, role: str | None) -> KvxferdConfig:

@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvxferd.errors import ConfigError
 
@@ -25,6 +33,8 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 
 Dtype = Literal["float16", "bfloat16", "float32", "float8", "int8"]
+# The daemon section's mutual-TLS files: all three, or none.
+_TLS_FIELDS = ("tls_cert_file", "tls_key_file", "tls_ca_file")
 _ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "int8": 1}
 
 
@@ -222,6 +232,25 @@ class DaemonSection(BaseModel):
         "stripped). A relative path is taken relative to the configuration file. "
         "null: peers are not authenticated.",
     )
+    tls_cert_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="PEM certificate this daemon presents to its peers (mutual TLS on the "
+        "peer control channel); it must name daemon.name as a DNS subjectAltName. Set with "
+        "tls_key_file and tls_ca_file, or none of them. Reloaded on SIGHUP. A relative path "
+        "is taken relative to the configuration file. null: no TLS.",
+    )
+    tls_key_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="PEM private key of tls_cert_file (unencrypted; keep it mode 0600).",
+    )
+    tls_ca_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="PEM CA certificate(s) a peer's certificate must be signed by; both "
+        "ends present a certificate (mutual TLS).",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Least severe log level emitted."
     )
@@ -236,6 +265,22 @@ class DaemonSection(BaseModel):
                 f"or every peer would be declared lost between two heartbeats (got {value})"
             )
         return value
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> DaemonSection:
+        given = [k for k in _TLS_FIELDS if getattr(self, k) is not None]
+        if given and len(given) != len(_TLS_FIELDS):
+            missing = [k for k in _TLS_FIELDS if k not in given]
+            raise ValueError(
+                f"mutual TLS needs tls_cert_file, tls_key_file and tls_ca_file together: "
+                f"{', '.join(given)} set but {', '.join(missing)} not"
+            )
+        return self
+
+    @property
+    def peers_authenticated(self) -> bool:
+        """Peers prove who they are: a shared secret, mutual TLS, or both."""
+        return self.shared_secret_file is not None or self.tls_cert_file is not None
 
     def api_socket_path(self) -> str:
         """The engine API socket: `api_socket`, or /tmp/kvxferd-<name>.sock when unset."""

@@ -18,6 +18,7 @@ from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.peers")
 
@@ -73,6 +74,15 @@ class PeerConnection:
                 self.layouts[p.pool_id] = KvLayout.from_wire(p.layout)
             except LayoutError as exc:
                 self.layouts[p.pool_id] = exc
+
+    @property
+    def tls(self) -> str | None:
+        """The TLS version and cipher this connection runs (None: plain TCP)."""
+        obj = self.writer.get_extra_info("ssl_object")
+        if obj is None:
+            return None
+        cipher = obj.cipher()
+        return f"{obj.version()} {cipher[0]}" if cipher else str(obj.version())
 
     @property
     def key(self) -> str:
@@ -184,8 +194,9 @@ class PeerConnection:
                 else:
                     await on_message(self, msg)
         except ProtocolError as exc:
-            log.error("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, exc)
-            self.close(f"protocol error: {exc}")
+            text = shown(exc, TEXT_LIMIT, quote=False)  # it may quote what the peer sent
+            log.error("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, text)
+            self.close(f"protocol error: {text}")
         except (ConnectionError, OSError) as exc:
             self.close(f"connection error: {exc}")
         except asyncio.CancelledError:

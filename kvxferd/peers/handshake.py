@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvxferd import PROTOCOL_VERSION
-from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError, TlsError
 from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES
 from kvxferd.peers.messages import (
     PEER_CODEC,
@@ -47,7 +47,9 @@ from kvxferd.peers.messages import (
     PeerMessage,
     Ready,
     Refused,
+    StartTls,
 )
+from kvxferd.service.logs import TEXT_LIMIT, shown
 
 NONCE_BYTES = 32
 
@@ -123,6 +125,21 @@ async def _admit(
         )
 
 
+async def _check_certificate(
+    writer: asyncio.StreamWriter, tls_names: frozenset[str] | None, name: str, peer: str
+) -> None:
+    """On mutual TLS, the peer's certificate must name the daemon it says it is: another
+    daemon's certificate, though signed by the same CA, does not make it that daemon."""
+    if tls_names is None or name in tls_names:
+        return
+    shown = ", ".join(sorted(tls_names)[:4]) or "no DNS name or commonName"
+    await _refuse(writer, "certificate", f"your certificate names {shown}, not {name}")
+    raise TlsError(
+        f"{peer} says it is {name} but its TLS certificate names {shown}: "
+        "a daemon's certificate must name its daemon.name (DNS subjectAltName)"
+    )
+
+
 def _proof(secret: bytes, label: bytes, first: bytes, second: bytes, names: str) -> bytes:
     msg = b"kvxferd-handshake|" + label + b"|" + first + b"|" + second + b"|" + names.encode()
     return hmac.new(secret, msg, hashlib.sha256).digest()
@@ -141,7 +158,10 @@ async def _recv(
         raise HandshakeError(f"{peer} closed the connection during the handshake")
     if isinstance(msg, Refused):
         raise IncompatiblePeerError(
-            f"refused by {peer}: {msg.reason}: {msg.message}", msg.reason, msg.quiescent
+            f"refused by {peer}: {shown(msg.reason, quote=False)}: "
+            f"{shown(msg.message, TEXT_LIMIT, quote=False)}",
+            msg.reason[:64],
+            msg.quiescent,
         )
     return msg
 
@@ -155,6 +175,11 @@ M = TypeVar("M")
 
 
 def _expect(msg: PeerMessage, kind: type[M], peer: str) -> M:
+    if isinstance(msg, StartTls):
+        raise TlsError(
+            f"{peer} requires mutual TLS on the peer channel (it sent StartTls): set "
+            "daemon.tls_cert_file, tls_key_file and tls_ca_file here too"
+        )
     if not isinstance(msg, kind):
         raise ProtocolError(
             f"{peer} sent {type(msg).__name__} during the handshake, expected {kind.__name__}"
@@ -170,7 +195,10 @@ async def client_handshake(
     check: InfoCheck,
     peer_label: str,
     admit: Admit | None = None,
+    tls_names: frozenset[str] | None = None,
 ) -> tuple[PeerIdentity, Info]:
+    """The dialing side. `tls_names`: on a mutual-TLS connection, the names the server's
+    verified certificate vouches for; the daemon name it gives must be one of them."""
     nonce_c = os.urandom(NONCE_BYTES)
     await _send(
         writer,
@@ -185,6 +213,7 @@ async def client_handshake(
     msg = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)  # not authenticated yet
     msg = _expect(msg, Challenge, peer_label)
     _check_identity(msg, peer_label)
+    await _check_certificate(writer, tls_names, msg.name, peer_label)
     if msg.version != PROTOCOL_VERSION:
         text = f"protocol version {msg.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
         await _refuse(writer, "version", text)
@@ -223,12 +252,15 @@ async def server_handshake(
     peer_label: str,
     admit: Admit | None = None,
     authenticated: Callable[[], None] | None = None,
+    tls_names: frozenset[str] | None = None,
 ) -> tuple[PeerIdentity, Info]:
     """The accepting side. `authenticated` is called once the client proved the secret
-    (the manager stops counting the connection as unauthenticated then)."""
+    (the manager stops counting the connection as unauthenticated then); `tls_names` as
+    in client_handshake, for the client's certificate."""
     hello = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)
     hello = _expect(hello, Hello, peer_label)
     _check_identity(hello, peer_label)
+    await _check_certificate(writer, tls_names, hello.name, peer_label)
     if hello.version != PROTOCOL_VERSION:
         text = f"protocol version {hello.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
         await _refuse(writer, "version", text)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
+from kvxferd.peers import tls
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.peers.handshake import (
@@ -26,6 +27,7 @@ from kvxferd.peers.handshake import (
     server_handshake,
 )
 from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate, Refused
+from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.transceiver.dataplane import DataPlane
 
 log = logging.getLogger("kvxferd.peers")
@@ -108,7 +110,11 @@ class PeerManager:
         self.refused_connections: dict[str, int] = {}
         self._refusals_unlogged = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
+        self._failure_log = LogLimiter(_REFUSAL_LOG_INTERVAL_S, burst=3)
         self.listen_address = ""
+        # Mutual TLS for every connection made from now on (None: plain TCP); a reload
+        # replaces it, connections already established keep the one they were made with.
+        self.tls: tls.PeerTls | None = None
         self.observer: PeerObserver | None = None
         # Called once a connection is registered, with the Info we sent in its handshake:
         # what changed on our side since that Info was made reached no broadcast.
@@ -159,25 +165,40 @@ class PeerManager:
             self._handshakes.add(task)
         make_info, sent = self._recording_info()
         load = _AgentLoad(self)
-        try:
-            peer, info = await asyncio.wait_for(
-                server_handshake(
-                    reader,
-                    writer,
-                    self.me,
-                    make_info,
-                    load,
-                    label,
-                    self._admit,
-                    authenticated,
-                ),
-                self.timings.handshake_s,
+        context = self.tls.server if self.tls is not None else None
+
+        async def handshake() -> tuple[PeerIdentity, Info]:
+            names = None
+            if context is not None:
+                names = await tls.accept(reader, writer, tls.TlsPeer(context, label))
+            return await server_handshake(
+                reader,
+                writer,
+                self.me,
+                make_info,
+                load,
+                label,
+                self._admit,
+                authenticated,
+                tls_names=names,
             )
+
+        try:
+            peer, info = await asyncio.wait_for(handshake(), self.timings.handshake_s)
             await self._established(reader, writer, peer, info, label, load.agent, sent)
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
             await load.undo()
             self._count_failure(exc)
-            log.warning("handshake from %s failed: %s", label, exc or "timed out")
+            # One line per source host per window: a peer (or a scanner) failing over and
+            # over must not become a flood of lines.
+            self._failure_log.log(
+                log,
+                logging.WARNING,
+                ("from", source),
+                "handshake from %s failed: %s",
+                label,
+                shown(exc, TEXT_LIMIT, quote=False) if str(exc) else "timed out",
+            )
             if isinstance(exc, FrameTooLargeError):
                 writer.transport.abort()  # its body is not read, nor waited for
             else:
@@ -238,6 +259,7 @@ class PeerManager:
 
     async def _dial(self, address: str) -> PeerConnection:
         host, port = split_hostport(address)
+        context = self.tls.client if self.tls is not None else None
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), self.timings.handshake_s
@@ -247,21 +269,35 @@ class PeerManager:
             raise HandshakeError(f"cannot connect to peer {address}: {exc or 'timed out'}") from exc
         make_info, sent = self._recording_info()
         load = _AgentLoad(self)
-        try:
-            peer, info = await asyncio.wait_for(
-                client_handshake(reader, writer, self.me, make_info, load, address),
-                self.timings.handshake_s,
+
+        async def handshake() -> tuple[PeerIdentity, Info]:
+            names = None
+            if context is not None:
+                names = await tls.dial(reader, writer, tls.TlsPeer(context, address))
+            return await client_handshake(
+                reader, writer, self.me, make_info, load, address, tls_names=names
             )
+
+        try:
+            peer, info = await asyncio.wait_for(handshake(), self.timings.handshake_s)
         except asyncio.TimeoutError as exc:
             writer.close()
             await load.undo()
             self._count_failure(exc)
-            raise HandshakeError(f"handshake with {address} timed out") from exc
+            hint = " (no StartTls came: does it have daemon.tls_* set?)" if context else ""
+            raise HandshakeError(f"handshake with {address} timed out{hint}") from exc
         except (KvxferdError, OSError) as exc:
             writer.close()
             await load.undo()
             self._count_failure(exc)
-            log.warning("handshake with %s failed: %s", address, exc)
+            self._failure_log.log(
+                log,
+                logging.WARNING,
+                ("with", address),
+                "handshake with %s failed: %s",
+                address,
+                shown(exc, TEXT_LIMIT, quote=False),
+            )
             raise
         conn = await self._established(
             reader, writer, peer, info, address, load.agent, sent, dialed=True
@@ -371,12 +407,17 @@ class PeerManager:
             peer.incarnation,
             peer.role,
             label,
-            agent,
+            shown(agent),  # from the peer's metadata
         )
         return conn
 
     async def _closed(self, conn: PeerConnection) -> None:
-        log.warning("peer %s (%s) disconnected: %s", conn.key, conn.label, conn.close_reason)
+        log.warning(
+            "peer %s (%s) disconnected: %s",
+            conn.key,
+            conn.label,
+            shown(conn.close_reason, TEXT_LIMIT, quote=False),
+        )
         if self.observer is not None:
             self.observer.peer_closed(conn.peer.name, conn.heartbeat_lost)
         try:

@@ -22,6 +22,14 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
 # --- handshake -------------------------------------------------------------
 
 
+class StartTls(_Msg, tag="start_tls"):
+    """A daemon configured for mutual TLS sends this, in clear, as the first frame of each
+    connection it accepts; the dialer starts TLS only once it has read it. The server thus
+    upgrades a connection on which it has received nothing (bytes already read in clear
+    would otherwise be taken as the first frames inside TLS), and a dialer without TLS
+    reads a message that says why it is not served."""
+
+
 class Hello(_Msg, tag="hello"):
     """Client opens: who it is and a fresh nonce the server must prove a MAC over."""
 
@@ -203,6 +211,7 @@ class Pong(_Msg, tag="pong"):
 
 
 PeerMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
+    StartTls,
     Hello,
     Challenge,
     Auth,

@@ -40,7 +40,7 @@ from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.errors import KvxferdError, RequestError, StartupError
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
-from kvxferd.peers import process
+from kvxferd.peers import process, tls
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES, check_peer
 from kvxferd.peers.handshake import Identity, PeerIdentity
@@ -59,6 +59,7 @@ from kvxferd.peers.messages import (
 )
 from kvxferd.service import listeners
 from kvxferd.service.http import HttpServer
+from kvxferd.service.logs import TEXT_LIMIT, shown
 from kvxferd.service.loopmon import LoopMonitor
 from kvxferd.service.metrics import DaemonMetrics
 from kvxferd.service.ops import TaskSet, refresh_status, summary_line
@@ -106,12 +107,14 @@ class Daemon:
             raise StartupError(problem)
         secret = d.read_shared_secret()
         host, _ = split_hostport(d.peer_listen)
-        if secret is None and host not in ("127.0.0.1", "localhost", "::1"):
+        if not d.peers_authenticated and host not in ("127.0.0.1", "localhost", "::1"):
             raise StartupError(
                 f"daemon.peer_listen {d.peer_listen} is not loopback, so peers must authenticate: "
-                "set daemon.shared_secret_file to a file holding a shared secret"
+                "set daemon.shared_secret_file to a file holding a shared secret, or the "
+                "daemon.tls_* files (mutual TLS)"
             )
         self.secret_configured = secret is not None
+        peer_tls = tls.load(d)
         # Before the backend starts: UCX listens on every device it finds otherwise.
         self.ucx_devices = listeners.pin_ucx_devices(host)
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
@@ -135,6 +138,7 @@ class Daemon:
             self._on_peer_message,
             self._on_peer_closed,
         )
+        self.peers.tls = peer_tls
         # null (staged runtime only, the seed: "None remains available to other
         # runtimes"): no sender deadline and no receive timeout.
         timeout_ms = settings.kv_transfer_timeout_ms
@@ -237,8 +241,18 @@ class Daemon:
             self.settings.runtime_reason,
             self.incarnation,
         )
-        if not self.secret_configured:
-            log.warning("no daemon.shared_secret_file: peers are not authenticated (loopback only)")
+        if self.peers.tls is not None:
+            log.info(
+                "peer channel: mutual TLS (certificate for %s, expires %s)%s",
+                ", ".join(sorted(self.peers.tls.own_names)) or "?",
+                self.peers.tls.not_after or "?",
+                " and the shared secret" if self.secret_configured else "",
+            )
+        elif not self.secret_configured:
+            log.warning(
+                "no daemon.shared_secret_file or daemon.tls_* files: peers are not "
+                "authenticated (loopback only)"
+            )
         await self.dataplane.start()
         if registry.is_two_sided(self.settings.backend):
             await self._start_transport()
@@ -265,7 +279,7 @@ class Daemon:
         # Every listener is up now, the backend's included: none may be where the
         # configuration does not allow it.
         found = listeners.check_listeners(
-            self.secret_configured,
+            self.cfg.daemon.peers_authenticated,
             [split_hostport(d.peer_listen)[0], split_hostport(d.http)[0] if d.http else ""],
             self.settings.backend,
         )
@@ -548,7 +562,7 @@ class Daemon:
             log.warning(
                 "pool %s declares %s, but engine.tensor_parallel_size is %d in %s; "
                 "KV heads are mapped by the pool's declaration",
-                msg.pool_id,
+                shown(msg.pool_id, quote=False),
                 tp,
                 self.cfg.engine.tensor_parallel_size,
                 self.cfg.source,
@@ -575,7 +589,7 @@ class Daemon:
                 log.warning(
                     "pool %s of the gone engine %r stays registered as %s until its %d "
                     "hold(s) are fenced",
-                    pool.pool_id,
+                    shown(pool.pool_id, quote=False),
                     engine.name,
                     aside,
                     len(pool.users),
@@ -598,7 +612,11 @@ class Daemon:
         try:
             await self.pools.deregister(pool_id)
         except (PoolError, KvxferdError) as exc:
-            log.error("cannot deregister pool %s of a gone engine: %s", pool_id, exc)
+            log.error(
+                "cannot deregister pool %s of a gone engine: %s",
+                shown(pool_id, quote=False),
+                shown(exc, TEXT_LIMIT, quote=False),
+            )
             return
         await self._announce_pools()
 
@@ -612,7 +630,7 @@ class Daemon:
             log.error(
                 "request %s: shutting down with %d block(s) still held for %s; a write into "
                 "them may still land, so the engine must not reuse them",
-                hold.request_id,
+                shown(hold.request_id),
                 hold.blocks,
                 ", ".join(leg.key for leg in hold.pending),
                 extra={"request_id": hold.request_id},
@@ -643,7 +661,7 @@ class Daemon:
         try:
             metadata = await self.dataplane.call(self.dataplane.backend.metadata)
         except KvxferdError as exc:
-            log.error("cannot tell peer %s about our pools: %s", conn.key, exc)
+            log.error("cannot tell peer %s about our pools: %s", conn.key, shown(exc, TEXT_LIMIT))
             conn.close(f"our pools changed during the handshake and cannot be announced: {exc}")
             return
         await conn.send(PoolsUpdate(pools=current, agent_metadata=metadata))
@@ -696,7 +714,12 @@ class Daemon:
         try:
             await transport.connect(key, address, 10.0)
         except KvxferdError as exc:
-            log.info("%s link to %s not made ahead: %s", transport.name, key, exc)
+            log.info(
+                "%s link to %s not made ahead: %s",
+                transport.name,
+                key,
+                shown(exc, TEXT_LIMIT, quote=False),
+            )
 
     async def _on_peer_message(self, conn: PeerConnection, msg: PeerMessage) -> None:
         if isinstance(msg, RequestData):
@@ -735,8 +758,9 @@ class Daemon:
                 try:
                     await self.dataplane.call(self.dataplane.backend.add_peer, msg.agent_metadata)
                 except KvxferdError as exc:
-                    log.error("peer %s sent agent metadata NIXL refused: %s", conn.key, exc)
-                    conn.close(f"bad agent metadata in a pools update: {exc}")
+                    text = shown(exc, TEXT_LIMIT, quote=False)  # may quote the metadata
+                    log.error("peer %s sent agent metadata NIXL refused: %s", conn.key, text)
+                    conn.close(f"bad agent metadata in a pools update: {text}")
                     return
             conn.set_pools(msg.pools)
         else:

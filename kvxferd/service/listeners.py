@@ -130,7 +130,8 @@ def check_listeners(authenticated: bool, configured: list[str], backend: str = "
             # ucxx's listener and Mooncake's engine take no address to bind to.
             how = (
                 f"the {backend or 'backend'}'s own listener binds every interface and cannot "
-                "be told an address: set daemon.shared_secret_file (and firewall that port)"
+                "be told an address: set daemon.shared_secret_file or the daemon.tls_* files "
+                "(and firewall that port)"
             )
         else:
             how = (
@@ -140,7 +141,7 @@ def check_listeners(authenticated: bool, configured: list[str], backend: str = "
         if not authenticated:
             raise StartupError(
                 f"this daemon listens on {address}, which is not loopback, but peers are not "
-                f"authenticated (no daemon.shared_secret_file); {how}"
+                f"authenticated (no daemon.shared_secret_file or daemon.tls_* files); {how}"
             )
         if host not in allowed and "0.0.0.0" not in allowed and "::" not in allowed:
             log.warning(

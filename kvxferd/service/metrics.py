@@ -25,6 +25,7 @@ loop lag...) are read from the daemon's state at scrape time.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvxferd import __version__
-from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError
+from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError, TlsError
 from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
@@ -71,7 +72,11 @@ def handshake_failure_reason(exc: BaseException) -> str:
     """A small, fixed set of reasons for a failed handshake (a metric label)."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
+    if isinstance(exc, (TlsError, ssl.SSLError)):
+        return "tls"
     text = str(exc)
+    if isinstance(exc, IncompatiblePeerError) and ": certificate:" in text:
+        return "tls"  # the other side refused our certificate's names
     # The refusing side's reason code travels as "refused by PEER: CODE: message".
     if isinstance(exc, HandshakeError) and ("shared secret" in text or ": auth:" in text):
         return "auth"

@@ -12,10 +12,14 @@ keeps the deadline it was given when it was accepted):
 * cache_transceiver_config.kv_transfer_timeout_ms, kv_transfer_sender_future_timeout_ms,
   kv_transfer_poll_interval_ms, max_tokens_in_buffer (the admission window);
 * daemon.log_level, drain_timeout_ms, heartbeat_interval_ms, heartbeat_timeout_ms,
-  handshake_timeout_ms (for connections made from now on), and the static peers.
+  handshake_timeout_ms (for connections made from now on), and the static peers;
+* the mutual-TLS certificate, key and CA (daemon.tls_*): read again on every reload, so a
+  rotated certificate under the same path is picked up; peer connections made from then on
+  use it, established ones keep theirs. Files that do not load reject the reload.
 
 Everything else (backend, runtime, pipelining, bounce buffer, the engine
-section and KV layout, name, addresses, the shared secret...) needs a restart:
+section and KV layout, name, addresses, the shared secret, turning TLS on or off...) needs
+a restart:
 each such difference is reported in a WARNING and in the systemd STATUS line,
 and the running value is kept.
 """
@@ -34,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 from kvxferd.backends import registry
 from kvxferd.config import KvxferdConfig, ResolvedSettings, resolve
 from kvxferd.errors import ConfigError, KvxferdError
+from kvxferd.peers import tls
+from kvxferd.peers.tls import PeerTls
 from kvxferd.service.logs import set_level
 
 if TYPE_CHECKING:
@@ -58,6 +64,7 @@ LIVE_DAEMON = (
     "heartbeat_timeout_ms",
     "handshake_timeout_ms",
     "peers",
+    *tls.FIELDS,
 )
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -104,23 +111,34 @@ def startup_problems(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str
     if problem is not None:
         problems.append(problem)
     host = cfg.daemon.peer_listen_hostport()[0]
-    if cfg.daemon.shared_secret_file is None and host not in _LOOPBACK:
+    if not cfg.daemon.peers_authenticated and host not in _LOOPBACK:
         problems.append(
             f"daemon.peer_listen {cfg.daemon.peer_listen} is not loopback, so peers must "
-            "authenticate: set daemon.shared_secret_file"
+            "authenticate: set daemon.shared_secret_file or the daemon.tls_* files"
         )
     return problems
 
 
-def validate(load: ConfigLoader) -> tuple[KvxferdConfig, ResolvedSettings, bytes | None]:
+@dataclass
+class Candidate:
+    """A configuration read again, with the files it names loaded."""
+
+    cfg: KvxferdConfig
+    settings: ResolvedSettings
+    secret: bytes | None
+    tls: PeerTls | None
+
+
+def validate(load: ConfigLoader) -> Candidate:
     """Load, resolve and check a configuration as a start-up would; ConfigError lists problems."""
     cfg = load()
     settings = resolve(cfg)
     secret = cfg.daemon.read_shared_secret()
+    peer_tls = tls.load(cfg.daemon)  # read again even with the same paths: rotation
     problems = startup_problems(cfg, settings)
     if problems:
         raise ConfigError(problems[0], problems)
-    return cfg, settings, secret
+    return Candidate(cfg, settings, secret, peer_tls)
 
 
 def plan(
@@ -147,6 +165,10 @@ def plan(
             report.restart_needed.append(change)
             continue
         section, key = path.split(".", 1)
+        if key in tls.FIELDS and (was is None) != (now is None):
+            # Turning TLS on or off changes what every peer must speak: a restart.
+            report.restart_needed.append(change)
+            continue
         if key == "kv_transfer_timeout_ms" and now is None:
             # Only a restart can leave the PYTHON runtime (which needs a finite timeout).
             report.restart_needed.append(change)
@@ -216,13 +238,24 @@ def apply(daemon: Daemon, cfg: KvxferdConfig, settings: ResolvedSettings) -> Non
     daemon.settings = settings
 
 
+def _tls_rotation(running: PeerTls | None, new: PeerTls | None) -> str:
+    """What a reload changes in the peer TLS, as a report line ('' when nothing). Only
+    new certificates while TLS stays on: turning it on or off is a restart (plan)."""
+    if running is None or new is None or running.fingerprint == new.fingerprint:
+        return ""
+    return (
+        f"daemon.tls_*: certificates reloaded ({running.fingerprint} -> {new.fingerprint}, "
+        f"expires {new.not_after or '?'}) for new peer connections"
+    )
+
+
 async def reload_once(daemon: Daemon, load: ConfigLoader) -> ReloadReport:
     """One SIGHUP: RELOADING=1, validate, apply or reject, READY=1."""
     daemon.notifier.reloading()
     source = daemon.cfg.source
     log.info("SIGHUP: reloading %s", source)
     try:
-        new, new_settings, new_secret = await asyncio.to_thread(validate, load)
+        candidate = await asyncio.to_thread(validate, load)
     except ConfigError as exc:
         report = ReloadReport(result="rejected", problems=list(exc.problems))
     except KvxferdError as exc:
@@ -233,14 +266,20 @@ async def reload_once(daemon: Daemon, load: ConfigLoader) -> ReloadReport:
             daemon.cfg,
             daemon.settings,
             daemon.identity.secret if daemon.secret_configured else None,
-            new,
-            new_settings,
-            new_secret,
+            candidate.cfg,
+            candidate.settings,
+            candidate.secret,
         )
+        rotated = _tls_rotation(daemon.peers.tls, candidate.tls)
+        if rotated:
+            report.applied.append(rotated)
+            report.result = "applied"
         if daemon.draining:
             report = ReloadReport(result="rejected", problems=["the daemon is draining"])
         elif report.applied:
             apply(daemon, merged, merged_settings)
+            if rotated:
+                daemon.peers.tls = candidate.tls
     if report.result == "rejected":
         log.error("reload of %s rejected; the running configuration is kept:", source)
         for problem in report.problems:

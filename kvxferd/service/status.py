@@ -29,6 +29,7 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
         "settings": daemon.settings.to_json_dict(),
         "fingerprint": daemon.settings.fingerprint(),
         "peer_listen": daemon.peers.listen_address,
+        "peer_security": _peer_security(daemon),
         "api_socket": daemon.api.path,
         "peers": [
             {
@@ -36,6 +37,7 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
                 "incarnation": c.peer.incarnation,
                 "role": c.peer.role,
                 "address": c.label,
+                "tls": c.tls,
                 "pools": sorted(c.pools),
                 "tensor_parallel": {
                     p.pool_id: {"rank": p.tp_rank, "size": p.tp_size} for p in c.pools.values()
@@ -89,6 +91,24 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
         "handshake_failures": dict(daemon.peers.handshake_failures),
+    }
+
+
+def _peer_security(daemon: Daemon) -> dict[str, object]:
+    """How peers authenticate: the shared secret, mutual TLS (with the certificate in use
+    for new connections), both, or neither (loopback only)."""
+    peer_tls = daemon.peers.tls
+    return {
+        "shared_secret": daemon.secret_configured,
+        "tls": (
+            {
+                "names": sorted(peer_tls.own_names),
+                "not_after": peer_tls.not_after,
+                "fingerprint": peer_tls.fingerprint,
+            }
+            if peer_tls is not None
+            else None
+        ),
     }
 
 

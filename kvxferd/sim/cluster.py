@@ -88,6 +88,9 @@ class LocalCluster:
     transceiver: dict[str, Any] = field(default_factory=dict)
     daemon_defaults: dict[str, Any] = field(default_factory=dict)
     daemons: list[DaemonProc] = field(default_factory=list)
+    # Mutual TLS on the peer channel: each daemon gets a certificate from one test CA
+    # under workdir/tls (kvxferd.peers.testca).
+    tls: bool = False
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +121,10 @@ class LocalCluster:
             secret_path.write_bytes(the_secret if isinstance(the_secret, bytes) else b"")
             secret_path.chmod(0o600)
             daemon_section["shared_secret_file"] = str(secret_path)
+        if self.tls:
+            from kvxferd.peers import testca
+
+            daemon_section.update(testca.issue(self.workdir / "tls", name).daemon_settings())
         daemon_section.update(self.daemon_defaults)
         daemon_section.update(daemon or {})
         engine_section: dict[str, Any] = {"role": role, "kv_layout": dict(self.geometry)}
