@@ -2,10 +2,12 @@
 # Installs the system tools some tests use, when they are missing:
 #   promtool          (Debian package "prometheus")  - tests/ops checks /metrics with it
 #   systemd-analyze   (Debian package "systemd")     - tests/ops verifies deploy/*.service
-# Not fatal: the tests that need a missing tool skip and say which one.
+#   openssl           (Debian package "openssl")     - the mutual-TLS tests make a test CA
+# Not fatal: the tests that need a missing tool skip (or fail) and say which one.
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
