@@ -70,6 +70,8 @@ class BenchConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)
     #: The context engine sends each request in chunks of this many blocks (0: one send).
     chunk_blocks: int = 0
+    #: Mutual TLS on the peer control channel (a test CA made for the run).
+    tls: bool = False
     requires: Availability = _needs_nixl
 
     def unavailable(self) -> str | None:
@@ -97,6 +99,12 @@ REGISTRY: tuple[BenchConfig, ...] = (
         {**_PYTHON, "enable_pipelined_transfer": True},
         engine={"enable_chunked_prefill": True},
         chunk_blocks=16,
+    ),
+    BenchConfig(
+        "nixl-python-tls",
+        "PYTHON runtime over NIXL with mutual TLS on the peer control channel",
+        _PYTHON,
+        tls=True,
     ),
     BenchConfig(
         "nixl-cpp",

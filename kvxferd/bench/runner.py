@@ -248,6 +248,7 @@ def _daemon_run(
         cdir,
         geometry=plan.geometry.cluster_geometry(),
         transceiver=dict(config.transceiver),
+        tls=config.tls,
     ) as cluster:
         ctx = cluster.start_daemon("bench-ctx", "context", engine=dict(config.engine))
         gen = cluster.start_daemon("bench-gen", "generation", engine=dict(config.engine))

@@ -69,6 +69,12 @@ def add_parser(sub: Any) -> None:
         help="the model's KV heads, divisible by both sizes (default 4, or the smallest "
         "multiple of 4 both sizes divide)",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between the daemons (a test CA and a certificate per daemon, made "
+        "with openssl in the demo's directory; docs/operations.md, 'Mutual TLS')",
+    )
     p.set_defaults(handler=_demo)
 
 
@@ -97,6 +103,7 @@ def _names(prefix: str, size: int) -> list[str]:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kvxferd.bench.fragmented import daemon_status
     from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir, summarise
 
     problem = _tp_problem(args)
@@ -113,7 +120,7 @@ def _demo(args: argparse.Namespace) -> int:
     pool_blocks = max_blocks * args.in_flight + 8
     ok = False
     try:
-        with LocalCluster(workdir) as cluster:
+        with LocalCluster(workdir, tls=args.tls) as cluster:
             cluster.geometry["layout"] = args.layout
             cluster.geometry["num_kv_heads"] = args.kv_heads
             cluster.transceiver = {
@@ -123,7 +130,10 @@ def _demo(args: argparse.Namespace) -> int:
             }
             tp = args.ctx_tp, args.gen_tp
             if tp == (1, 1):
-                say(f"kvxferd demo: starting a context and a generation daemon ({workdir})")
+                say(
+                    "kvxferd demo: starting a context and a generation daemon"
+                    f"{' with mutual TLS' if args.tls else ''} ({workdir})"
+                )
             else:
                 say(
                     f"kvxferd demo: {args.kv_heads} KV heads, context TP {tp[0]} -> generation "
@@ -169,8 +179,17 @@ def _demo(args: argparse.Namespace) -> int:
             os.close(notify_fd)
             gen_report = cluster.engine_report(gen_engine)
             ctx_report = cluster.engine_report(ctx_engine)
+            # What the peer channel ran, as each generation daemon's status says.
+            channels = sorted(
+                {
+                    peer.get("tls") or "plain TCP"
+                    for d in gen
+                    for peer in daemon_status(d.http_address).get("peers", [])
+                }
+            )
             codes = cluster.stop_all()
             summary = summarise(ctx_report, gen_report)
+            summary["peer_channel"] = channels
             summary["daemon_exit_codes"] = codes
             summary["ctx_tp"], summary["gen_tp"] = tp
             summary["kv_heads"] = args.kv_heads
@@ -202,6 +221,7 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"({s['kv_heads']} KV heads)"
         )
     print(f"  bytes      {s['bytes']:,}")
+    print(f"  peers      {', '.join(s['peer_channel']) or '-'}")
     print(f"  bandwidth  {s['gbps']:.2f} GB/s over {s['seconds']:.2f} s")
     print(f"  latency    p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms (send to completion)")
     if s.get("first_failure"):

@@ -36,6 +36,16 @@ def test_demo_json_summary_verifies_every_request() -> None:
     assert summary["bytes"] > 0 and summary["gbps"] > 0
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]
     assert summary["daemon_exit_codes"] == {"demo-ctx": 0, "demo-gen": 0}
+    assert summary["peer_channel"] == ["plain TCP"], summary["peer_channel"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="mutual TLS needs Python 3.11")
+def test_demo_with_mutual_tls() -> None:
+    proc = _demo("--requests", "12", "--max-tokens", "500", "--tls")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"verified\s+12\b", proc.stdout), proc.stdout
+    assert re.search(r"peers\s+TLSv1\.3 ", proc.stdout), proc.stdout
+    assert "with mutual TLS" in proc.stderr
 
 
 def test_demo_table_summary() -> None:
