@@ -88,6 +88,11 @@ class TransferTimeoutError(TransferError):
     """A transfer did not finish before its deadline."""
 
 
+class RemoteMemoryError(TransferError):
+    """The addresses the peer gave are not memory its agent registered: the peer's fault
+    (a bogus pool announcement or blocks), not ours."""
+
+
 class PeerLostError(TransferError):
     """The peer daemon went away (connection closed, heartbeats missed, new incarnation)."""
 

@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from kvxferd.backends.base import Segments, XferHandle, XferStatus
-from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
+from kvxferd.errors import (
+    BackendUnavailableError,
+    PeerLostError,
+    RemoteMemoryError,
+    StartupError,
+    TransferError,
+)
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.nixl")
@@ -141,6 +147,13 @@ class NixlBackend:
             rdescs = self._agent.get_xfer_descs(_descs(remote), "DRAM")
             native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, notif)
         except Exception as exc:
+            if type(exc).__name__ == "nixlNotFoundError":
+                # Our side is our registered pool; what NIXL cannot find is the remote
+                # range in the peer's registered memory.
+                raise RemoteMemoryError(
+                    f"NIXL transfer preparation: the receiver's addresses are not memory its "
+                    f"agent {shown(agent_name)} registered ({shown(exc, TEXT_LIMIT)})"
+                ) from exc
             raise _translate(exc, "transfer preparation") from exc
         handle = XferHandle(
             native=native,

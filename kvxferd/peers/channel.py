@@ -23,6 +23,24 @@ from kvxferd.service.logs import TEXT_LIMIT, shown
 log = logging.getLogger("kvxferd.peers")
 
 
+# Highest address + 1 a pool may reach: user space on every 64-bit Linux is below 2**63,
+# and the write plan computes addresses as int64.
+_ADDRESS_LIMIT = 1 << 63
+
+
+def _check_extent(p: PoolInfo, layout: KvLayout) -> None:
+    """A peer's pool must lie in user space and hold its own layout: a base near 2**64 or
+    a size short of the layout would otherwise reach the write plan (and overflow it)."""
+    if not 0 < p.base < _ADDRESS_LIMIT or not 0 < p.nbytes <= _ADDRESS_LIMIT - p.base:
+        raise LayoutError(
+            f"pool {p.pool_id[:64]!r} spans [{p.base:#x}, +{p.nbytes}), outside user space"
+        )
+    if p.nbytes < layout.pool_bytes:
+        raise LayoutError(
+            f"pool {p.pool_id[:64]!r} is {p.nbytes} bytes but its layout needs {layout.pool_bytes}"
+        )
+
+
 class PeerConnection:
     def __init__(
         self,
@@ -71,7 +89,9 @@ class PeerConnection:
         self.layouts = {}
         for p in pools:
             try:
-                self.layouts[p.pool_id] = KvLayout.from_wire(p.layout)
+                layout = KvLayout.from_wire(p.layout)
+                _check_extent(p, layout)
+                self.layouts[p.pool_id] = layout
             except LayoutError as exc:
                 self.layouts[p.pool_id] = exc
 

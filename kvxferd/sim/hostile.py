@@ -27,7 +27,7 @@ import typing
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -72,6 +72,10 @@ from kvxferd.peers.messages import (
     RoundAck,
 )
 from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc
+from kvxferd.transceiver.state import Outcome
+
+if TYPE_CHECKING:
+    from kvxferd.client import AsyncClient
 
 _HEADER = struct.Struct(">I")
 
@@ -647,6 +651,7 @@ class _Intruder:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.pongs: set[int] = set()
+        self.aborts: dict[str, str] = {}  # request id -> reason of the Abort we were sent
         self.got = asyncio.Event()
         self.eof = asyncio.Event()
         self.error = ""
@@ -665,6 +670,8 @@ class _Intruder:
                         self.writer.write(PEER_CODEC.encode(Pong(seq=msg.seq)))
                 elif isinstance(msg, Pong):
                     self.pongs.add(msg.seq)
+                elif isinstance(msg, Abort):
+                    self.aborts[msg.request_id] = msg.reason
                 self.got.set()
         except (ProtocolError, ConnectionError, OSError) as exc:
             self.error = str(exc)
@@ -942,9 +949,11 @@ async def fuzz_stolen_sends(
     """`count` real sends on `ctx`, each asked for first by the intruder (an authenticated
     peer) into a pool it announced with hostile addresses (a base near 2**64, a size of a
     TiB) or with hostile block ids (negative, past the pool, near 2**63) and bounce
-    offsets. The real send must reach an outcome within `deadline_s` (it fails: the
-    intruder registered no memory) and the channel must stay served. What the daemon
-    logs meanwhile is checked by the caller (no traceback)."""
+    offsets. Within `deadline_s` either the real send fails as the peer's fault (the
+    intruder registered no memory there) or the intruder's RequestData is refused
+    (`block_mismatch`: blocks outside its own pool) and the send waits on for a real
+    receiver, which the victim then cancels; and the channel must stay served. What the
+    daemon logs meanwhile is checked by the caller (no traceback)."""
     from kvxferd.client import AsyncClient
 
     rng = random.Random(seed)
@@ -988,12 +997,20 @@ async def fuzz_stolen_sends(
             conn.write(PEER_CODEC.encode(request))
             report.count("stolen_RequestData", 2)
             case = f"base {base:#x}, nbytes {nbytes}, blocks {blocks}, bounce {bounce}"
-            try:
+            outcome, refused = await _outcome_or_refusal(client, conn, rid, deadline_s)
+            if outcome is None and refused is not None:
+                if refused != "block_mismatch":
+                    report.surprise(f"stolen send {rid} ({case}): refused as {refused}")
+                # Nobody else will ask for it: the victim gives up on the send.
+                await client.cancel(rid)
                 outcome = await client.wait(rid, timeout_s=deadline_s)
-            except asyncio.TimeoutError:
-                report.hang(f"stolen send {rid} ({case}): no outcome in {deadline_s} s")
+                if outcome.status != "cancelled":
+                    report.surprise(f"stolen send {rid} ({case}): {outcome.status} after cancel")
+                report.answered += 1
+            elif outcome is None:
+                report.hang(f"stolen send {rid} ({case}): no outcome or refusal in {deadline_s} s")
                 continue
-            if outcome.status == "done":
+            elif outcome.status == "done":
                 report.surprise(f"stolen send {rid} ({case}) reported done")
             elif outcome.reason == "internal" or outcome.fault == "local":
                 # The peer's bogus pool or blocks: a peer fault with a reason of its own,
@@ -1014,6 +1031,20 @@ async def fuzz_stolen_sends(
             await client.deregister_pool("victim")
         await client.close()
         region.close()
+
+
+async def _outcome_or_refusal(
+    client: AsyncClient, conn: _Intruder, rid: str, timeout_s: float
+) -> tuple[Outcome | None, str | None]:
+    """The send's outcome, or the reason the intruder's RequestData was refused (an Abort
+    to it), whichever comes first within `timeout_s`; (None, None) when neither did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(asyncio.TimeoutError):
+            return await client.wait(rid, timeout_s=0.05), None
+        if rid in conn.aborts:
+            return None, conn.aborts[rid]
+    return None, None
 
 
 # --- the engine API

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxferd.backends.base import Backend, XferHandle, XferStatus
-from kvxferd.errors import KvxferdError, PeerLostError, RequestError, TransferError
+from kvxferd.errors import (
+    KvxferdError,
+    PeerLostError,
+    RemoteMemoryError,
+    RequestError,
+    TransferError,
+)
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
@@ -247,6 +253,16 @@ class Sender:
     # ----------------------------------------------------------- peer messages
 
     async def on_request_data(self, conn: PeerConnection, msg: RequestData) -> None:
+        dst_layout = conn.layouts.get(msg.pool_id)
+        if isinstance(dst_layout, KvLayout):
+            # Checked once, first: ids outside the receiver's own pool would reach the
+            # write plan as addresses outside it (and a refused one leaves no session).
+            try:
+                validate_block_ids(dst_layout, msg.blocks)
+            except LayoutError as exc:
+                message = f"the receive's blocks: {exc}"
+                await self._refuse(conn, msg, Reason.BLOCK_MISMATCH, message)
+                return
         s = self.sessions.get(msg.request_id)
         if s is None:
             if not self.accepting:
@@ -739,9 +755,13 @@ class Sender:
                 f"block_start {b} on, so it needs {len(s.blocks) - b} blocks; it gave "
                 f"{len(req.blocks)}",
             )
+        if isinstance(dst_layout, LayoutError):
+            return Terminal.peer(
+                Status.FAILED,
+                Reason.BLOCK_MISMATCH,
+                f"the receiver's pool {req.pool_id!r} cannot be written: {dst_layout}",
+            )
         try:
-            if isinstance(dst_layout, LayoutError):
-                raise dst_layout
             dst_tp = TpRank(info.tp_rank, info.tp_size)
             problem = split_problem(s.pool, s.legs, dst_tp, self.pipelined)
             if problem is not None:
@@ -911,6 +931,9 @@ class Sender:
                 return XferStatus.ERROR
             except PeerLostError as exc:
                 s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return XferStatus.ERROR
+            except RemoteMemoryError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
                 return XferStatus.ERROR
             except TransferError as exc:
                 s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))

@@ -103,18 +103,13 @@ def test_thousands_of_hostile_messages_then_a_verified_transfer(cluster: LocalCl
     assert cluster.stop_all() == {"ctx": 0, "gen": 0}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon bug (issue 14): a peer's RequestData/PoolInfo addresses past int64 raise "
-    "OverflowError in transceiver/plan.py _block_major_runs (a traceback, the send failed "
-    "'internal', local fault); out-of-range block ids are not refused as the peer's fault",
-)
 def test_stolen_sends_with_hostile_addresses_fail_as_the_peers_fault(
     cluster: LocalCluster,
 ) -> None:
     """An authenticated intruder asks first for real sends, into a pool it announced with
-    hostile addresses or with hostile block ids: each send fails within its deadline, as
-    the peer's fault, without a traceback; then a real transfer still verifies."""
+    hostile addresses or with hostile block ids: within the deadline each send fails as
+    the peer's fault, or the intruder's RequestData is refused (blocks outside its pool)
+    and the send waits on; never a traceback; then a real transfer still verifies."""
     ctx = cluster.start_daemon("ctx", "context", **_cfg(20000))
     gen = cluster.start_daemon("gen", "generation", **_cfg(20000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()

@@ -779,7 +779,7 @@ def test_hostile_request_data_is_refused_and_changes_nothing_else(cluster: Local
             foreign = PoolInfo(
                 pool_id="p",
                 layout=dict(g.layout.to_wire()),
-                base=0,
+                base=1 << 30,  # a plausible address: a pool at 0 is refused as outside user space
                 nbytes=g.layout.pool_bytes,
                 tp_rank=1,
                 tp_size=2,
