@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.backends import registry
 from kvxferd.client import AsyncClient, CallError
@@ -148,6 +149,20 @@ def status(daemon: DaemonProc) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://{daemon.http_address}/v1/status", timeout=10) as resp:
         doc: dict[str, Any] = json.loads(resp.read())
     return doc
+
+
+def metric(daemon: DaemonProc, name: str, default: float | None = None, **labels: str) -> float:
+    """One sample of the daemon's /metrics (its full name, e.g. `..._total`, and every
+    label); `default` when absent (a counter nothing has incremented yet), else an error."""
+    with urllib.request.urlopen(f"http://{daemon.http_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    if default is not None:
+        return default
+    raise AssertionError(f"no sample {name}{labels} in /metrics")
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:

@@ -21,7 +21,6 @@ import asyncio
 import os
 from functools import partial
 
-import pytest
 from daemon_harness import status, wait_for
 from test_faults import _cfg, healthy
 

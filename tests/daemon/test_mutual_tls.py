@@ -16,12 +16,11 @@ import signal
 import ssl
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import assert_clean, status, wait_for
+from daemon_harness import assert_clean, metric, status, wait_for
 from test_faults import _cfg, logged, opened
 
 from kvxferd.errors import IncompatiblePeerError
@@ -47,12 +46,7 @@ def tls_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def handshake_failures(daemon: DaemonProc, reason: str) -> float:
-    sample = f'kvxferd_handshake_failures_total{{reason="{reason}"}} '
-    with urllib.request.urlopen(f"http://{daemon.http_address}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(sample):
-                return float(line.split()[-1])
-    return 0.0
+    return metric(daemon, "kvxferd_handshake_failures_total", 0.0, reason=reason)
 
 
 async def transfer(ctx: DaemonProc, gen: DaemonProc, rid: str) -> tuple[str, str, bool]:

@@ -17,11 +17,9 @@ import asyncio
 import contextlib
 import struct
 import threading
-import urllib.request
 
 import pytest
-from daemon_harness import status
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import metric, status
 from test_faults import _cfg, peer_names, serve_once, until
 
 from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES, FrameTooLargeError
@@ -30,16 +28,6 @@ from kvxferd.peers.messages import PEER_CODEC, Auth
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
 MiB = 1 << 20
-
-
-def metric(daemon: DaemonProc, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://{daemon.http_address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return float(s.value)
-    raise AssertionError(f"no sample {name}{labels} in /metrics")
 
 
 def rss_bytes(daemon: DaemonProc) -> int:

@@ -13,10 +13,9 @@ waiting behind a squatter takes its place when the squatter goes away.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
-from daemon_harness import SimEngine, assert_clean, status
+from daemon_harness import SimEngine, assert_clean, metric, status
 from test_faults import _cfg, blocks_untouched, logged, opened, until
 
 from kvxferd.client import CallError
@@ -36,12 +35,7 @@ def _trio(cluster: LocalCluster) -> tuple[DaemonProc, DaemonProc, DaemonProc]:
 
 
 def refused_total(daemon: DaemonProc, reason: str) -> float:
-    sample = f'kvxferd_refused_request_data_total{{reason="{reason}"}} '
-    with urllib.request.urlopen(f"http://{daemon.http_address}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(sample):
-                return float(line.split()[-1])
-    return 0.0
+    return metric(daemon, "kvxferd_refused_request_data_total", 0.0, reason=reason)
 
 
 async def send(c: SimEngine, rid: str, peer: str | None = None) -> None:
