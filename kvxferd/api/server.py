@@ -178,6 +178,8 @@ class ApiServer:
         # An engine can repeat a bad call (or a bad connection) as fast as it likes: a few
         # lines per engine connection (per process before the hello) and a count.
         self.log_limiter = LogLimiter(interval_s=10.0, burst=3)
+        # Told of each engine call that did not decode (metrics).
+        self.on_malformed: Callable[[ProtocolError], None] | None = None
 
     async def start(self) -> None:
         if os.path.exists(self.path):
@@ -419,6 +421,8 @@ class ApiServer:
                 except MalformedMessageError as exc:
                     # The frame boundary held, so the stream can go on; the call it was
                     # fails at once on the caller's side when its id can still be read.
+                    if self.on_malformed is not None:
+                        self.on_malformed(exc)
                     self.log_limiter.log(
                         log,
                         logging.WARNING,
@@ -434,6 +438,8 @@ class ApiServer:
                     break
                 await self._dispatch(engine, msg)
         except ProtocolError as exc:
+            if self.on_malformed is not None:
+                self.on_malformed(exc)  # a frame that broke the stream (oversize, cut short)
             log.warning(
                 "engine %r: connection closed: %s",
                 engine.name if engine is not None else "?",

@@ -83,6 +83,8 @@ class PeerConnection:
         # states in its own wall clock is ours plus this.
         self.clock_offset_ms = int(time.time() * 1e3) - info.wall_ms if info.wall_ms else 0
         self._tasks: list[asyncio.Task[None]] = []
+        # Told of a message that did not decode, before the connection closes (metrics).
+        self.on_protocol_error: Callable[[ProtocolError], None] | None = None
 
     def set_pools(self, pools: list[PoolInfo]) -> None:
         self.pools = {p.pool_id: p for p in pools}
@@ -215,7 +217,10 @@ class PeerConnection:
                     await on_message(self, msg)
         except ProtocolError as exc:
             text = shown(exc, TEXT_LIMIT, quote=False)  # it may quote what the peer sent
-            log.error("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, text)
+            if self.on_protocol_error is not None:
+                self.on_protocol_error(exc)
+            # Once per connection: it is closed now, and a redial is a handshake again.
+            log.warning("peer %s (%s) sent a bad message, closing: %s", self.key, self.label, text)
             self.close(f"protocol error: {text}")
         except (ConnectionError, OSError) as exc:
             self.close(f"connection error: {exc}")

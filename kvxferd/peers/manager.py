@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
@@ -66,6 +67,8 @@ class PeerObserver(Protocol):
     def handshake_failed(self, exc: BaseException) -> None: ...
 
     def connection_refused(self, reason: str) -> None: ...
+
+    def malformed_message(self, source: str, exc: ProtocolError) -> None: ...
 
     def peer_closed(self, peer: str, heartbeat_lost: bool) -> None: ...
 
@@ -395,6 +398,8 @@ class PeerManager:
             self.timings.heartbeat_timeout_s,
         )
         conn.dialed = dialed
+        if self.observer is not None:
+            conn.on_protocol_error = partial(self.observer.malformed_message, "peer")
         self.connections[conn.key] = conn
         conn.start(self._on_message, self._closed)
         if self.on_established is not None and sent:

@@ -18,6 +18,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Coroutine
+from functools import partial
 from typing import Any
 
 from kvxferd import __version__
@@ -207,6 +208,7 @@ class Daemon:
         )
         self.metrics.bind(self)
         self.api.on_outcome = self.metrics.observe_outcome
+        self.api.on_malformed = partial(self.metrics.malformed_message, "engine")
         self.sender.on_write_done = self.metrics.observe_write
         self.sender.on_refused = self.metrics.request_refused
         self.admission.on_wait = self.metrics.observe_admission_wait

@@ -41,7 +41,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvxferd import __version__
-from kvxferd.errors import HandshakeError, IncompatiblePeerError, ProtocolError, TlsError
+from kvxferd.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    MalformedMessageError,
+    ProtocolError,
+    TlsError,
+)
 from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
@@ -91,6 +97,15 @@ def handshake_failure_reason(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return "connect"
     return "other"
+
+
+def malformed_reason(exc: ProtocolError) -> str:
+    """A small, fixed set of reasons for a message that did not decode (a metric label)."""
+    if isinstance(exc, FrameTooLargeError):
+        return "oversize_frame"
+    if isinstance(exc, MalformedMessageError):
+        return "too_deep" if "nested too deeply" in str(exc) else "malformed"
+    return "truncated"  # the other ProtocolErrors of a frame reader: a frame cut short
 
 
 class DaemonMetrics:
@@ -186,6 +201,15 @@ class DaemonMetrics:
             ["reason"],
             registry=r,
         )
+        self.malformed = Counter(
+            "kvxferd_malformed_messages",
+            "Messages that did not decode, by source (peer: an established peer connection, "
+            "which is then closed; engine: an engine API call, answered with an error) and "
+            "reason (malformed, too_deep, oversize_frame, truncated). Before a peer is "
+            "authenticated they count as handshake failures instead.",
+            ["source", "reason"],
+            registry=r,
+        )
         self.reloads = Counter(
             "kvxferd_config_reloads",
             "SIGHUP reloads, by result (applied, unchanged, rejected).",
@@ -250,6 +274,9 @@ class DaemonMetrics:
 
     def handshake_failed(self, exc: BaseException) -> None:
         self.handshake_failures.labels(reason=handshake_failure_reason(exc)).inc()
+
+    def malformed_message(self, source: str, exc: ProtocolError) -> None:
+        self.malformed.labels(source=source, reason=malformed_reason(exc)).inc()
 
     def connection_refused(self, reason: str) -> None:
         self.connections_refused.labels(reason=reason).inc()

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from daemon_harness import GEOMETRY, SimEngine, assert_clean, status, wait_for
+from daemon_harness import GEOMETRY, SimEngine, assert_clean, metric, status, wait_for
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.messages import (
@@ -948,6 +948,9 @@ def test_malformed_peer_messages(cluster: LocalCluster) -> None:
         writer.close()
         await until(lambda: peer_names(ctx) == ["gen"], what="intruder dropped")
         logged(ctx, "intruder", "bad message")
+        assert (
+            metric(ctx, "kvxferd_malformed_messages_total", source="peer", reason="malformed") == 1
+        )
 
         # Through all of it, the real peer kept its connection and is served.
         await serve_once(ctx, gen, "after-bad-peers")

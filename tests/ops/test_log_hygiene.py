@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-from daemon_harness import SimEngine, layout_for, wait_for
+from daemon_harness import SimEngine, layout_for, metric, wait_for
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.messages import DAEMON_CODEC, ENGINE_CODEC, EngineHello, Reply
@@ -354,4 +354,5 @@ def test_a_thousand_malformed_engine_frames_log_a_handful_of_lines(
     assert counted + int(unlogged.group(1)) == n - len(malformed), (malformed, detached)
     forged, long_lines = _hostile_lines(text)
     assert not forged and not long_lines
+    assert metric(ctx, "kvxferd_malformed_messages_total", source="engine", reason="malformed") == n
     assert ctx.alive()
