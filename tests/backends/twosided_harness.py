@@ -1,20 +1,24 @@
-"""The child-process harness of the two-sided transport tests (test_mpi.py, test_ucx.py).
+"""The child-process harness of the two-sided transport tests.
 
-Every transport runs in its own child process, the test file run as a script
-(`python test_X.py child NAME INCARNATION`, which calls `child_main`), driven
-over JSON lines on stdin/stdout, so that a peer can be SIGKILLed mid-transfer.
-What differs between transports is passed in: how the child makes its
-transport, what it answers to "info", and, on the parent side, the script,
-the environment and the command prefix of each child.
+test_twosided_contract.py holds what every two-sided transport must do (run
+once per transport); test_ucx.py and test_mpi.py hold what is particular to
+one. Every transport runs in its own child process (this file run as a script:
+`python twosided_harness.py child TRANSPORT NAME INCARNATION`, which calls
+`child_main`), driven over JSON lines on stdin/stdout, so that a peer can be
+SIGKILLed mid-transfer. What differs between transports is named once, below:
+how the child makes its transport and what it answers to "info" (`TRANSPORTS`),
+and, on the parent side, the package it needs and how long it takes to start
+(`UcxChild`, `MpiChild`).
 
 Imported by the test files as a top-level module, like tests/daemon/daemon_harness.py:
-pytest puts tests/backends (no __init__.py) on sys.path, and so does running a
-test file by its path.
+pytest puts tests/backends (no __init__.py) on sys.path; run as a script, this file's
+own folder comes first on sys.path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -30,7 +34,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
 MIB = 1 << 20
 SENTINEL = 0xAB
 
@@ -43,6 +48,7 @@ def pattern(seed: int, size: int) -> bytes:
     return np.random.default_rng(seed).bytes(size)
 
 
+@functools.cache
 def importable(module: str) -> bool:
     """Whether `module` imports in a fresh interpreter (never imported here:
     importing ucxx, say, writes UCX_* variables into os.environ)."""
@@ -50,6 +56,42 @@ def importable(module: str) -> bool:
         [sys.executable, "-c", f"import {module}"], capture_output=True, timeout=60, cwd=REPO
     )
     return probe.returncode == 0
+
+
+# ---------------------------------------------------------------------------
+# The transports: how a child makes one, and what it answers to "info".
+# ---------------------------------------------------------------------------
+
+
+def _ucx_transport(name: str, incarnation: str) -> Any:
+    from kvxferd.backends.ucx import UcxTransport
+
+    return UcxTransport(name, incarnation, stall_grace_s=2.0)
+
+
+def _ucx_info(transport: Any) -> dict[str, Any]:
+    return {"mode": transport.progress_mode, "peers": transport.peers()}
+
+
+def _mpi_transport(name: str, incarnation: str) -> Any:
+    from kvxferd.backends.mpi import MpiTransport
+
+    return MpiTransport(name, incarnation, stall_grace_s=2.0)
+
+
+def _mpi_info(transport: Any) -> dict[str, Any]:
+    return {
+        "mode": transport.mode,
+        "peers": transport.peers(),
+        "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
+        "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
+    }
+
+
+TRANSPORTS: dict[str, tuple[MakeTransport, Info]] = {
+    "ucx": (_ucx_transport, _ucx_info),
+    "mpi": (_mpi_transport, _mpi_info),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -148,10 +190,22 @@ async def child_main(
 
 
 class TransportChild:
-    """One child process. A test file subclasses it, naming itself as `script`."""
+    """One child process running one transport (a subclass per transport, below)."""
 
-    script: ClassVar[Path]  # the test file, whose `child` mode calls child_main
+    transport: ClassVar[str]  # a key of TRANSPORTS
+    package: ClassVar[str]  # what the transport imports; without it, it is untestable
+    install: ClassVar[str]  # how to get that package
     ready_timeout: ClassVar[float] = 30.0  # for the child's first answer
+
+    @classmethod
+    def untestable(cls) -> str | None:
+        """Why this transport cannot be tested here (the reason a test skips with), or None."""
+        if importable(cls.package):
+            return None
+        return (
+            f"{cls.package} does not import here ({cls.install}); "
+            f"the {cls.transport.upper()} backend is untestable"
+        )
 
     def __init__(
         self,
@@ -162,8 +216,9 @@ class TransportChild:
     ) -> None:
         self.key = f"{name}/{incarnation}"
         self.address = ""
+        command = [sys.executable, str(HERE), "child", self.transport, name, incarnation]
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, str(self.script), "child", name, incarnation],
+            [*(prefix or []), *command],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -222,6 +277,19 @@ class TransportChild:
                 self.proc.wait()
 
 
+class UcxChild(TransportChild):
+    transport = "ucx"
+    package = "ucxx"
+    install = "pip install ucxx-cu12"
+
+
+class MpiChild(TransportChild):
+    transport = "mpi"
+    package = "mpi4py"
+    install = "pip install mpi4py mpich"
+    ready_timeout = 60.0
+
+
 def connected(rx: TransportChild, tx: TransportChild) -> None:
     """rx listening (its address kept in rx.address), tx connected to it."""
     rx.address = rx.ok("start")["address"]
@@ -249,3 +317,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not within {timeout}s")
         time.sleep(0.05)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    _make, _answer_info = TRANSPORTS[sys.argv[2]]
+    asyncio.run(child_main(sys.argv[3], sys.argv[4], _make, _answer_info))
