@@ -9,6 +9,7 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_harness import tiny_layout
 
 from kvxferd.memory import BLOCK_MAJOR, LAYER_MAJOR, KvLayout, LayoutError, pair_segments
 from kvxferd.memory.heads import (
@@ -25,18 +26,9 @@ MAJORS = [BLOCK_MAJOR, LAYER_MAJOR]
 
 
 def layout(heads: int, major: str = BLOCK_MAJOR, **kw: Any) -> KvLayout:
-    args: dict[str, Any] = dict(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=heads,
-        head_dim=2,
-        tokens_per_block=3,
-        dtype="float16",
-        major=major,
-        num_blocks=6,
-    )
-    args.update(kw)
-    return KvLayout(**args)
+    """tiny_layout with `heads` heads, 3 tokens per block and 6 blocks."""
+    fields = {"num_kv_heads": heads, "major": major, "tokens_per_block": 3, "num_blocks": 6}
+    return tiny_layout(**{**fields, **kw})
 
 
 # -- ranks and ranges ------------------------------------------------------------------------

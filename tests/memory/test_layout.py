@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_harness import tiny_layout
 
 from kvxferd.errors import KvxferdError
 from kvxferd.memory import (
@@ -26,18 +27,7 @@ def layout(major: str = BLOCK_MAJOR, **kw: Any) -> KvLayout:
 
     token 4 bytes, piece 8 bytes, block 32 bytes, pool 128 bytes.
     """
-    args: dict[str, Any] = dict(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=1,
-        head_dim=2,
-        tokens_per_block=2,
-        dtype="float16",
-        major=major,
-        num_blocks=4,
-    )
-    args.update(kw)
-    return KvLayout(**args)
+    return tiny_layout(major=major, **kw)
 
 
 def rows(segments: np.ndarray) -> list[tuple[int, int]]:

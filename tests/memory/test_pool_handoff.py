@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from layout_harness import tiny_layout
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.handoff import HandoffError, PeerCred
@@ -32,18 +33,9 @@ from kvxferd.api.messages import (
 from kvxferd.api.server import ApiServer, EngineConnection
 from kvxferd.client import AsyncClient, CallError
 from kvxferd.errors import RequestError
-from kvxferd.memory import KvLayout, MemfdRegion
+from kvxferd.memory import MemfdRegion
 
-LAYOUT = KvLayout(
-    num_layers=2,
-    kv_factor=2,
-    num_kv_heads=2,
-    head_dim=64,
-    tokens_per_block=32,
-    dtype="float16",
-    major="block-major",
-    num_blocks=8,
-)
+LAYOUT = tiny_layout(num_kv_heads=2, head_dim=64, tokens_per_block=32, num_blocks=8)
 
 
 def open_fds() -> int:

@@ -120,23 +120,18 @@ def test_attach_to_a_missing_name_says_so(name: str) -> None:
 
 
 def test_attach_to_a_region_too_small_names_both_sizes(name: str) -> None:
-    region = ShmRegion.create(name, 4096)
-    try:
-        with pytest.raises(ShmTooSmallError, match="it has 4096 bytes, 8192 bytes are needed"):
-            ShmRegion.attach(name, 8192)
-    finally:
-        region.close()
-        region.unlink()
+    # The region goes with the test: closed here, unlinked by the `name` fixture.
+    with (
+        ShmRegion.create(name, 4096),
+        pytest.raises(ShmTooSmallError, match="it has 4096 bytes, 8192 bytes are needed"),
+    ):
+        ShmRegion.attach(name, 8192)
 
 
 def test_create_refuses_an_existing_name(name: str) -> None:
-    region = ShmRegion.create(name, 4096)
-    try:
-        with pytest.raises(ShmExistsError, match="File exists"):
-            ShmRegion.create(name, 4096)
-    finally:
-        region.close()
-        region.unlink()
+    # The region goes with the test: closed here, unlinked by the `name` fixture.
+    with ShmRegion.create(name, 4096), pytest.raises(ShmExistsError, match="File exists"):
+        ShmRegion.create(name, 4096)
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../etc", "x" * 201, "é", "a b"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_harness import tiny_layout
 
 from kvxferd.memory.heads import (
     TpRank,
@@ -26,13 +27,11 @@ from kvxferd.transceiver.bounce import HostCopier
 
 
 def _layout(major: str, num_blocks: int, layers: int, heads: int) -> KvLayout:
-    return KvLayout(
+    return tiny_layout(
         num_layers=layers,
-        kv_factor=2,
         num_kv_heads=heads,
         head_dim=4,
         tokens_per_block=3,
-        dtype="float16",
         major=major,
         num_blocks=num_blocks,
     )
