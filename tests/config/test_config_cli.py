@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_harness import kvxferd
+from config_harness import JSON_KEYS
 
 from kvxferd.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 REPO = CONFIGS.parent
-JSON_KEYS = {
-    "backend",
-    "runtime",
-    "runtime_reason",
-    "bounce_buffer_mb",
-    "pipelined_transfer",
-    "admission_window_blocks",
-    "kv_transfer_timeout_ms",
-    "kv_transfer_sender_future_timeout_ms",
-    "kv_transfer_poll_interval_ms",
-    "max_tokens_in_buffer",
-}
 
 
 def write(tmp_path: Path, text: str, name: str = "k.yaml") -> str:
@@ -281,14 +269,7 @@ def test_config_without_action_prints_help(capsys: pytest.CaptureFixture[str]) -
 
 def test_entry_point_subprocess(tmp_path: Path) -> None:
     bad = write(tmp_path, "cache_transceiver_config: {backend: nixl}\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "config", "validate", bad],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        check=False,
-    )
+    result = kvxferd("config", "validate", bad, cwd=str(REPO), timeout=60)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith(f"kvxferd: error: {bad}: cache_transceiver_config.backend:")

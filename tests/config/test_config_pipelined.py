@@ -73,39 +73,27 @@ def test_requires_nixl_backend_under_auto() -> None:
     assert "(effective: CPP over UCX)" in only_problem(cfg)
 
 
-def test_requires_generation_first_scheduling() -> None:
-    problem = only_problem(build("engine", scheduling="context-first"))
-    assert "engine.scheduling:" in problem and "generation-first" in problem
+# A requirement of pipelined transfer broken by one setting: (section, setting, value, what
+# the problem says besides naming the setting).
+BROKEN_BY_ONE_SETTING = [
+    pytest.param("engine", "scheduling", "context-first", "generation-first", id="scheduling"),
+    pytest.param(
+        "engine", "enable_chunked_prefill", False, "needs chunked prefill", id="chunked_prefill"
+    ),
+    pytest.param("engine", "pipeline_parallel_size", 2, "(got 2)", id="pipeline_parallel_1"),
+    pytest.param("engine", "context_parallel_size", 4, "(got 4)", id="context_parallel_1"),
+    pytest.param("engine", "max_beam_width", 2, "needs max_beam_width 1", id="beam_width_1"),
+    pytest.param(
+        "cache_transceiver_config", "kv_cache_bounce_size_mb", 16, "(got 16)", id="no_bounce"
+    ),
+    pytest.param("engine", "cache_kind", "mamba-hybrid", "Mamba/hybrid", id="no_mamba_hybrid"),
+]
 
 
-def test_requires_chunked_prefill() -> None:
-    problem = only_problem(build("engine", enable_chunked_prefill=False))
-    assert "engine.enable_chunked_prefill:" in problem and "needs chunked prefill" in problem
-
-
-def test_requires_pipeline_parallel_size_1() -> None:
-    problem = only_problem(build("engine", pipeline_parallel_size=2))
-    assert "engine.pipeline_parallel_size:" in problem and "(got 2)" in problem
-
-
-def test_requires_context_parallel_size_1() -> None:
-    problem = only_problem(build("engine", context_parallel_size=4))
-    assert "engine.context_parallel_size:" in problem and "(got 4)" in problem
-
-
-def test_requires_beam_width_1() -> None:
-    problem = only_problem(build("engine", max_beam_width=2))
-    assert "engine.max_beam_width:" in problem and "needs max_beam_width 1" in problem
-
-
-def test_requires_no_bounce_buffer() -> None:
-    problem = only_problem(build("cache_transceiver_config", kv_cache_bounce_size_mb=16))
-    assert "cache_transceiver_config.kv_cache_bounce_size_mb:" in problem and "(got 16)" in problem
-
-
-def test_requires_no_mamba_hybrid_cache() -> None:
-    problem = only_problem(build("engine", cache_kind="mamba-hybrid"))
-    assert "engine.cache_kind:" in problem and "Mamba/hybrid" in problem
+@pytest.mark.parametrize(("section", "setting", "value", "says"), BROKEN_BY_ONE_SETTING)
+def test_requires(section: str, setting: str, value: object, says: str) -> None:
+    problem = only_problem(build(section, **{setting: value}))
+    assert f"{section}.{setting}:" in problem and says in problem
 
 
 def test_mla_cache_is_fine() -> None:

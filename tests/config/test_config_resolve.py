@@ -7,22 +7,10 @@ import logging
 import textwrap
 
 import pytest
+from config_harness import JSON_KEYS
 
 from kvxferd.config import KvxferdConfig, ResolvedSettings, load_config_text, resolve
 from kvxferd.errors import ConfigError
-
-JSON_KEYS = {
-    "backend",
-    "runtime",
-    "runtime_reason",
-    "bounce_buffer_mb",
-    "pipelined_transfer",
-    "admission_window_blocks",
-    "kv_transfer_timeout_ms",
-    "kv_transfer_sender_future_timeout_ms",
-    "kv_transfer_poll_interval_ms",
-    "max_tokens_in_buffer",
-}
 
 
 def cfg(ctc: str = "", engine: str = "") -> KvxferdConfig:

@@ -36,6 +36,13 @@ def problems_of(path: Path) -> list[str]:
     return info.value.problems
 
 
+def tls_problems(tmp: Path, cert: object, key: object, ca: object) -> list[str]:
+    """The problems of a file naming these three TLS files (on lines 3, 4 and 5)."""
+    return problems_of(
+        write(tmp, f"  tls_cert_file: {cert}\n  tls_key_file: {key}\n  tls_ca_file: {ca}\n")
+    )
+
+
 def test_relative_paths_are_taken_from_the_file_and_the_files_load(
     certs: Path, tmp_path: Path
 ) -> None:
@@ -61,47 +68,23 @@ def test_two_of_three_is_refused_naming_the_missing_one(certs: Path, tmp_path: P
 
 
 def test_an_unreadable_file_is_named_with_its_line(certs: Path, tmp_path: Path) -> None:
-    found = problems_of(
-        write(
-            tmp_path,
-            f"  tls_cert_file: {certs}/ctx.pem\n  tls_key_file: {tmp_path}/missing.key\n"
-            f"  tls_ca_file: {certs}/ca.pem\n",
-        )
-    )
+    found = tls_problems(tmp_path, f"{certs}/ctx.pem", f"{tmp_path}/missing.key", f"{certs}/ca.pem")
     assert len(found) == 1 and "daemon.tls_key_file" in found[0], found
     assert "missing.key" in found[0] and "(line 4)" in found[0], found
 
 
 def test_a_key_that_is_not_the_certificates_is_refused(certs: Path, tmp_path: Path) -> None:
-    found = problems_of(
-        write(
-            tmp_path,
-            f"  tls_cert_file: {certs}/ctx.pem\n  tls_key_file: {certs}/other.key\n"
-            f"  tls_ca_file: {certs}/ca.pem\n",
-        )
-    )
+    found = tls_problems(tmp_path, f"{certs}/ctx.pem", f"{certs}/other.key", f"{certs}/ca.pem")
     assert "daemon.tls_key_file" in found[0] and "not the certificate's key" in found[0], found
 
 
 def test_a_ca_file_that_is_not_pem_is_refused(certs: Path, tmp_path: Path) -> None:
     bogus = tmp_path / "ca.txt"
     bogus.write_text("not a certificate\n")
-    found = problems_of(
-        write(
-            tmp_path,
-            f"  tls_cert_file: {certs}/ctx.pem\n  tls_key_file: {certs}/ctx.key\n"
-            f"  tls_ca_file: {bogus}\n",
-        )
-    )
+    found = tls_problems(tmp_path, f"{certs}/ctx.pem", f"{certs}/ctx.key", bogus)
     assert "daemon.tls_ca_file" in found[0] and "not PEM" in found[0], found
 
 
 def test_a_certificate_for_another_daemon_is_refused(certs: Path, tmp_path: Path) -> None:
-    found = problems_of(
-        write(
-            tmp_path,
-            f"  tls_cert_file: {certs}/other.pem\n  tls_key_file: {certs}/other.key\n"
-            f"  tls_ca_file: {certs}/ca.pem\n",
-        )
-    )
+    found = tls_problems(tmp_path, f"{certs}/other.pem", f"{certs}/other.key", f"{certs}/ca.pem")
     assert "daemon.tls_cert_file" in found[0] and "names other, not this daemon (ctx)" in found[0]

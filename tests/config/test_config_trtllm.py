@@ -212,25 +212,25 @@ def test_load_disagg_pair(tmp_path: Path) -> None:
     assert load_config(path, role="generation").engine.max_beam_width == 4
 
 
-def test_load_disagg_pair_reports_both_sections(tmp_path: Path) -> None:
-    path = tmp_path / "disagg.yaml"
-    path.write_text("context_servers: {max_seq_len: 0}\ngeneration_servers: {max_beam_width: 0}\n")
+def disagg_problems(tmp_path: Path, text: str, name: str = "disagg.yaml") -> list[str]:
+    """What load_disagg_pair refuses a file of `text` for."""
+    path = tmp_path / name
+    path.write_text(text)
     with pytest.raises(ConfigError) as info:
         load_disagg_pair(path)
-    assert len(info.value.problems) == 2
+    return info.value.problems
+
+
+def test_load_disagg_pair_reports_both_sections(tmp_path: Path) -> None:
+    text = "context_servers: {max_seq_len: 0}\ngeneration_servers: {max_beam_width: 0}\n"
+    assert len(disagg_problems(tmp_path, text)) == 2
 
 
 def test_load_disagg_pair_needs_both_sections(tmp_path: Path) -> None:
-    path = tmp_path / "disagg.yaml"
-    path.write_text("context_servers: {}\n")
-    with pytest.raises(ConfigError) as info:
-        load_disagg_pair(path)
-    assert "no generation_servers: section" in info.value.problems[0]
+    problems = disagg_problems(tmp_path, "context_servers: {}\n")
+    assert "no generation_servers: section" in problems[0]
 
 
 def test_load_disagg_pair_refuses_kvxferd_file(tmp_path: Path) -> None:
-    path = tmp_path / "k.yaml"
-    path.write_text("engine: {}\n")
-    with pytest.raises(ConfigError) as info:
-        load_disagg_pair(path)
-    assert "not a TensorRT-LLM disaggregated-serving file" in info.value.problems[0]
+    problems = disagg_problems(tmp_path, "engine: {}\n", name="k.yaml")
+    assert "not a TensorRT-LLM disaggregated-serving file" in problems[0]
