@@ -52,7 +52,7 @@ from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
 if TYPE_CHECKING:
-    from kvxferd.service.daemon import Daemon
+    from kvxferd.service.view import DaemonView
     from kvxferd.transceiver.holds import HoldKeeper
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -240,7 +240,7 @@ class DaemonMetrics:
             }
         )
 
-    def bind(self, daemon: Daemon) -> None:
+    def bind(self, daemon: DaemonView) -> None:
         """Export the daemon's live gauges (read at each scrape)."""
         self.registry.register(_LiveCollector(daemon, self))
 
@@ -290,7 +290,7 @@ class DaemonMetrics:
 class _LiveCollector:
     """Gauges computed from the daemon's state when scraped."""
 
-    def __init__(self, daemon: Daemon, metrics: DaemonMetrics) -> None:
+    def __init__(self, daemon: DaemonView, metrics: DaemonMetrics) -> None:
         self._d = daemon
         self._m = metrics
 

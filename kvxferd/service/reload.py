@@ -43,7 +43,7 @@ from kvxferd.peers.tls import PeerTls
 from kvxferd.service.logs import set_level
 
 if TYPE_CHECKING:
-    from kvxferd.service.daemon import Daemon
+    from kvxferd.service.view import DaemonView
 
 log = logging.getLogger("kvxferd.reload")
 
@@ -105,7 +105,7 @@ def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, object]:
 
 
 def startup_problems(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str]:
-    """What would stop `kvxferd run` with this configuration (the Daemon's own checks)."""
+    """What would stop `kvxferd run` with this configuration (the daemon's own checks)."""
     problems = []
     problem = registry.startup_problem(settings.backend, settings.runtime)
     if problem is not None:
@@ -214,7 +214,7 @@ def plan(
     return merged, merged_settings, report
 
 
-def apply(daemon: Daemon, cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
+def apply(daemon: DaemonView, cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
     """Make the running daemon use `cfg`'s live values (from here on, for new work)."""
     d = cfg.daemon
     assert settings.kv_transfer_timeout_ms is not None  # plan() never applies null
@@ -249,7 +249,7 @@ def _tls_rotation(running: PeerTls | None, new: PeerTls | None) -> str:
     )
 
 
-async def reload_once(daemon: Daemon, load: ConfigLoader) -> ReloadReport:
+async def reload_once(daemon: DaemonView, load: ConfigLoader) -> ReloadReport:
     """One SIGHUP: RELOADING=1, validate, apply or reject, READY=1."""
     daemon.notifier.reloading()
     source = daemon.cfg.source
@@ -296,7 +296,7 @@ async def reload_once(daemon: Daemon, load: ConfigLoader) -> ReloadReport:
     return report
 
 
-async def serve_reloads(daemon: Daemon, requests: asyncio.Event, load: ConfigLoader) -> None:
+async def serve_reloads(daemon: DaemonView, requests: asyncio.Event, load: ConfigLoader) -> None:
     """Run one reload per burst of SIGHUPs, one at a time, while the daemon serves."""
     while True:
         await requests.wait()

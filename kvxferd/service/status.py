@@ -12,10 +12,10 @@ from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
-    from kvxferd.service.daemon import Daemon
+    from kvxferd.service.view import DaemonView
 
 
-def daemon_status(daemon: Daemon) -> dict[str, object]:
+def daemon_status(daemon: DaemonView) -> dict[str, object]:
     return {
         "name": daemon.daemon_name,
         "version": __version__,
@@ -94,7 +94,7 @@ def daemon_status(daemon: Daemon) -> dict[str, object]:
     }
 
 
-def _peer_security(daemon: Daemon) -> dict[str, object]:
+def _peer_security(daemon: DaemonView) -> dict[str, object]:
     """How peers authenticate: the shared secret, mutual TLS (with the certificate in use
     for new connections), both, or neither (loopback only)."""
     peer_tls = daemon.peers.tls
@@ -120,7 +120,7 @@ def _count_states(sessions: Iterable[TxSession | RxSession]) -> dict[str, int]:
     return counts
 
 
-def _holds(daemon: Daemon) -> dict[str, object]:
+def _holds(daemon: DaemonView) -> dict[str, object]:
     """Memory an ended receive keeps until its writer is fenced (kvxferd.transceiver.holds)."""
     holds = daemon.receiver.holds
     now = time.monotonic()

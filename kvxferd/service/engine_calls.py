@@ -1,0 +1,342 @@
+"""The engine API's calls, routed by message type, and what an engine leaving does.
+
+The API server decodes and answers; this module decides: which side (send or receive)
+a call goes to, whether the engine may make it (role, draining, its own pools and
+requests), and pool registration with every check a pool must pass. It reads the
+daemon through DaemonView only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvxferd.api.messages import (
+    ApiError,
+    Cancel,
+    DeregisterPool,
+    EngineHello,
+    EngineMessage,
+    Query,
+    Recv,
+    RegisterPool,
+    Release,
+    Send,
+)
+from kvxferd.api.server import EngineConnection
+from kvxferd.errors import KvxferdError, RequestError
+from kvxferd.memory.heads import TpRank
+from kvxferd.memory.layout import KvLayout, LayoutError
+from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES
+from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.service.ops import TaskScope
+from kvxferd.service.pools import LocalPool, PoolError
+from kvxferd.service.view import DaemonView
+from kvxferd.transceiver.holds import Hold
+from kvxferd.transceiver.receiver import Receiver
+from kvxferd.transceiver.sender import Sender
+from kvxferd.transceiver.state import Reason
+
+log = logging.getLogger("kvxferd.daemon")
+
+# A peer named by a send: a daemon name, as the handshake accepts one (1-128 characters).
+_DAEMON_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+Handler = Callable[[EngineConnection, Any], Awaitable[str]]
+
+
+class EngineCalls:
+    """The daemon's EngineHandler (kvxferd.api.server)."""
+
+    def __init__(
+        self, daemon: DaemonView, scope: TaskScope, announce: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._d = daemon
+        self._scope = scope
+        self._announce = announce  # tell every peer our pools changed
+        self._routes: dict[type, Handler] = {
+            RegisterPool: self._register_pool,
+            DeregisterPool: self._deregister_pool,
+            Recv: self._recv,
+            Send: self._send,
+            Cancel: self._cancel,
+            Release: self._release,
+            Query: self._query,
+        }
+
+    @property
+    def daemon_name(self) -> str:
+        return self._d.daemon_name
+
+    @property
+    def role(self) -> str:
+        return self._d.role
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._d.cfg.engine.kv_layout.tokens_per_block
+
+    async def handle_call(self, engine: EngineConnection, msg: EngineMessage) -> str:
+        if isinstance(msg, EngineHello):
+            raise RequestError(ApiError.BAD_REQUEST, "hello was already exchanged")
+        if self._d.draining and isinstance(msg, (Recv, Send, RegisterPool)):
+            # A later chunk of a send this engine already started is not new work.
+            tx = self._d.sender.sessions.get(msg.request_id) if isinstance(msg, Send) else None
+            if tx is None or tx.engine is not engine:
+                raise RequestError(ApiError.DRAINING, "the daemon is draining; no new work")
+        route = self._routes.get(type(msg))
+        if route is None:
+            raise RequestError(ApiError.BAD_REQUEST, f"unsupported call {type(msg).__name__}")
+        return await route(engine, msg)
+
+    # ------------------------------------------------------------- requests
+
+    async def _recv(self, engine: EngineConnection, msg: Recv) -> str:
+        self._require_role(RECEIVING_ROLES, "recv")
+        _check_request_id(msg.request_id)
+        pool = self._usable_pool(engine, msg.pool_id)
+        peers = self._recv_peers(msg)
+        self._d.receiver.recv(
+            engine,
+            msg.request_id,
+            pool,
+            msg.blocks,
+            peers,
+            msg.num_tokens,
+            msg.beam_width,
+            msg.block_start,
+        )
+        return ""
+
+    async def _send(self, engine: EngineConnection, msg: Send) -> str:
+        self._require_role(SENDING_ROLES, "send")
+        _check_request_id(msg.request_id)
+        pool = self._usable_pool(engine, msg.pool_id)
+        if msg.peer and not _DAEMON_NAME.fullmatch(msg.peer):
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"peer {shown(msg.peer, 40)} is not a daemon name "
+                "(1-128 letters, digits, '_', '.', '-')",
+            )
+        self._d.sender.send(
+            engine,
+            msg.request_id,
+            pool,
+            msg.blocks,
+            msg.token_start,
+            msg.token_end,
+            msg.last,
+            msg.beam_width,
+            msg.peer,
+        )
+        return ""
+
+    async def _cancel(self, engine: EngineConnection, msg: Cancel) -> str:
+        return await self._side_of(engine, msg.request_id).cancel(msg.request_id)
+
+    async def _release(self, engine: EngineConnection, msg: Release) -> str:
+        self._side_of(engine, msg.request_id).release(msg.request_id)
+        return ""
+
+    async def _query(self, engine: EngineConnection, msg: Query) -> str:
+        s = self._side_of(engine, msg.request_id).sessions[msg.request_id]
+        return s.outcome.status if s.outcome else s.state.name.lower()
+
+    def _recv_peers(self, msg: Recv) -> list[str]:
+        """The context daemons of a receive: `peer`, or the list `peers` (head-merge)."""
+        if msg.peer and msg.peers:
+            raise RequestError(ApiError.BAD_REQUEST, "give either peer or peers (a list), not both")
+        peers = list(msg.peers) if msg.peers else [msg.peer] if msg.peer else []
+        if not peers:
+            raise RequestError(ApiError.BAD_REQUEST, "a receive needs a context peer")
+        seen: dict[str, str] = {}
+        manager = self._d.peers
+        for peer in peers:
+            try:
+                address = manager.resolve_address(peer)
+            except Exception as exc:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"peer {peer!r} is neither a static peer name "
+                    f"({', '.join(manager.static_peers) or 'none configured'}) nor HOST:PORT",
+                ) from exc
+            if address in seen:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"peers {seen[address]!r} and {peer!r} name the same context daemon "
+                    f"({address}); each context rank is named once",
+                )
+            seen[address] = peer
+        return peers
+
+    def _require_role(self, roles: tuple[str, ...], call: str) -> None:
+        if self._d.role not in roles:
+            raise RequestError(
+                ApiError.WRONG_ROLE,
+                f"{call} needs a daemon with role {' or '.join(roles)}; this one is {self._d.role}",
+            )
+
+    def _side_of(self, engine: EngineConnection, request_id: str) -> Sender | Receiver:
+        for side in (self._d.receiver, self._d.sender):
+            s = side.sessions.get(request_id)
+            if s is not None and s.engine is engine:
+                return side
+        raise RequestError(ApiError.UNKNOWN_REQUEST, f"no request {request_id!r} of this engine")
+
+    # ---------------------------------------------------------------- pools
+
+    def _own_pool(self, engine: EngineConnection, pool_id: str) -> LocalPool:
+        try:
+            pool = self._d.pools.get(pool_id)
+        except PoolError as exc:
+            raise RequestError(exc.code, str(exc)) from exc
+        if pool.owner is not engine:
+            raise RequestError(ApiError.UNKNOWN_POOL, f"pool {pool_id!r} belongs to another engine")
+        return pool
+
+    def _usable_pool(self, engine: EngineConnection, pool_id: str) -> LocalPool:
+        """_own_pool, refusing new work on a shm-name pool its engine shrank (SIGBUS ahead)."""
+        pool = self._own_pool(engine, pool_id)
+        try:
+            pool.check_intact()
+        except PoolError as exc:
+            raise RequestError(exc.code, str(exc)) from exc
+        return pool
+
+    async def _deregister_pool(self, engine: EngineConnection, msg: DeregisterPool) -> str:
+        pool = self._own_pool(engine, msg.pool_id)
+        await _pool_call(self._d.pools.deregister(pool.pool_id))
+        await self._announce()
+        return ""
+
+    async def _register_pool(self, engine: EngineConnection, msg: RegisterPool) -> str:
+        if bool(msg.handoff) == bool(msg.shm_name):
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"pool {msg.pool_id!r}: give exactly one of handoff (a sealed memfd handed "
+                "over first) and shm_name (a POSIX shm object)",
+            )
+        if not msg.handoff:
+            return await self._register_checked_pool(engine, msg, None)
+        # Taken (used up) first, so that every refusal below still closes the fd.
+        fd = self._d.api.take_handoff(msg.handoff, engine, msg.pool_id)
+        try:
+            return await self._register_checked_pool(engine, msg, fd)
+        finally:
+            os.close(fd)  # the daemon's mapping keeps the memory
+
+    async def _register_checked_pool(
+        self, engine: EngineConnection, msg: RegisterPool, fd: int | None
+    ) -> str:
+        d = self._d
+        try:
+            layout = KvLayout.from_wire(msg.layout)
+        except LayoutError as exc:
+            raise RequestError(ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: {exc}") from exc
+        if d.staged and not layout.named:
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"pool {msg.pool_id!r} has the order {layout.major}: the staged (CPP) runtime "
+                "packs (layer, kv) pieces, which only block-major and layer-major pools have; "
+                "use the PYTHON runtime for this pool",
+            )
+        if layout.tokens_per_block != self.tokens_per_block:
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"pool {msg.pool_id!r} has {layout.tokens_per_block} tokens per block, but "
+                f"engine.kv_layout.tokens_per_block is {self.tokens_per_block} in "
+                f"{d.cfg.source}",
+            )
+        try:
+            tp = TpRank(msg.tp_rank, msg.tp_size)
+        except LayoutError as exc:
+            raise RequestError(ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: {exc}") from exc
+        for other in d.pools.pools.values():
+            # One daemon serves one engine rank: its peers map heads by the daemon's pools.
+            if other.tp != tp:
+                raise RequestError(
+                    ApiError.BAD_REQUEST,
+                    f"pool {msg.pool_id!r} declares {tp}, but pool {other.pool_id!r} of this "
+                    f"daemon declares {other.tp}; a daemon serves one engine rank",
+                )
+        if tp.size != d.cfg.engine.tensor_parallel_size:
+            log.warning(
+                "pool %s declares %s, but engine.tensor_parallel_size is %d in %s; "
+                "KV heads are mapped by the pool's declaration",
+                shown(msg.pool_id, quote=False),
+                tp,
+                d.cfg.engine.tensor_parallel_size,
+                d.cfg.source,
+            )
+        await _pool_call(
+            d.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp, fd)
+        )
+        await self._announce()
+        return ""
+
+    # ---------------------------------------------------------- engine gone
+
+    async def engine_gone(self, engine: EngineConnection) -> None:
+        d = self._d
+        reason, message = Reason.ENGINE_DISCONNECTED, f"engine {engine.name!r} disconnected"
+        await asyncio.gather(
+            d.sender.abort_engine(engine, reason, message),
+            d.receiver.abort_engine(engine, reason, message),
+        )
+        mine = [p for p in d.pools.pools.values() if p.owner is engine]
+        for pool in mine:
+            if pool.users:
+                # Held: a write may still land there. Our mapping keeps the memory valid
+                # (a late write lands harmlessly); the pool goes once its holds are fenced,
+                # under another id meanwhile, so a restarted engine can register its own.
+                aside = d.pools.set_aside(pool.pool_id)
+                log.warning(
+                    "pool %s of the gone engine %r stays registered as %s until its %d "
+                    "hold(s) are fenced",
+                    shown(pool.pool_id, quote=False),
+                    engine.name,
+                    aside,
+                    len(pool.users),
+                )
+                continue
+            await d.pools.deregister(pool.pool_id)
+        if mine:
+            await self._announce()
+
+    def hold_released(self, hold: Hold, how: str) -> None:
+        """A held pool of a gone engine goes once its last hold is released."""
+        pool = hold.pool
+        if pool is None or pool.users or self._d.draining:
+            return
+        owner = pool.owner
+        gone = isinstance(owner, EngineConnection) and owner.closed
+        if gone and self._d.pools.pools.get(pool.pool_id) is pool:
+            self._scope.start(self._drop_orphan(pool.pool_id), f"drop-pool-{pool.pool_id}")
+
+    async def _drop_orphan(self, pool_id: str) -> None:
+        try:
+            await self._d.pools.deregister(pool_id)
+        except (PoolError, KvxferdError) as exc:
+            log.error(
+                "cannot deregister pool %s of a gone engine: %s",
+                shown(pool_id, quote=False),
+                shown(exc, TEXT_LIMIT, quote=False),
+            )
+            return
+        await self._announce()
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > 256:
+        raise RequestError(ApiError.BAD_REQUEST, "request_id must be 1 to 256 characters")
+
+
+async def _pool_call(coro: Awaitable[object]) -> object:
+    try:
+        return await coro
+    except PoolError as exc:
+        raise RequestError(exc.code, str(exc)) from exc
