@@ -32,7 +32,6 @@ from kvxferd.api.messages import (
     DaemonHello,
     DeregisterPool,
     EngineHello,
-    OutcomeMsg,
     Query,
     Recv,
     RegisterPool,
@@ -145,7 +144,7 @@ class AsyncClient:
                             fut.set_result(msg.result)
                         else:
                             fut.set_exception(CallError(msg.error, msg.message))
-                elif isinstance(msg, OutcomeMsg):
+                elif isinstance(msg, Outcome):
                     self._on_outcome(msg)
                 elif isinstance(msg, ReleasedMsg):
                     self._on_released(msg)
@@ -157,25 +156,14 @@ class AsyncClient:
                 self._closed_reason = "client closed"
             self._fail_all()
 
-    def _on_outcome(self, msg: OutcomeMsg) -> None:
-        outcome = Outcome(
-            request_id=msg.request_id,
-            side=msg.side,
-            status=msg.status,
-            reason=msg.reason,
-            fault=msg.fault,
-            message=msg.message,
-            nbytes=msg.nbytes,
-            elapsed_ms=msg.elapsed_ms,
-            blocks_held=msg.blocks_held,
-        )
-        if msg.side == "recv":
+    def _on_outcome(self, outcome: Outcome) -> None:
+        if outcome.side == "recv":
             # A new outcome is a new request under this id: an earlier release is not its.
-            self._released.pop(msg.request_id, None)
-            if msg.blocks_held:
-                self._held.add(msg.request_id)
-        self._outcomes[(msg.request_id, msg.side)] = outcome
-        for fut in self._waiters.pop(msg.request_id, []):
+            self._released.pop(outcome.request_id, None)
+            if outcome.blocks_held:
+                self._held.add(outcome.request_id)
+        self._outcomes[(outcome.request_id, outcome.side)] = outcome
+        for fut in self._waiters.pop(outcome.request_id, []):
             if not fut.done():
                 fut.set_result(outcome)
 

@@ -11,6 +11,7 @@ from typing import Union
 import msgspec
 
 from kvxferd.peers.framing import FrameCodec
+from kvxferd.transceiver.state import Outcome
 
 
 class _Msg(msgspec.Struct, tag_field="type"):
@@ -127,20 +128,6 @@ class Reply(_Msg, tag="reply"):
     result: str = ""
 
 
-class OutcomeMsg(_Msg, tag="outcome"):
-    request_id: str
-    side: str
-    status: str
-    reason: str
-    fault: str
-    message: str
-    nbytes: int
-    elapsed_ms: float
-    # True on a failure whose blocks the daemon still holds (a write into them may still
-    # land): do not reuse them before this request's `released` message.
-    blocks_held: bool = False
-
-
 class ReleasedMsg(_Msg, tag="released"):
     """Blocks of a request reported with `blocks_held` are back: no write can land there.
     `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent)."""
@@ -154,7 +141,7 @@ class ReleasedMsg(_Msg, tag="released"):
 EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
     EngineHello, RegisterPool, PoolHandoff, DeregisterPool, Recv, Send, Cancel, Release, Query
 ]
-DaemonMessage = Union[DaemonHello, Reply, OutcomeMsg, ReleasedMsg]  # noqa: UP007
+DaemonMessage = Union[DaemonHello, Reply, Outcome, ReleasedMsg]  # noqa: UP007
 
 ENGINE_CODEC: FrameCodec[EngineMessage] = FrameCodec(EngineMessage, "engine API")  # type: ignore[arg-type]
 DAEMON_CODEC: FrameCodec[DaemonMessage] = FrameCodec(DaemonMessage, "daemon API")  # type: ignore[arg-type]

@@ -38,7 +38,6 @@ from kvxferd.api.messages import (
     DaemonHello,
     EngineHello,
     EngineMessage,
-    OutcomeMsg,
     PoolHandoff,
     ReleasedMsg,
     Reply,
@@ -93,19 +92,7 @@ class EngineConnection:
     def deliver(self, outcome: Outcome) -> None:
         if self.on_outcome is not None:
             self.on_outcome(outcome)
-        self._write(
-            OutcomeMsg(
-                request_id=outcome.request_id,
-                side=outcome.side,
-                status=outcome.status,
-                reason=outcome.reason,
-                fault=outcome.fault,
-                message=outcome.message,
-                nbytes=outcome.nbytes,
-                elapsed_ms=outcome.elapsed_ms,
-                blocks_held=outcome.blocks_held,
-            )
-        )
+        self._write(outcome)
 
     def released(self, request_id: str, side: str, how: str, held_ms: float) -> None:
         self._write(ReleasedMsg(request_id=request_id, side=side, how=how, held_ms=held_ms))

@@ -30,14 +30,13 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvxferd.api.messages import OutcomeMsg
 from kvxferd.bench.plan import Item, Plan
 from kvxferd.client import AsyncClient
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.service.runner import run_event_loop
 from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
-from kvxferd.transceiver.state import Status
+from kvxferd.transceiver.state import Outcome, Status
 
 _END = "end"
 # Test hook: when set to "1" in the context engine's environment, the first timed request is
@@ -54,7 +53,7 @@ class StampingClient(AsyncClient):
         super().__init__(reader, writer)
         self.arrived_ns: dict[str, int] = {}
 
-    def _on_outcome(self, msg: OutcomeMsg) -> None:
+    def _on_outcome(self, msg: Outcome) -> None:
         self.arrived_ns[msg.request_id] = time.monotonic_ns()
         super()._on_outcome(msg)
 

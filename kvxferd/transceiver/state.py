@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
+
+import msgspec
 
 
 class SessionState(IntEnum):
@@ -48,6 +49,8 @@ class Reason:
     # A RequestData for a request whose KV already went to another receive.
     ALREADY_SERVED = "already_served"
     ENGINE_DISCONNECTED = "engine_disconnected"
+    # A RequestData sent to a daemon that does not send (a generation daemon).
+    WRONG_ROLE = "wrong_role"
     SHUTDOWN = "shutdown"
 
 
@@ -56,9 +59,9 @@ class Fault:
     PEER = "peer"
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What an engine is told, exactly once, about one of its requests."""
+class Outcome(msgspec.Struct, tag_field="type", tag="outcome", frozen=True):
+    """What an engine is told, exactly once, about one of its requests: the same type in
+    the daemon, on the engine socket (a message of the daemon API) and in the client."""
 
     request_id: str
     side: str  # "send" or "recv"
