@@ -114,6 +114,7 @@ import numpy as np
 
 from kvxferd.backends.base import Segments, XferHandle, XferStatus
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
+from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import shown
 
 log = logging.getLogger("kvxferd.backends.mooncake")
@@ -244,9 +245,9 @@ def _check_host(host: str) -> str:
 
 
 def _split_session(session: str) -> tuple[str, int]:
-    host, sep, port = session.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or len(port) > 5:
-        raise ValueError(f"session id {session!r} is not HOST:PORT")
+    host, port = split_hostport(session, "session id")
+    if port == 0:
+        raise ValueError(f"session id {session[:300]!r} has port 0")
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -255,7 +256,7 @@ def _split_session(session: str) -> tuple[str, int]:
     else:
         if ip.version != 4 or ip.is_unspecified:
             raise ValueError(f"session id {session!r} has no usable IPv4 host")
-    return host, int(port)
+    return host, port
 
 
 def _is_int(value: object) -> bool:

@@ -117,6 +117,7 @@ from kvxferd.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.ucx")
@@ -249,10 +250,10 @@ def _decode_hello(buf: bytearray) -> str:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise TransferError(f"UCX peer address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
+    try:
+        return split_hostport(address, "UCX peer address")
+    except ValueError as exc:
+        raise TransferError(str(exc)) from None
 
 
 class _EventLoopProgress:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+from kvxferd import hostport
 from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
 from kvxferd.peers import tls
 from kvxferd.peers.channel import PeerConnection
@@ -53,10 +54,10 @@ OnClosed = Callable[[PeerConnection], Awaitable[None]]
 
 
 def split_hostport(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise KvxferdError(f"peer address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    try:
+        return hostport.split_hostport(address, "peer address")
+    except ValueError as exc:
+        raise KvxferdError(str(exc)) from None
 
 
 class PeerObserver(Protocol):

@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from kvxferd.errors import StartupError
+from kvxferd.hostport import split_hostport
 
 log = logging.getLogger("kvxferd.listeners")
 
@@ -113,7 +114,7 @@ def listening_sockets(pid: int | str = "self") -> list[str]:
 
 
 def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0].strip("[]")
+    return split_hostport(address, "listener")[0]
 
 
 def check_listeners(authenticated: bool, configured: list[str], backend: str = "") -> list[str]:

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
+from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -63,10 +64,10 @@ T = TypeVar("T")
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise TransferError(f"MPI peer address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
+    try:
+        return split_hostport(address, "MPI peer address")
+    except ValueError as exc:
+        raise TransferError(str(exc)) from None
 
 
 def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:

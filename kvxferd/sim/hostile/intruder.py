@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from kvxferd.hostport import split_hostport
 from kvxferd.peers.handshake import Identity, PeerIdentity, client_handshake
 from kvxferd.peers.messages import PEER_CODEC, Abort, Info, PeerMessage, Ping, Pong
 from kvxferd.sim.cluster import DaemonProc
@@ -85,7 +86,7 @@ async def handshake(
     info: Info,
     timeout_s: float,
 ) -> Intruder:
-    host, port = daemon.peer_address.rsplit(":", 1)
+    host, port = split_hostport(daemon.peer_address)
     reader, writer = await asyncio.open_connection(host, int(port))
 
     async def make_info() -> Info:

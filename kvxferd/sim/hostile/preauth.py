@@ -8,6 +8,7 @@ import contextlib
 import random
 
 from kvxferd import PROTOCOL_VERSION
+from kvxferd.hostport import split_hostport
 from kvxferd.peers.framing import PREAUTH_MAX_FRAME_BYTES
 from kvxferd.peers.messages import PEER_CODEC, Hello, PeerMessage
 from kvxferd.sim.cluster import DaemonProc
@@ -75,7 +76,7 @@ async def fuzz_preauth(
     end of stream. `concurrency` stays under the daemon's per-source pre-auth cap."""
     rng = random.Random(seed)
     bodies = Bodies(PeerMessage, rng, max_str=16 << 10)
-    host, port = daemon.peer_address.rsplit(":", 1)
+    host, port = split_hostport(daemon.peer_address)
     sem = asyncio.Semaphore(concurrency)
     cases = [_preauth_payload(rng, bodies) for _ in range(count)]
 
@@ -101,7 +102,7 @@ async def stalled_strangers(
 ) -> None:
     """Slow-loris strangers on the peer port: silent, or half a frame and then nothing.
     The daemon must close each by its handshake timeout (`deadline_s` includes a margin)."""
-    host, port = daemon.peer_address.rsplit(":", 1)
+    host, port = split_hostport(daemon.peer_address)
     partial = [b"", HEADER.pack(200) + b"\x85", b"\x00\x00", PEER_CODEC.encode(
         Hello(version=PROTOCOL_VERSION, name="slow", incarnation="1", role="generation",
               nonce=b"\0" * 32))]  # fmt: skip

@@ -1,0 +1,15 @@
+"""HOST:PORT, split one way everywhere: the peer channel, the backends' own addresses,
+listeners read back from /proc. The configuration checks addresses more strictly when
+it loads them (kvxferd.config.sections.parse_hostport, with YAML paths in its errors);
+this is for addresses already accepted or received from a peer."""
+
+from __future__ import annotations
+
+
+def split_hostport(address: str, what: str = "address") -> tuple[str, int]:
+    """(host, port) of "host:port" or "[v6]:port", the host without brackets. ValueError
+    naming `what` when it is not that shape or the port is outside 0-65535."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or len(port) > 5 or int(port) > 65535:
+        raise ValueError(f"{what} {address[:300]!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
