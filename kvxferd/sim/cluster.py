@@ -7,13 +7,16 @@ kernel and read back from the daemon's log), and runs reference engines.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,31 @@ DEFAULT_GEOMETRY: dict[str, Any] = {
 
 class ClusterError(KvxferdError):
     pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child (a daemon, an engine) be SIGKILLed when this
+    process dies, so that a test run or demo that is killed (a CI timeout) leaves no
+    daemons behind. The kernel ties the signal to the thread that forks, so it is armed
+    only from the main thread; libc is looked up here, before the fork, and the child
+    calls nothing that takes a lock."""
+    if (
+        not sys.platform.startswith("linux")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # it died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 @dataclass
@@ -151,6 +179,7 @@ class LocalCluster:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),  # no daemon outlives a killed test run
         )
         log_file.close()
         d = DaemonProc(name, role, config_path, api_socket, log_path, proc, log_offset=offset)
@@ -221,6 +250,7 @@ class LocalCluster:
             stderr=None if opts.get("progress") else subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             pass_fds=pass_fds,
+            preexec_fn=die_with_parent(),  # no daemon outlives a killed test run
         )
 
     @staticmethod
