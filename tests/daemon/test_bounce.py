@@ -5,20 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from daemon_harness import SimEngine, assert_clean, status
+from daemon_harness import SMALL_PIECES, assert_clean, move_each, opened, status
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
-
-# Small (layer, K/V) pieces: 32 tokens x 1 head x 16 dims x fp16 = 1 KiB, so a
-# layer-major request is many small segments: what the bounce buffer is for.
-SMALL_PIECES: dict[str, Any] = {
-    "num_layers": 8,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "tokens_per_block": 32,
-    "dtype": "float16",
-    "layout": "layer-major",
-}
 
 
 def _start(cluster: LocalCluster, bounce_mb: int) -> tuple[DaemonProc, DaemonProc]:
@@ -33,34 +22,13 @@ def _start(cluster: LocalCluster, bounce_mb: int) -> tuple[DaemonProc, DaemonPro
 async def _run(
     ctx: DaemonProc, gen: DaemonProc, lengths: list[int], concurrent: bool, blocks: int = 2048
 ) -> None:
-    c = await SimEngine.open(ctx, "layer-major", blocks, geometry=SMALL_PIECES)
-    g = await SimEngine.open(gen, "layer-major", blocks, geometry=SMALL_PIECES)
-    try:
+    kw = dict(major="layer-major", num_blocks=blocks, geometry=SMALL_PIECES)
+    async with opened(ctx, **kw) as c, opened(gen, **kw) as g:
         # Scatter the allocations so every request is many separate segments.
         c.alloc.shuffle(7)
         g.alloc.shuffle(3)
-        dst: dict[str, list[int]] = {}
         reqs = [(f"b-{i}-{n}", n) for i, n in enumerate(lengths)]
-
-        async def one(rid: str, n: int) -> None:
-            dst[rid] = await g.recv(rid, n, ctx.peer_address)
-            await c.send(rid, n)
-            got = await g.client.wait(rid, 60)
-            assert (got.status, got.reason) == ("done", "ok"), got
-            assert (await c.client.wait(rid, 60)).status == "done"
-            result = g.verify(rid, dst[rid], n)
-            assert result.ok, result.first_mismatch
-            await g.client.release(rid)
-            await c.client.release(rid)
-
-        if concurrent:
-            await asyncio.gather(*(one(r, n) for r, n in reqs))
-        else:
-            for r, n in reqs:
-                await one(r, n)
-    finally:
-        await c.close()
-        await g.close()
+        await move_each(ctx, c, g, reqs, concurrent)
 
 
 def _bounce(daemon: DaemonProc) -> dict[str, Any]:

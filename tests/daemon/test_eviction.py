@@ -14,8 +14,21 @@ import math
 import signal
 
 import pytest
-from daemon_harness import GEOMETRY, assert_clean, status
-from test_faults import _cfg, log_lines, logged, opened, restart_daemon, transfer_one, until
+from daemon_harness import (
+    GEOMETRY,
+    assert_clean,
+    delivered,
+    log_lines,
+    logged,
+    opened,
+    restart_daemon,
+    serve_then_hold,
+    start_pair,
+    status,
+    transfer_one,
+    until,
+)
+from test_faults import _cfg
 
 from kvxferd.errors import IncompatiblePeerError
 from kvxferd.peers.handshake import Identity, PeerIdentity, client_handshake
@@ -79,8 +92,7 @@ def test_impostor_cannot_evict_a_live_peer(cluster: LocalCluster) -> None:
     refused (`name_in_use`), whatever incarnation it claims; the live peer's requests in
     flight are untouched and complete."""
     cfg = _cfg(20000)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     incarnation = str(status(gen)["incarnation"])
     secret = (cluster.workdir / "gen.secret").read_bytes().rstrip()
     n, tokens = 8, 300
@@ -137,16 +149,13 @@ def test_restarted_peer_is_accepted_at_once(cluster: LocalCluster) -> None:
     restarted under its name at once: the kernel closed the old socket, so the new
     incarnation is admitted without a refusal, long before any heartbeat timeout."""
     cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     old_incarnation = str(status(gen)["incarnation"])
 
     async def scenario() -> str:
         async with opened(ctx) as c:
             async with opened(gen) as g:
-                await transfer_one(ctx, c, g, "before-kill", 100)
-                await g.recv("held-by-dead", 100, ctx.peer_address)
-                await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="held")
+                await serve_then_hold(ctx, c, g, "before-kill", "held-by-dead")
                 before = failures(ctx)
                 gen.kill(signal.SIGKILL)
             # No wait for the context daemon to notice: the restart races its cleanup.
@@ -181,15 +190,12 @@ def test_stopped_peer_name_taken_without_waiting_for_heartbeat(cluster: LocalClu
     new incarnation connects under its name: the probe goes unanswered, and the new one
     is admitted and served well inside the (30 s) heartbeat timeout."""
     cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     old_incarnation = str(status(gen)["incarnation"])
 
     async def scenario() -> str:
         async with opened(ctx) as c, opened(gen) as g:
-            await transfer_one(ctx, c, g, "before-stop", 100)
-            await g.recv("held-by-stopped", 100, ctx.peer_address)
-            await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="held")
+            await serve_then_hold(ctx, c, g, "before-stop", "held-by-stopped")
             before = failures(ctx)
             gen.kill(signal.SIGSTOP)
             try:
@@ -208,14 +214,7 @@ def test_stopped_peer_name_taken_without_waiting_for_heartbeat(cluster: LocalClu
                         what="only the new incarnation's request at ctx",
                     )
                     await c.send("to-new", 200)
-                    got = await g2.client.wait("to-new", timeout_s=ADMIT_S)
-                    sent = await c.client.wait("to-new", timeout_s=ADMIT_S)
-                    assert (got.status, got.reason) == ("done", "ok"), got
-                    assert (sent.status, sent.reason) == ("done", "ok"), sent
-                    result = g2.verify("to-new", blocks, 200)
-                    assert result.ok and result.bytes_checked > 0, result.first_mismatch
-                    await g2.client.release("to-new")
-                    await c.client.release("to-new")
+                    await delivered(c, g2, "to-new", blocks, 200, timeout_s=ADMIT_S)
                 logged(ctx, "did not answer", "'gen'")
                 # An eviction, not a refusal: no failed handshake.
                 assert failures(ctx) == before, status(ctx)["handshake_failures"]
@@ -241,15 +240,12 @@ def test_resumed_stale_incarnation_cannot_take_its_name_back(cluster: LocalClust
     context daemon: the refusal itself says that nothing its incarnation asked for can
     still be written (Refused.quiescent), which releases the hold."""
     cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     old_incarnation = str(status(gen)["incarnation"])
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
-            await transfer_one(ctx, c, g, "before-stop", 100)
-            await g.recv("held-by-stopped", 100, ctx.peer_address)
-            await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="held")
+            await serve_then_hold(ctx, c, g, "before-stop", "held-by-stopped")
             gen.kill(signal.SIGSTOP)
             try:
                 new, new_incarnation = replace_stopped(cluster, gen)

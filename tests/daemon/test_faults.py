@@ -25,12 +25,30 @@ import os
 import signal
 import struct
 import time
-import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from daemon_harness import GEOMETRY, SimEngine, assert_clean, metric, status, wait_for
+from daemon_harness import (
+    GEOMETRY,
+    SimEngine,
+    assert_clean,
+    blocks_untouched,
+    delivered,
+    healthy,
+    logged,
+    metric,
+    opened,
+    peer_names,
+    restart_daemon,
+    serve_once,
+    serve_then_hold,
+    start_pair,
+    status,
+    transfer_one,
+    until,
+    wait_all,
+)
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.messages import (
@@ -42,12 +60,12 @@ from kvxferd.api.messages import (
     RegisterPool,
     Reply,
 )
-from kvxferd.client import AsyncClient, Outcome
+from kvxferd.client import Outcome
 from kvxferd.errors import IncompatiblePeerError
 from kvxferd.peers.handshake import Identity, PeerIdentity, client_handshake
 from kvxferd.peers.messages import PEER_CODEC, Auth, Challenge, Hello, Info, Ping, Refused
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
-from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed
+from kvxferd.sim.content import clear_blocks
 
 TPB = int(GEOMETRY["tokens_per_block"])
 PEER_FAILURES = ("peer_lost", "transfer_error")
@@ -57,106 +75,9 @@ def _cfg(timeout_ms: int, **daemon: Any) -> dict[str, Any]:
     return {"transceiver": {"kv_transfer_timeout_ms": timeout_ms}, "daemon": daemon}
 
 
-@contextlib.asynccontextmanager
-async def opened(daemon: DaemonProc, **kw: Any) -> AsyncIterator[SimEngine]:
-    """A SimEngine for the scope. Closed (and its pool deregistered while the daemon lives)
-    on the way out; after a failure, cleanup errors do not hide the failure."""
-    engine = await SimEngine.open(daemon, **kw)
-    try:
-        yield engine
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await engine.close(deregister=False)
-        raise
-    await engine.close(deregister=daemon.alive())
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:
-    """wait_for (a deadline-bounded poll) off the event loop, so outcomes keep arriving."""
-    await asyncio.to_thread(wait_for, predicate, timeout_s, what)
-
-
-async def wait_all(client: AsyncClient, rids: list[str], by: float) -> dict[str, Outcome]:
-    """Every request's outcome, all of them before the monotonic time `by`."""
-    out: dict[str, Outcome] = {}
-    for rid in rids:
-        try:
-            out[rid] = await client.wait(rid, timeout_s=max(0.05, by - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise AssertionError(
-                f"{rid}: no outcome within its deadline; got {sorted(out)} so far"
-            ) from None
-    return out
-
-
-async def transfer_one(ctx: DaemonProc, c: SimEngine, g: SimEngine, rid: str, tokens: int) -> None:
-    """One request end to end; both sides done and every byte verified; both released."""
-    blocks = await g.recv(rid, tokens, ctx.peer_address)
-    await c.send(rid, tokens)
-    got = await g.client.wait(rid, timeout_s=30)
-    sent = await c.client.wait(rid, timeout_s=30)
-    assert (got.status, got.reason) == ("done", "ok"), got
-    assert (sent.status, sent.reason) == ("done", "ok"), sent
-    result = g.verify(rid, blocks, tokens)
-    assert result.ok and result.bytes_checked > 0, result.first_mismatch
-    await g.client.release(rid)
-    await c.client.release(rid)
-
-
-async def serve_once(ctx: DaemonProc, gen: DaemonProc, rid: str, tokens: int = 100) -> None:
-    """A fresh engine on each side moves one request: the pair is healthy."""
-    async with opened(ctx, pool_id=f"p-{rid}") as c, opened(gen, pool_id=f"p-{rid}") as g:
-        await transfer_one(ctx, c, g, rid, tokens)
-
-
-def healthy(daemon: DaemonProc) -> bool:
-    """The daemon is alive and its /healthz answers 200."""
-    url = f"http://{daemon.http_address}/healthz"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return daemon.alive() and resp.status == 200
-
-
 def admission(daemon: DaemonProc) -> dict[str, Any]:
     doc = status(daemon)["admission"]
     return {k: doc[k] for k in ("window_blocks", "in_flight_blocks", "waiting")}
-
-
-def peer_names(daemon: DaemonProc) -> list[str]:
-    return sorted(p["name"] for p in status(daemon)["peers"])
-
-
-def log_lines(daemon: DaemonProc, *words: str) -> list[str]:
-    """Lines of the daemon's log that contain every one of `words`."""
-    return [line for line in daemon.log_text().splitlines() if all(w in line for w in words)]
-
-
-def logged(daemon: DaemonProc, *words: str, count: int = 1, timeout_s: float = 5.0) -> list[str]:
-    """Wait until the daemon's log has `count` lines holding every one of `words`."""
-    try:
-        wait_for(lambda: len(log_lines(daemon, *words)) >= count, timeout_s)
-    except AssertionError:
-        raise AssertionError(
-            f"{daemon.name} logged no line with {words}:\n{daemon.log_text()[-3000:]}"
-        ) from None
-    return log_lines(daemon, *words)
-
-
-def blocks_untouched(engine: SimEngine, blocks: list[int]) -> bool:
-    """Every byte of these (block-major) blocks is still zero."""
-    bb = engine.layout.block_bytes
-    return all(not engine.pool[b * bb : (b + 1) * bb].any() for b in blocks)
-
-
-def fill(engine: SimEngine, rid: str, tokens: int) -> list[int]:
-    blocks = engine.blocks_for(tokens)
-    fill_blocks(engine.pool, engine.layout, blocks, request_seed(rid))
-    return blocks
-
-
-def restart_daemon(cluster: LocalCluster, old: DaemonProc, **kw: Any) -> DaemonProc:
-    """Start a new daemon under the name and role of `old`: a restarted peer (same name,
-    new incarnation). If `old` still runs (hung), give the new one its own api_socket."""
-    return cluster.start_daemon(old.name, old.role, **kw)
 
 
 # ----------------------------------------------------------------- peers killed mid-transfer
@@ -172,100 +93,110 @@ def _check_killed_peer_outcomes(outcomes: dict[str, Outcome], reasons: tuple[str
     )
 
 
+# The kill tests: KILL_N requests of KILL_TOKENS tokens in flight when a daemon dies.
+KILL_N, KILL_TOKENS, KILL_TIMEOUT_MS = 16, 2000, 8000
+KILL_BLOCKS = KILL_N * math.ceil(KILL_TOKENS / TPB)
+
+
+async def _writes_in_flight_then_killed(
+    ctx: DaemonProc,
+    c: SimEngine,
+    g: SimEngine,
+    rids: list[str],
+    victim: DaemonProc,
+) -> tuple[float, float]:
+    """Every request (of KILL_TOKENS) received by `g` and sent by `c` at once, then
+    `victim` SIGKILLed with a write in flight. Returns the monotonic times just before
+    the sends were posted and just after every one was accepted."""
+    tokens = KILL_TOKENS
+    src = {}
+    for rid in rids:
+        await g.recv(rid, tokens, ctx.peer_address)
+        src[rid] = c.fill(rid, tokens)
+    await until(
+        lambda: status(ctx)["sessions"]["send"] == {"ready": len(rids)},
+        what="ctx has every request",
+    )
+    posted_at = time.monotonic()
+    await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
+    sent_at = time.monotonic()
+    await until(
+        lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
+        what="a write in flight",
+    )
+    victim.kill(signal.SIGKILL)
+    return posted_at, sent_at
+
+
+async def _a_new_peer_is_served(
+    cluster: LocalCluster, survivor: DaemonProc, engine: SimEngine, rid: str
+) -> None:
+    """The surviving daemon (its engine `engine`) serves a new daemon of the other role,
+    and has it as its only peer."""
+    if survivor.role == "context":
+        new = cluster.start_daemon("gen2", "generation", **_cfg(KILL_TIMEOUT_MS))
+        async with opened(new) as g2:
+            await transfer_one(survivor, engine, g2, rid, 1000)
+    else:
+        new = cluster.start_daemon("ctx2", "context", **_cfg(KILL_TIMEOUT_MS))
+        async with opened(new) as c2:
+            await transfer_one(new, c2, engine, rid, 1000)
+    assert peer_names(survivor) == [new.name]
+
+
+def _assert_survived(daemon: DaemonProc) -> None:
+    """Nothing left behind, still healthy, nothing raised."""
+    assert_clean(daemon)
+    assert healthy(daemon)
+    assert "Traceback" not in daemon.log_text()
+
+
 def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
-    timeout_ms = 8000
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(timeout_ms))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(timeout_ms))
-    n, tokens = 16, 2000
-    per = math.ceil(tokens / TPB)
-    rids = [f"gkill-{i}" for i in range(n)]
+    ctx, gen = start_pair(cluster, **_cfg(KILL_TIMEOUT_MS))
+    rids = [f"gkill-{i}" for i in range(KILL_N)]
 
     async def scenario() -> None:
-        async with opened(ctx, num_blocks=n * per + 40) as c:
-            async with opened(gen, num_blocks=n * per) as g:
-                src = {}
-                for rid in rids:
-                    await g.recv(rid, tokens, ctx.peer_address)
-                    src[rid] = fill(c, rid, tokens)
-                await until(
-                    lambda: status(ctx)["sessions"]["send"] == {"ready": n},
-                    what="ctx has every request",
-                )
-                await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
-                sent_at = time.monotonic()
-                await until(
-                    lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
-                    what="a write in flight",
-                )
-                gen.kill(signal.SIGKILL)
+        async with opened(ctx, num_blocks=KILL_BLOCKS + 40) as c:
+            async with opened(gen, num_blocks=KILL_BLOCKS) as g:
+                _, sent_at = await _writes_in_flight_then_killed(ctx, c, g, rids, gen)
                 # Every send ends within its absolute deadline (plus scheduling slack).
-                outcomes = await wait_all(c.client, rids, sent_at + timeout_ms / 1e3 + 2.0)
+                outcomes = await wait_all(c.client, rids, sent_at + KILL_TIMEOUT_MS / 1e3 + 2.0)
             _check_killed_peer_outcomes(outcomes, PEER_FAILURES)
             await until(lambda: peer_names(ctx) == [], what="ctx dropped the dead peer")
             assert status(ctx)["open_transfer_handles"] == 0
             for rid in rids:
                 await c.client.release(rid)
 
-            # The surviving context daemon serves a new generation daemon.
-            gen2 = cluster.start_daemon("gen2", "generation", **_cfg(timeout_ms))
-            async with opened(gen2) as g2:
-                await transfer_one(ctx, c, g2, "after-gen-kill", 1000)
-            assert peer_names(ctx) == ["gen2"]
+            await _a_new_peer_is_served(cluster, ctx, c, "after-gen-kill")
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert healthy(ctx)
-    assert "Traceback" not in ctx.log_text()
+    _assert_survived(ctx)
 
 
 def test_context_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
-    timeout_ms = 8000
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(timeout_ms))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(timeout_ms))
-    n, tokens = 16, 2000
-    per = math.ceil(tokens / TPB)
-    rids = [f"ckill-{i}" for i in range(n)]
+    ctx, gen = start_pair(cluster, **_cfg(KILL_TIMEOUT_MS))
+    rids = [f"ckill-{i}" for i in range(KILL_N)]
 
     async def scenario() -> None:
-        async with opened(gen, num_blocks=n * per + 40) as g:
-            async with opened(ctx, num_blocks=n * per) as c:
-                src = {}
-                for rid in rids:
-                    await g.recv(rid, tokens, ctx.peer_address)
-                    src[rid] = fill(c, rid, tokens)
-                await until(
-                    lambda: status(ctx)["sessions"]["send"] == {"ready": n},
-                    what="ctx has every request",
-                )
-                posted_at = time.monotonic()  # the receive tasks' deadlines started before this
-                await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
-                await until(
-                    lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
-                    what="a write in flight",
-                )
-                ctx.kill(signal.SIGKILL)
-                outcomes = await wait_all(g.client, rids, posted_at + timeout_ms / 1e3 + 2.0)
+        async with opened(gen, num_blocks=KILL_BLOCKS + 40) as g:
+            async with opened(ctx, num_blocks=KILL_BLOCKS) as c:
+                # The receive tasks' deadlines started before posted_at.
+                posted_at, _ = await _writes_in_flight_then_killed(ctx, c, g, rids, ctx)
+                outcomes = await wait_all(g.client, rids, posted_at + KILL_TIMEOUT_MS / 1e3 + 2.0)
             _check_killed_peer_outcomes(outcomes, ("peer_lost",))
             await until(lambda: peer_names(gen) == [], what="gen dropped the dead peer")
             for rid in rids:
                 await g.client.release(rid)
             assert status(gen)["admission"]["in_flight_blocks"] == 0
 
-            # The surviving generation daemon is served by a new context daemon.
-            ctx2 = cluster.start_daemon("ctx2", "context", **_cfg(timeout_ms))
-            async with opened(ctx2) as c2:
-                await transfer_one(ctx2, c2, g, "after-ctx-kill", 1000)
-            assert peer_names(gen) == ["ctx2"]
+            await _a_new_peer_is_served(cluster, gen, g, "after-ctx-kill")
 
     asyncio.run(scenario())
-    assert_clean(gen)
-    assert healthy(gen)
-    assert "Traceback" not in gen.log_text()
+    _assert_survived(gen)
 
 
 def test_peer_restarted_under_same_name(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    ctx, gen = start_pair(cluster, **_cfg(10000))
     old_incarnation = status(gen)["incarnation"]
 
     async def scenario() -> str:
@@ -291,16 +222,13 @@ def test_stale_incarnation_replaced_while_the_old_one_hangs(cluster: LocalCluste
     """The old incarnation does not die but hangs (SIGSTOP, its TCP connection still open,
     heartbeats far off): the new incarnation's handshake alone must evict it."""
     cfg = _cfg(10000, heartbeat_timeout_ms=30000)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     old_incarnation = status(gen)["incarnation"]
 
     async def scenario() -> str:
         async with opened(ctx) as c:
             async with opened(gen) as g:
-                await transfer_one(ctx, c, g, "before-hang", 100)
-                await g.recv("held-by-old", 100, ctx.peer_address)
-                await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
+                await serve_then_hold(ctx, c, g, "before-hang", "held-by-old")
                 gen.kill(signal.SIGSTOP)
                 new_cfg = _cfg(10000, heartbeat_timeout_ms=30000)
                 new_cfg["daemon"]["api_socket"] = str(cluster.workdir / "gen-new.sock")
@@ -324,8 +252,7 @@ def test_hung_peer_declared_lost_by_heartbeat(cluster: LocalCluster) -> None:
     """A peer that stops answering (SIGSTOP) with a write in flight: the heartbeat timeout,
     not the 20 s deadline, ends the request; both sides recover once it runs again."""
     cfg = _cfg(20000, heartbeat_interval_ms=300, heartbeat_timeout_ms=1500)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
@@ -361,8 +288,7 @@ def test_hung_peer_declared_lost_by_heartbeat(cluster: LocalCluster) -> None:
 
     asyncio.run(scenario())
     logged(ctx, "gen", "declaring it lost")
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 # ------------------------------------------------------------------------------ engines
@@ -370,8 +296,7 @@ def test_hung_peer_declared_lost_by_heartbeat(cluster: LocalCluster) -> None:
 
 def test_engine_disconnects_with_requests_in_flight(cluster: LocalCluster) -> None:
     timeout_ms = 2500
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(timeout_ms))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(timeout_ms))
+    ctx, gen = start_pair(cluster, **_cfg(timeout_ms))
 
     async def scenario() -> None:
         async with opened(ctx) as c:
@@ -406,7 +331,7 @@ def test_engine_disconnects_with_requests_in_flight(cluster: LocalCluster) -> No
             g = await SimEngine.open(gen)
             late = [f"gone-c{i}" for i in range(3)]
             for rid in late:
-                blocks = fill(c, rid, 128)
+                blocks = c.fill(rid, 128)
                 await c.client.send(rid, c.pool_id, blocks[:2], 64, last=False)
             for rid in late:
                 await g.recv(rid, 128, ctx.peer_address)
@@ -428,8 +353,7 @@ def test_engine_disconnects_with_requests_in_flight(cluster: LocalCluster) -> No
             )
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
     # Both daemons still serve a new engine pair.
     asyncio.run(serve_once(ctx, gen, "after-disconnect"))
 
@@ -439,8 +363,7 @@ def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
     SIGSTOPped before the first write, as in the busy-cancel test): the ctx daemon fails
     the send, quiesces the write before it lets the pool go, and tells the gen side."""
     cfg = _cfg(10000, heartbeat_timeout_ms=30000)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
 
     async def scenario() -> None:
         async with opened(gen) as g:
@@ -475,8 +398,7 @@ def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
 
     asyncio.run(scenario())
     logged(ctx, "orphan", "engine_disconnected")
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_cancel_busy_while_write_in_flight(cluster: LocalCluster) -> None:
@@ -490,8 +412,7 @@ def test_cancel_busy_while_write_in_flight(cluster: LocalCluster) -> None:
     """
     timeout_ms = 3000
     cfg = _cfg(timeout_ms, heartbeat_timeout_ms=30000)
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **cfg)
     tokens = 500
 
     async def scenario() -> None:
@@ -524,13 +445,11 @@ def test_cancel_busy_while_write_in_flight(cluster: LocalCluster) -> None:
             await c.client.release("busy")
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_cancel_before_transfer(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(20000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(20000))
+    ctx, gen = start_pair(cluster, **_cfg(20000))
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
@@ -556,8 +475,7 @@ def test_cancel_before_transfer(cluster: LocalCluster) -> None:
             await transfer_one(ctx, c, g, "tx-cancel", 100)
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 # ------------------------------------------------------------------- refused peers
@@ -607,8 +525,7 @@ def test_wrong_shared_secret_is_refused(cluster: LocalCluster) -> None:
     logged(ctx, "handshake", "mallory", "secret")
     assert status(ctx)["peers"] == [] and status(gen)["peers"] == []
     assert sum(status(ctx)["handshake_failures"].values()) == 2, status(ctx)["handshake_failures"]
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
     # The context daemon still serves a peer that knows the secret.
     good = cluster.start_daemon("gen-good", "generation", **_cfg(10000))
     asyncio.run(serve_once(ctx, good, "right-secret"))
@@ -711,8 +628,7 @@ def test_agent_metadata_that_does_not_load_is_refused_in_the_handshake(
 ) -> None:
     """Info whose agent metadata the backend cannot load gets a Refused naming it, before
     Ready: the peer hears why, instead of a Ready followed by a closed connection."""
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    ctx, gen = start_pair(cluster, **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
 
     err = _refused_handshake(
@@ -729,8 +645,7 @@ def test_agent_metadata_that_does_not_load_is_refused_in_the_handshake(
 
 
 def test_incompatible_settings_refused(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    ctx, gen = start_pair(cluster, **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
 
     err = _refused_handshake(ctx, Identity("cpp-gen", "1", "generation", secret), _cpp_info)
@@ -785,8 +700,7 @@ async def _closed_by_daemon(reader: asyncio.StreamReader, codec: Any = DAEMON_CO
 
 
 def test_malformed_engine_calls(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    ctx, gen = start_pair(cluster, **_cfg(10000))
 
     async def scenario() -> None:
         async with (
@@ -839,8 +753,7 @@ def test_malformed_engine_calls(cluster: LocalCluster) -> None:
             await transfer_one(ctx, c, g, "after-bad-engine", 300)
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def _fake_gen_info(gen: DaemonProc, agent_name: str, metadata: bytes) -> Info:
@@ -862,8 +775,7 @@ def _fake_gen_info(gen: DaemonProc, agent_name: str, metadata: bytes) -> Info:
 
 def test_malformed_peer_messages(cluster: LocalCluster) -> None:
     nixl = pytest.importorskip("nixl_cu12")
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(10000))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(10000))
+    ctx, gen = start_pair(cluster, **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
     host, port = ctx.peer_address.rsplit(":", 1)
     # A real NIXL agent, so that the ctx daemon can load its metadata.
@@ -960,24 +872,26 @@ def test_malformed_peer_messages(cluster: LocalCluster) -> None:
     finally:
         del agent
     assert healthy(ctx)
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 # --------------------------------------------------------------------- admission window
 
 
-def test_admission_window_full(cluster: LocalCluster) -> None:
-    # max_tokens_in_buffer 64 / 32 tokens per block: at most 2 blocks in flight.
-    cfg = {
+def _window(max_tokens_in_buffer: int, poll_ms: int) -> dict[str, Any]:
+    """An admission window of max_tokens_in_buffer, re-evaluated every poll_ms."""
+    return {
         "transceiver": {
             "kv_transfer_timeout_ms": 20000,
-            "max_tokens_in_buffer": 64,
-            "kv_transfer_poll_interval_ms": 200,
+            "max_tokens_in_buffer": max_tokens_in_buffer,
+            "kv_transfer_poll_interval_ms": poll_ms,
         }
     }
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+
+
+def test_admission_window_full(cluster: LocalCluster) -> None:
+    # max_tokens_in_buffer 64 / 32 tokens per block: at most 2 blocks in flight.
+    ctx, gen = start_pair(cluster, **_window(max_tokens_in_buffer=64, poll_ms=200))
     rids = ["adm-1", "adm-2", "adm-3"]
 
     async def scenario() -> None:
@@ -1010,30 +924,15 @@ def test_admission_window_full(cluster: LocalCluster) -> None:
             assert status(gen)["admission"]["waiting"] == 1
             await c.send("adm-2", 64)
             for rid in rids:
-                got = await g.client.wait(rid, timeout_s=15)
-                sent = await c.client.wait(rid, timeout_s=15)
-                assert (got.status, sent.status) == ("done", "done"), (got, sent)
-                result = g.verify(rid, dst[rid], 64)
-                assert result.ok, result.first_mismatch
-                await g.client.release(rid)
-                await c.client.release(rid)
+                await delivered(c, g, rid, dst[rid], 64, timeout_s=15)
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_cancel_while_waiting_for_admission(cluster: LocalCluster) -> None:
     # Window of 4 blocks; a poll interval far longer than any wait below.
-    cfg = {
-        "transceiver": {
-            "kv_transfer_timeout_ms": 20000,
-            "max_tokens_in_buffer": 128,
-            "kv_transfer_poll_interval_ms": 60000,
-        }
-    }
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = start_pair(cluster, **_window(max_tokens_in_buffer=128, poll_ms=60000))
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
@@ -1064,23 +963,17 @@ def test_cancel_while_waiting_for_admission(cluster: LocalCluster) -> None:
             )
             for rid, blocks in (("adm-first", first), ("adm-second", second)):
                 await c.send(rid, 64)
-                assert (await g.client.wait(rid, timeout_s=15)).status == "done"
-                assert (await c.client.wait(rid, timeout_s=15)).status == "done"
-                assert g.verify(rid, blocks, 64).ok
-                await g.client.release(rid)
-                await c.client.release(rid)
+                await delivered(c, g, rid, blocks, 64, timeout_s=15)
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 # ---------------------------------------------------------------------------- deadlines
 
 
 def test_receiver_timeout_when_context_never_sends(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(1500))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(1500))
+    ctx, gen = start_pair(cluster, **_cfg(1500))
 
     async def scenario() -> None:
         async with opened(ctx), opened(gen) as g:
@@ -1095,13 +988,11 @@ def test_receiver_timeout_when_context_never_sends(cluster: LocalCluster) -> Non
     asyncio.run(scenario())
     logged(gen, "rx-timeout", "receiver_timeout")
     logged(ctx, "rx-timeout", "receiver_timeout")
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_sender_deadline_when_no_receive(cluster: LocalCluster) -> None:
-    ctx = cluster.start_daemon("ctx", "context", **_cfg(1500))
-    gen = cluster.start_daemon("gen", "generation", **_cfg(1500))
+    ctx, gen = start_pair(cluster, **_cfg(1500))
 
     async def scenario() -> None:
         async with opened(ctx) as c:
@@ -1114,5 +1005,4 @@ def test_sender_deadline_when_no_receive(cluster: LocalCluster) -> None:
 
     asyncio.run(scenario())
     logged(ctx, "tx-deadline", "sender_deadline")
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)

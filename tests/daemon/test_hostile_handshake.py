@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from daemon_harness import status
-from test_faults import _cfg, _closed_by_daemon, peer_names, serve_once, until
+from daemon_harness import peer_names, serve_once, status, until
+from test_faults import _cfg, _closed_by_daemon
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.peers.messages import PEER_CODEC, Hello

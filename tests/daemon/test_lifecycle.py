@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
-from daemon_harness import SimEngine, wait_for
+from cli_harness import kvxferd
+from daemon_harness import SimEngine, start_on_a_busy_peer_port, wait_for
 
 from kvxferd.sim.cluster import LocalCluster
 
@@ -40,14 +38,7 @@ def test_second_daemon_on_the_same_socket_is_refused(cluster: LocalCluster) -> N
 
 
 def test_busy_peer_port_is_a_clear_startup_error(cluster: LocalCluster) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        d = cluster.start_daemon(
-            "ctx", "context", wait=False, daemon={"peer_listen": f"127.0.0.1:{port}"}
-        )
-        assert d.proc.wait(60) == 1
+    d, port = start_on_a_busy_peer_port(cluster)
     text = d.log_text()
     assert f"cannot listen for peers on 127.0.0.1:{port}" in text
     assert "Traceback" not in text
@@ -57,12 +48,7 @@ def test_busy_peer_port_is_a_clear_startup_error(cluster: LocalCluster) -> None:
 def test_bad_config_exits_2_naming_the_value(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("cache_transceiver_config:\n  kv_transfer_timeout_ms: -5\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "run", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = kvxferd("run", "--config", str(cfg), timeout=60)
     assert proc.returncode == 2
     assert "cache_transceiver_config.kv_transfer_timeout_ms" in proc.stderr
     assert "Traceback" not in proc.stderr

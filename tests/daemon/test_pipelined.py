@@ -7,7 +7,14 @@ import math
 
 import numpy as np
 import pytest
-from daemon_harness import SimEngine, assert_clean, status, wait_for
+from daemon_harness import (
+    SimEngine,
+    delivered,
+    opened,
+    status,
+    wait_for,
+    with_engines,
+)
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
@@ -47,42 +54,37 @@ async def _send_chunks(
     return blocks
 
 
+async def _first_of_two_chunks(
+    ctx: DaemonProc, c: SimEngine, g: SimEngine, rid: str
+) -> tuple[list[int], list[int]]:
+    """A 640-token receive posted; the context engine sends the first 320 tokens (ten
+    blocks) of it, not the last chunk. Returns the receive's and the send's blocks."""
+    dst = await g.recv(rid, 640, ctx.peer_address)
+    src = c.fill(rid, 640)
+    await c.client.send(rid, "pool0", src[:10], 320, last=False)
+    return dst, src
+
+
 @pytest.mark.parametrize("chunk", [32, 50, 1000, 4096])
 def test_chunks_of_several_sizes_arrive_intact(cluster: LocalCluster, chunk: int) -> None:
     ctx, gen = _start(cluster)
 
-    async def scenario() -> None:
-        c = await SimEngine.open(ctx, num_blocks=256)
-        g = await SimEngine.open(gen, num_blocks=256)
-        try:
-            for rid, tokens in ((f"p{chunk}-a", 1000), (f"p{chunk}-b", 33), (f"p{chunk}-c", 64)):
-                dst = await g.recv(rid, tokens, ctx.peer_address)
-                await _send_chunks(c, rid, tokens, chunk)
-                got = await g.client.wait(rid, 30)
-                assert (got.status, got.reason) == ("done", "ok"), got
-                sent = await c.client.wait(rid, 30)
-                assert sent.status == "done" and sent.nbytes == got.nbytes > 0
-                assert got.nbytes == math.ceil(tokens / 32) * g.layout.block_bytes
-                result = g.verify(rid, dst, tokens)
-                assert result.ok, result.first_mismatch
-                await g.client.release(rid)
-                await c.client.release(rid)
-        finally:
-            await c.close()
-            await g.close()
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        for rid, tokens in ((f"p{chunk}-a", 1000), (f"p{chunk}-b", 33), (f"p{chunk}-c", 64)):
+            dst = await g.recv(rid, tokens, ctx.peer_address)
+            await _send_chunks(c, rid, tokens, chunk)
+            got, sent = await delivered(c, g, rid, dst, tokens)
+            assert sent.nbytes == got.nbytes > 0
+            assert got.nbytes == math.ceil(tokens / 32) * g.layout.block_bytes
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario, num_blocks=256)
 
 
 def test_early_chunks_land_before_the_last_is_sent(cluster: LocalCluster) -> None:
     ctx, gen = _start(cluster)
 
     async def scenario() -> None:
-        c = await SimEngine.open(ctx, num_blocks=128)
-        g = await SimEngine.open(gen, num_blocks=128)
-        try:
+        async with opened(ctx, num_blocks=128) as c, opened(gen, num_blocks=128) as g:
             dst = await g.recv("early", 640, ctx.peer_address)
             held = asyncio.Event()
             sender = asyncio.create_task(_send_chunks(c, "early", 640, 320, pause=held))
@@ -102,14 +104,7 @@ def test_early_chunks_land_before_the_last_is_sent(cluster: LocalCluster) -> Non
             assert not np.any(g.pool_blocks(dst[10:])), "second chunk data before it was sent"
             held.set()
             await sender
-            assert (await g.client.wait("early", 30)).status == "done"
-            assert g.verify("early", dst, 640).ok
-            await g.client.release("early")
-            await c.client.wait("early", 30)
-            await c.client.release("early")
-        finally:
-            await c.close()
-            await g.close()
+            await delivered(c, g, "early", dst, 640)
 
     asyncio.run(scenario())
 
@@ -117,120 +112,90 @@ def test_early_chunks_land_before_the_last_is_sent(cluster: LocalCluster) -> Non
 def test_per_request_rejections_affect_only_that_request(cluster: LocalCluster) -> None:
     ctx, gen = _start(cluster)
 
-    async def scenario() -> None:
-        c = await SimEngine.open(ctx, num_blocks=256)
-        g = await SimEngine.open(gen, num_blocks=256)
-        try:
-            blocks = c.blocks_for(20 * 32)
-            # Beam width above 1, on either side.
-            with pytest.raises(CallError, match="beam width 1"):
-                await g.client.recv("beam", "pool0", g.blocks_for(64), ctx.peer_address, 64, 2)
-            with pytest.raises(CallError, match="beam width 1"):
-                await c.client.send("beam", "pool0", blocks[:2], 64, beam_width=2)
-            # Out of order: a chunk that skips tokens ends the request.
-            await c.client.send("gap", "pool0", blocks[:2], 64, token_start=0, last=False)
-            with pytest.raises(CallError, match="must be in order"):
-                await c.client.send("gap", "pool0", blocks[:4], 128, token_start=96, last=False)
-            out = await c.client.wait("gap", 30)
-            assert (out.status, out.reason) == ("failed", "bad_chunk")
-            # Overlapping chunk.
-            await c.client.send("overlap", "pool0", blocks[4:6], 64, token_start=0, last=False)
-            with pytest.raises(CallError, match="overlap"):
-                await c.client.send("overlap", "pool0", blocks[4:7], 96, token_start=32)
-            assert (await c.client.wait("overlap", 30)).reason == "bad_chunk"
-            # A chunk after the last one.
-            dst = await g.recv("after-last", 64, ctx.peer_address)
-            await c.client.send("after-last", "pool0", blocks[8:10], 64)
-            with pytest.raises(CallError, match="after the one marked last"):
-                await c.client.send("after-last", "pool0", blocks[8:11], 96, token_start=64)
-            # ... and a well-formed request beside them is unaffected.
-            ok = await g.recv("fine", 100, ctx.peer_address)
-            await _send_chunks(c, "fine", 100, 40)
-            assert (await g.client.wait("fine", 30)).status == "done"
-            assert g.verify("fine", ok, 100).ok
-            # Rejected: failed unless its write had already completed; never half-done.
-            late = await g.client.wait("after-last", 30)
-            if late.status == "done":
-                assert g.verify("after-last", dst, 64).ok
-            else:
-                assert late.reason in ("peer_failed", "bad_chunk"), late
-                sent = await c.client.wait("after-last", 30)
-                assert (sent.status, sent.reason) == ("failed", "bad_chunk")
-            for rid in ("gap", "overlap", "after-last", "fine"):
-                await c.client.wait(rid, 30)
-                await c.client.release(rid)
-            for rid in ("after-last", "fine"):
-                await g.client.release(rid)
-        finally:
-            await c.close()
-            await g.close()
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        blocks = c.blocks_for(20 * 32)
+        # Beam width above 1, on either side.
+        with pytest.raises(CallError, match="beam width 1"):
+            await g.client.recv("beam", "pool0", g.blocks_for(64), ctx.peer_address, 64, 2)
+        with pytest.raises(CallError, match="beam width 1"):
+            await c.client.send("beam", "pool0", blocks[:2], 64, beam_width=2)
+        # Out of order: a chunk that skips tokens ends the request.
+        await c.client.send("gap", "pool0", blocks[:2], 64, token_start=0, last=False)
+        with pytest.raises(CallError, match="must be in order"):
+            await c.client.send("gap", "pool0", blocks[:4], 128, token_start=96, last=False)
+        out = await c.client.wait("gap", 30)
+        assert (out.status, out.reason) == ("failed", "bad_chunk")
+        # Overlapping chunk.
+        await c.client.send("overlap", "pool0", blocks[4:6], 64, token_start=0, last=False)
+        with pytest.raises(CallError, match="overlap"):
+            await c.client.send("overlap", "pool0", blocks[4:7], 96, token_start=32)
+        assert (await c.client.wait("overlap", 30)).reason == "bad_chunk"
+        # A chunk after the last one.
+        dst = await g.recv("after-last", 64, ctx.peer_address)
+        await c.client.send("after-last", "pool0", blocks[8:10], 64)
+        with pytest.raises(CallError, match="after the one marked last"):
+            await c.client.send("after-last", "pool0", blocks[8:11], 96, token_start=64)
+        # ... and a well-formed request beside them is unaffected.
+        ok = await g.recv("fine", 100, ctx.peer_address)
+        await _send_chunks(c, "fine", 100, 40)
+        assert (await g.client.wait("fine", 30)).status == "done"
+        assert g.verify("fine", ok, 100).ok
+        # Rejected: failed unless its write had already completed; never half-done.
+        late = await g.client.wait("after-last", 30)
+        if late.status == "done":
+            assert g.verify("after-last", dst, 64).ok
+        else:
+            assert late.reason in ("peer_failed", "bad_chunk"), late
+            sent = await c.client.wait("after-last", 30)
+            assert (sent.status, sent.reason) == ("failed", "bad_chunk")
+        for rid in ("gap", "overlap", "after-last", "fine"):
+            await c.client.wait(rid, 30)
+            await c.client.release(rid)
+        for rid in ("after-last", "fine"):
+            await g.client.release(rid)
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario, num_blocks=256)
 
 
 def test_cancel_mid_pipeline_writes_nothing_more(cluster: LocalCluster) -> None:
     ctx, gen = _start(cluster)
 
-    async def scenario() -> None:
-        c = await SimEngine.open(ctx, num_blocks=128)
-        g = await SimEngine.open(gen, num_blocks=128)
-        try:
-            dst = await g.recv("cx", 640, ctx.peer_address)
-            src = c.blocks_for(640)
-            fill_blocks(c.pool, c.layout, src, request_seed("cx"))
-            await c.client.send("cx", "pool0", src[:10], 320, last=False)
-            await asyncio.to_thread(
-                wait_for,
-                lambda: _gen_state(gen).get("transferring", 0) == 1,
-                20,
-                "the first chunk",
-            )
-            answer = "busy"
-            while answer == "busy":  # busy only while a chunk's write is in flight
-                answer = await g.client.cancel("cx")
-            assert answer == "cancelled"
-            got = await g.client.wait("cx", 30)
-            assert got.status == "cancelled"
-            sent = await c.client.wait("cx", 30)
-            assert (sent.status, sent.reason, sent.fault) == ("cancelled", "peer_cancelled", "peer")
-            with pytest.raises(CallError):
-                await c.client.send("cx", "pool0", src, 640, token_start=320)
-            assert not np.any(g.pool_blocks(dst[10:])), "a chunk was written after the cancel"
-            await g.client.release("cx")
-            await c.client.release("cx")
-        finally:
-            await c.close()
-            await g.close()
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        dst, src = await _first_of_two_chunks(ctx, c, g, "cx")
+        await asyncio.to_thread(
+            wait_for,
+            lambda: _gen_state(gen).get("transferring", 0) == 1,
+            20,
+            "the first chunk",
+        )
+        answer = "busy"
+        while answer == "busy":  # busy only while a chunk's write is in flight
+            answer = await g.client.cancel("cx")
+        assert answer == "cancelled"
+        got = await g.client.wait("cx", 30)
+        assert got.status == "cancelled"
+        sent = await c.client.wait("cx", 30)
+        assert (sent.status, sent.reason, sent.fault) == ("cancelled", "peer_cancelled", "peer")
+        with pytest.raises(CallError):
+            await c.client.send("cx", "pool0", src, 640, token_start=320)
+        assert not np.any(g.pool_blocks(dst[10:])), "a chunk was written after the cancel"
+        await g.client.release("cx")
+        await c.client.release("cx")
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario, num_blocks=128)
 
 
 def test_timeout_mid_pipeline(cluster: LocalCluster) -> None:
     ctx, gen = _start(cluster, kv_transfer_timeout_ms=1500)
 
-    async def scenario() -> None:
-        c = await SimEngine.open(ctx, num_blocks=128)
-        g = await SimEngine.open(gen, num_blocks=128)
-        try:
-            dst = await g.recv("tx", 640, ctx.peer_address)
-            src = c.blocks_for(640)
-            fill_blocks(c.pool, c.layout, src, request_seed("tx"))
-            await c.client.send("tx", "pool0", src[:10], 320, last=False)
-            got = await g.client.wait("tx", 30)
-            assert (got.status, got.reason) == ("timed_out", "receiver_timeout")
-            sent = await c.client.wait("tx", 30)
-            assert sent.status != "done" and sent.fault == "peer", sent
-            assert not np.any(g.pool_blocks(dst[10:]))
-            await g.client.release("tx")
-            await c.client.release("tx")
-        finally:
-            await c.close()
-            await g.close()
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        dst, _ = await _first_of_two_chunks(ctx, c, g, "tx")
+        got = await g.client.wait("tx", 30)
+        assert (got.status, got.reason) == ("timed_out", "receiver_timeout")
+        sent = await c.client.wait("tx", 30)
+        assert sent.status != "done" and sent.fault == "peer", sent
+        assert not np.any(g.pool_blocks(dst[10:]))
+        await g.client.release("tx")
+        await c.client.release("tx")
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario, num_blocks=128)

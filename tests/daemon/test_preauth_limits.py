@@ -19,8 +19,8 @@ import struct
 import threading
 
 import pytest
-from daemon_harness import metric, status
-from test_faults import _cfg, peer_names, serve_once, until
+from daemon_harness import metric, peer_names, serve_once, status, until
+from test_faults import _cfg
 
 from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES, FrameTooLargeError
 from kvxferd.peers.manager import PREAUTH_MAX_CONNECTIONS, PREAUTH_MAX_PER_SOURCE

@@ -13,9 +13,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemon_harness import GEOMETRY, SimEngine, assert_clean, layout_for, staged_backends, status
+from daemon_harness import (
+    GEOMETRY,
+    SMALL_PIECES,
+    SimEngine,
+    assert_clean,
+    layout_for,
+    opened,
+    staged_backends,
+    status,
+)
 
-from kvxferd.client import AsyncClient, CallError, Client
+from kvxferd.client import CallError, Client
 from kvxferd.memory import ShmRegion, TpRank
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
@@ -47,23 +56,9 @@ class Engine(SimEngine):
         tp = tp or TpRank()
         g = dict(geometry or GEOMETRY)
         g["num_kv_heads"] = g["num_kv_heads"] // tp.size
-        client = await AsyncClient.connect(daemon.api_socket, engine=f"test-{daemon.name}")
-        engine = cls(client, layout_for(major, num_blocks, g), "pool0")
-        engine.tp = tp
-        name = f"kvxferd-bs-{daemon.name}-{os.getpid()}-{id(engine)}"
-        engine.region = ShmRegion.create(name, engine.layout.pool_bytes)
-        engine.pool[:] = SENTINEL
+        engine = await cls.open(daemon, major, num_blocks, geometry=g, tp=tp, fill_with=SENTINEL)
         engine.given = set()
-        try:
-            await client.register_pool("pool0", name, engine.layout, tp.rank, tp.size)
-        finally:
-            engine.region.unlink()
         return engine
-
-    def fill(self, request_id: str, tokens: int) -> list[int]:
-        blocks = self.blocks_for(tokens)
-        fill_blocks(self.pool, self.layout, blocks, request_seed(request_id), tp=self.tp)
-        return blocks
 
     async def send_chunks(self, request_id: str, tokens: int, chunk: int | None = None) -> None:
         """Fill, then send the whole prompt (or chunk by chunk: pipelined transfer)."""
@@ -165,30 +160,25 @@ def test_only_the_blocks_from_block_start_move(pair: Pair, gen_major: str) -> No
     ctx, gen = pair
 
     async def scenario() -> None:
-        c = await Engine.open_tp(ctx)
-        g = await Engine.open_tp(gen, gen_major)
-        try:
+        async with (
+            opened(ctx, using=Engine.open_tp) as c,
+            opened(gen, using=Engine.open_tp, major=gen_major) as g,
+        ):
             cases = [(f"bs-{gen_major}-{n}-{k}", n, k) for n, k in CASES]
             await _move(c, g, ctx.peer_address, cases)
             # block_start 0 given explicitly is the ordinary receive.
             await _move(c, g, ctx.peer_address, [(f"bs-{gen_major}-zero", 100, 0)])
-        finally:
-            await c.close()
-            await g.close()
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_bad_block_starts_are_refused_clearly(pair: Pair) -> None:
     ctx, gen = pair
 
     async def scenario() -> None:
-        c = await Engine.open_tp(ctx)
-        g = await Engine.open_tp(gen)
-        peer = ctx.peer_address
-        try:
+        async with opened(ctx, using=Engine.open_tp) as c, opened(gen, using=Engine.open_tp) as g:
+            peer = ctx.peer_address
             cases = [
                 # A negative block index.
                 (dict(blocks=[1, 2], tokens=64, k=-1), ["block_start", "-1"]),
@@ -232,13 +222,9 @@ def test_bad_block_starts_are_refused_clearly(pair: Pair) -> None:
 
             # The daemons serve on as before.
             await _move(c, g, peer, [("after-refusals", 100, 1)])
-        finally:
-            await c.close()
-            await g.close()
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_the_blocking_client_passes_block_start(pair: Pair) -> None:
@@ -260,15 +246,7 @@ def test_the_blocking_client_passes_block_start(pair: Pair) -> None:
 
 # --------------------------------- the bounce buffer, pipelined transfer, staged rounds
 
-# Small (layer, K/V) pieces, layer-major: many segments a request, what the bounce is for.
-SMALL_PIECES: dict[str, Any] = {
-    "num_layers": 8,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "tokens_per_block": 32,
-    "dtype": "float16",
-    "layout": "layer-major",
-}
+# SMALL_PIECES (layer-major): many segments a request, what the bounce is for.
 
 
 def test_through_the_bounce_buffer(cluster: LocalCluster) -> None:
@@ -278,17 +256,13 @@ def test_through_the_bounce_buffer(cluster: LocalCluster) -> None:
     gen = cluster.start_daemon("gen", "generation", transceiver=t)
 
     async def scenario() -> None:
-        c = await Engine.open_tp(ctx, "layer-major", 2048, SMALL_PIECES)
-        g = await Engine.open_tp(gen, "layer-major", 2048, SMALL_PIECES)
-        # Scattered blocks: many segments, so that bouncing pays off (a stray write is still
-        # caught: every block outside the receive keeps its sentinel).
-        c.alloc.shuffle(7)
-        g.alloc.shuffle(3)
-        try:
+        kw = dict(using=Engine.open_tp, major="layer-major", num_blocks=2048, geometry=SMALL_PIECES)
+        async with opened(ctx, **kw) as c, opened(gen, **kw) as g:
+            # Scattered blocks: many segments, so that bouncing pays off (a stray write is still
+            # caught: every block outside the receive keeps its sentinel).
+            c.alloc.shuffle(7)
+            g.alloc.shuffle(3)
             await _move(c, g, ctx.peer_address, [("bounce-a", 1000, 5), ("bounce-b", 4000, 60)])
-        finally:
-            await c.close()
-            await g.close()
 
     asyncio.run(scenario())
     for d in (ctx, gen):
@@ -305,9 +279,7 @@ def test_pipelined_chunks_before_and_across_block_start(cluster: LocalCluster) -
     gen = cluster.start_daemon("gen", "generation", transceiver=t, engine=engine)
 
     async def scenario() -> None:
-        c = await Engine.open_tp(ctx)
-        g = await Engine.open_tp(gen)
-        try:
+        async with opened(ctx, using=Engine.open_tp) as c, opened(gen, using=Engine.open_tp) as g:
             peer = ctx.peer_address
             # 50-token chunks: the first two end before block 3 (token 96) and send nothing,
             # the third straddles it.
@@ -316,13 +288,9 @@ def test_pipelined_chunks_before_and_across_block_start(cluster: LocalCluster) -
             await _move(c, g, peer, [("pipe-across", 640, 5)], chunk=320)
             # Every chunk but the last is before block_start: the last one moves it all.
             await _move(c, g, peer, [("pipe-tail", 100, 3)], chunk=32)
-        finally:
-            await c.close()
-            await g.close()
 
     asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 STAGED = [p for p in staged_backends() if p.id in ("NIXL", "UCX")]
@@ -341,16 +309,14 @@ def test_staged_rounds_start_at_block_start(cluster: LocalCluster, backend: str)
     gen = cluster.start_daemon("gen", "generation", transceiver=t)
 
     async def scenario() -> None:
-        c = await Engine.open_tp(ctx, "block-major", 512)
-        g = await Engine.open_tp(gen, "layer-major", 512)
-        c.alloc.shuffle(1)
-        try:
+        async with (
+            opened(ctx, using=Engine.open_tp, num_blocks=512) as c,
+            opened(gen, using=Engine.open_tp, major="layer-major", num_blocks=512) as g,
+        ):
+            c.alloc.shuffle(1)
             # 1000 tokens from block 6: 26 blocks in 7 rounds, the first from block 6.
             cases = [("st-long", 1000, 6), ("st-tail", 129, 4), ("st-one-round", 200, 3)]
             await _move(c, g, ctx.peer_address, cases)
-        finally:
-            await c.close()
-            await g.close()
 
     asyncio.run(scenario())
     for d in (ctx, gen):

@@ -15,8 +15,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from daemon_harness import SimEngine, assert_clean, metric, status
-from test_faults import _cfg, blocks_untouched, logged, opened, until
+from daemon_harness import (
+    SimEngine,
+    assert_clean,
+    blocks_untouched,
+    logged,
+    metric,
+    opened,
+    status,
+    until,
+)
+from test_faults import _cfg
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from daemon_harness import SimEngine, assert_clean, staged_backends, status
+from daemon_harness import assert_clean, move_each, opened, staged_backends, status
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
@@ -35,33 +35,15 @@ async def _run(
     major: str = "block-major",
     concurrent: bool = False,
 ) -> None:
-    c = await SimEngine.open(ctx, major, 512)
-    g = await SimEngine.open(gen, "layer-major" if major == "block-major" else "block-major", 512)
-    c.alloc.shuffle(1)
-    g.alloc.shuffle(2)
-    try:
-
-        async def one(rid: str, n: int) -> None:
-            dst = await g.recv(rid, n, ctx.peer_address)
-            await c.send(rid, n)
-            got = await g.client.wait(rid, 60)
-            assert (got.status, got.reason) == ("done", "ok"), got
-            sent = await c.client.wait(rid, 60)
-            assert sent.status == "done" and sent.nbytes == got.nbytes
-            result = g.verify(rid, dst, n)
-            assert result.ok, result.first_mismatch
-            await g.client.release(rid)
-            await c.client.release(rid)
-
+    other = "layer-major" if major == "block-major" else "block-major"
+    async with (
+        opened(ctx, major=major, num_blocks=512) as c,
+        opened(gen, major=other, num_blocks=512) as g,
+    ):
+        c.alloc.shuffle(1)
+        g.alloc.shuffle(2)
         reqs = [(f"st-{i}-{n}", n) for i, n in enumerate(lengths)]
-        if concurrent:
-            await asyncio.gather(*(one(r, n) for r, n in reqs))
-        else:
-            for r, n in reqs:
-                await one(r, n)
-    finally:
-        await c.close()
-        await g.close()
+        await move_each(ctx, c, g, reqs, concurrent)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -97,13 +79,10 @@ def test_staged_peer_refuses_a_python_runtime_peer(cluster: LocalCluster) -> Non
     gen = cluster.start_daemon("gen", "generation", transceiver=t)
 
     async def scenario() -> None:
-        g = await SimEngine.open(gen)
-        try:
+        async with opened(gen) as g:
             await g.recv("mix", 64, ctx.peer_address)
             out = await g.client.wait("mix", 30)
             assert (out.status, out.reason) == ("failed", "peer_refused"), out
             assert "runtime" in out.message and "CPP" in out.message, out.message
-        finally:
-            await g.close()
 
     asyncio.run(scenario())

@@ -17,16 +17,18 @@ import time
 from typing import Any
 
 import pytest
-from daemon_harness import GEOMETRY, assert_clean, staged_backends, status
-from test_faults import (
-    PEER_FAILURES,
-    fill,
+from daemon_harness import (
+    GEOMETRY,
+    assert_clean,
     opened,
     peer_names,
+    staged_backends,
+    status,
     transfer_one,
     until,
     wait_all,
 )
+from test_faults import PEER_FAILURES
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
@@ -126,7 +128,7 @@ def _kill_mid_transfer(
             src = {}
             for rid in rids:
                 await g.recv(rid, tokens, ctx.peer_address)
-                src[rid] = fill(c, rid, tokens)
+                src[rid] = c.fill(rid, tokens)
             # The receive staging region holds one round: one request at a time has
             # room reserved and has asked the context side; the others wait for room.
             await until(

@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from daemon_harness import SimEngine, assert_clean, status
+from daemon_harness import (
+    SimEngine,
+    assert_clean,
+    delivered,
+    opened,
+    status,
+    transfer_one,
+    with_engines,
+)
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc
@@ -21,9 +29,10 @@ async def _transfer(
     gen_major: str = "block-major",
     context_first: bool = False,
 ) -> None:
-    c = await SimEngine.open(ctx, ctx_major, num_blocks=256)
-    g = await SimEngine.open(gen, gen_major, num_blocks=256)
-    try:
+    async with (
+        opened(ctx, major=ctx_major, num_blocks=256) as c,
+        opened(gen, major=gen_major, num_blocks=256) as g,
+    ):
         dst: dict[str, list[int]] = {}
         if context_first:
             for rid, tokens in requests:
@@ -36,26 +45,14 @@ async def _transfer(
             for rid, tokens in requests:
                 await c.send(rid, tokens)
         for rid, tokens in requests:
-            got = await g.client.wait(rid, timeout_s=30)
-            sent = await c.client.wait(rid, timeout_s=30)
-            assert (got.status, got.reason) == ("done", "ok"), got
-            assert (sent.status, sent.reason) == ("done", "ok"), sent
+            got, sent = await delivered(c, g, rid, dst[rid], tokens)
             assert got.nbytes == sent.nbytes > 0
-            result = g.verify(rid, dst[rid], tokens)
-            assert result.ok, result.first_mismatch
-            assert result.bytes_checked > 0
-            await g.client.release(rid)
-            await c.client.release(rid)
-    finally:
-        await c.close()
-        await g.close()
 
 
 def test_one_request_arrives_intact(pair: Pair) -> None:
     ctx, gen = pair
     asyncio.run(_transfer(ctx, gen, [("one", 200)]))
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 @pytest.mark.parametrize(
@@ -73,16 +70,14 @@ def test_layouts_and_partial_last_blocks(pair: Pair, ctx_major: str, gen_major: 
     lengths = [1, 32, 33, 1000]
     reqs = [(f"lay-{ctx_major}-{gen_major}-{n}", n) for n in lengths]
     asyncio.run(_transfer(ctx, gen, reqs, ctx_major, gen_major))
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_many_concurrent_requests(pair: Pair) -> None:
     ctx, gen = pair
     reqs = [(f"many-{i}", 17 + 23 * i) for i in range(24)]  # 221 blocks in all
     asyncio.run(_transfer(ctx, gen, reqs))
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_context_first_order(pair: Pair) -> None:
@@ -90,87 +85,54 @@ def test_context_first_order(pair: Pair) -> None:
     ctx, gen = pair
     reqs = [(f"cfirst-{i}", 100 + i) for i in range(4)]
     asyncio.run(_transfer(ctx, gen, reqs, context_first=True))
-    assert_clean(ctx)
-    assert_clean(gen)
+    assert_clean(ctx, gen)
 
 
 def test_duplicate_request_id_is_refused_and_first_is_unaffected(pair: Pair) -> None:
     ctx, gen = pair
 
-    async def scenario() -> None:
-        c = await SimEngine.open(ctx)
-        g = await SimEngine.open(gen)
-        try:
-            blocks = await g.recv("dup", 64, ctx.peer_address)
-            with pytest.raises(CallError) as err:
-                await g.recv("dup", 64, ctx.peer_address)
-            assert err.value.code == "duplicate_request"
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        blocks = await g.recv("dup", 64, ctx.peer_address)
+        with pytest.raises(CallError) as err:
+            await g.recv("dup", 64, ctx.peer_address)
+        assert err.value.code == "duplicate_request"
+        await c.send("dup", 64)
+        with pytest.raises(CallError) as err:
             await c.send("dup", 64)
-            with pytest.raises(CallError) as err:
-                await c.send("dup", 64)
-            assert err.value.code == "duplicate_request"
-            assert (await g.client.wait("dup", 30)).status == "done"
-            assert (await c.client.wait("dup", 30)).status == "done"
-            assert g.verify("dup", blocks, 64).ok
-            # After release the id may be used again.
-            await g.client.release("dup")
-            await c.client.release("dup")
-            blocks = await g.recv("dup", 40, ctx.peer_address)
-            await c.send("dup", 40)
-            assert (await g.client.wait("dup", 30)).status == "done"
-            assert g.verify("dup", blocks, 40).ok
-            await g.client.release("dup")
-            await c.client.wait("dup", 30)
-            await c.client.release("dup")
-        finally:
-            await c.close()
-            await g.close()
+        assert err.value.code == "duplicate_request"
+        await delivered(c, g, "dup", blocks, 64)
+        # After release the id may be used again.
+        await transfer_one(ctx, c, g, "dup", 40)
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario)
 
 
 def test_bad_calls_get_clear_errors_and_change_nothing(pair: Pair) -> None:
     ctx, gen = pair
 
-    async def scenario() -> None:
-        g = await SimEngine.open(gen)
-        c = await SimEngine.open(ctx)
-        try:
-            cases = [
-                (g.client.recv("x", "nope", [0], ctx.peer_address), "unknown_pool"),
-                (g.client.recv("x", "pool0", [999999], ctx.peer_address), "bad_request"),
-                (g.client.recv("x", "pool0", [1, 1], ctx.peer_address), "bad_request"),
-                (g.client.recv("x", "pool0", [1], "not-an-address"), "bad_request"),
-                (g.client.recv("x", "pool0", [1, 2], ctx.peer_address, 500), "bad_request"),
-                (g.client.send("x", "pool0", [1], 10), "wrong_role"),
-                (c.client.recv("x", "pool0", [1], ctx.peer_address), "wrong_role"),
-                (c.client.send("x", "pool0", [1, 2, 3], 10), "bad_request"),
-                (c.client.send("x", "pool0", [1], 10, token_start=5), "bad_request"),
-                (g.client.cancel("never-posted"), "unknown_request"),
-                (g.client.release("never-posted"), "unknown_request"),
-            ]
-            for call, code in cases:
-                with pytest.raises(CallError) as err:
-                    await call
-                assert err.value.code == code, err.value
-                assert err.value.message
-            # The daemon still serves this engine normally.
-            blocks = await g.recv("after-bad", 50, ctx.peer_address)
-            await c.send("after-bad", 50)
-            assert (await g.client.wait("after-bad", 30)).status == "done"
-            assert g.verify("after-bad", blocks, 50).ok
-            await g.client.release("after-bad")
-            await c.client.wait("after-bad", 30)
-            await c.client.release("after-bad")
-        finally:
-            await g.close()
-            await c.close()
+    async def scenario(c: SimEngine, g: SimEngine) -> None:
+        cases = [
+            (g.client.recv("x", "nope", [0], ctx.peer_address), "unknown_pool"),
+            (g.client.recv("x", "pool0", [999999], ctx.peer_address), "bad_request"),
+            (g.client.recv("x", "pool0", [1, 1], ctx.peer_address), "bad_request"),
+            (g.client.recv("x", "pool0", [1], "not-an-address"), "bad_request"),
+            (g.client.recv("x", "pool0", [1, 2], ctx.peer_address, 500), "bad_request"),
+            (g.client.send("x", "pool0", [1], 10), "wrong_role"),
+            (c.client.recv("x", "pool0", [1], ctx.peer_address), "wrong_role"),
+            (c.client.send("x", "pool0", [1, 2, 3], 10), "bad_request"),
+            (c.client.send("x", "pool0", [1], 10, token_start=5), "bad_request"),
+            (g.client.cancel("never-posted"), "unknown_request"),
+            (g.client.release("never-posted"), "unknown_request"),
+        ]
+        for call, code in cases:
+            with pytest.raises(CallError) as err:
+                await call
+            assert err.value.code == code, err.value
+            assert err.value.message
+        # The daemon still serves this engine normally.
+        await transfer_one(ctx, c, g, "after-bad", 50)
 
-    asyncio.run(scenario())
-    assert_clean(ctx)
-    assert_clean(gen)
+    with_engines(ctx, gen, scenario)
 
 
 def test_status_reports_peers_and_fingerprint(pair: Pair) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 
 import pytest
+from daemon_harness import start_on_a_busy_peer_port
 from ops_harness import NotifyListener, http_get
 
 from kvxferd.service.sdnotify import Notifier, monotonic_usec
@@ -66,14 +66,7 @@ def test_no_ready_when_start_up_fails(
     listener = NotifyListener()
     monkeypatch.setenv("NOTIFY_SOCKET", listener.address)
     try:
-        with socket.socket() as busy:
-            busy.bind(("127.0.0.1", 0))
-            busy.listen()
-            port = busy.getsockname()[1]
-            d = cluster.start_daemon(
-                "ctx", "context", wait=False, daemon={"peer_listen": f"127.0.0.1:{port}"}
-            )
-            assert d.proc.wait(60) == 1
+        start_on_a_busy_peer_port(cluster)
         listener.drain_for(0.2)
         assert listener.received, "the daemon said nothing (not even STATUS=starting)"
         assert not any(n.has("READY") for n in listener.received), listener.received
