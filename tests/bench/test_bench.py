@@ -5,15 +5,14 @@ present, positive and consistent with the geometry."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import kvxferd
 
 pytest.importorskip("nixl_cu12", reason="the bench runs real daemons over NIXL")
 
@@ -31,13 +30,7 @@ SMALL_KEYS = {"requests_per_s", "p50_ms", "p99_ms", "raw_requests_per_s"}
 def bench(
     *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=None if env is None else {**os.environ, **env},
-    )
+    return kvxferd("bench", *args, timeout=timeout, env=env)
 
 
 def check_header(report: dict[str, Any]) -> None:

@@ -11,18 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import kvxferd
 
 pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
 
 
 def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return kvxferd("demo", *args, timeout=300, env=env)
 
 
 def test_demo_json_summary_verifies_every_request() -> None:

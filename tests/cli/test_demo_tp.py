@@ -6,20 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
+from cli_harness import kvxferd
 
 pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return kvxferd("demo", *args, timeout=300)
 
 
 def test_demo_merges_two_context_ranks_into_one() -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_harness import KVXFERD
 
 pytest.importorskip("nixl_cu12", reason="needs NIXL (scripts/install.sh)")
 
@@ -20,9 +21,7 @@ def _start(config: str, sock: Path, log: Path) -> tuple[subprocess.Popen[bytes],
     out = open(log, "wb")  # noqa: SIM115 - the daemon writes it for its lifetime
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "kvxferd.cli",
+            *KVXFERD,
             "run",
             "--config",
             str(ROOT / config),

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from cli_harness import KVXFERD
 from daemon_harness import SimEngine
 
 from kvxferd.service.logs import JsonFormatter
@@ -34,9 +35,7 @@ def test_json_log_lines_carry_request_ids(cluster: LocalCluster) -> None:
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "kvxferd.cli",
+                *KVXFERD,
                 "run",
                 "--config",
                 str(config),

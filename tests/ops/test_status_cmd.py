@@ -6,21 +6,16 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
+from cli_harness import kvxferd
 from ops_harness import http_get
 
 from kvxferd.sim.cluster import LocalCluster
 
 
 def _status_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "status", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return kvxferd("status", *args, timeout=60)
 
 
 def _free_port() -> int:
