@@ -22,12 +22,12 @@ import logging
 import mmap
 import os
 import stat
-from types import TracebackType
 from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.mapping import MappedRegion
 from kvxferd.memory.shm import ShmError
 
 __all__ = [
@@ -155,16 +155,15 @@ def check_memfd(fd: int, nbytes: int, what: str = "the pool") -> int:
     return int(seals)
 
 
-class MemfdRegion:
+class MemfdRegion(MappedRegion):
     """One mapped memfd. Use create() (the engine) or attach() (the daemon)."""
 
+    _kind = "memfd"
+    _error = MemfdError
+    _log = log
+
     def __init__(self, fd: int | None, nbytes: int, mm: mmap.mmap, label: str) -> None:
-        self._fd = fd
-        self._nbytes = nbytes
-        self._label = label
-        self._mmap: mmap.mmap | None = mm
-        # The region's one long-lived export of the mapping; close() drops it before closing.
-        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
+        super().__init__(label, nbytes, mm, fd)
 
     @classmethod
     def create(
@@ -216,53 +215,3 @@ class MemfdRegion:
         if self._fd is None:
             raise MemfdError(f"memfd {self._label!r} holds no file descriptor (closed or attached)")
         return self._fd
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def closed(self) -> bool:
-        return self._view is None
-
-    @property
-    def array(self) -> npt.NDArray[np.uint8]:
-        """A writable uint8 view of the whole mapping."""
-        if self._view is None:
-            raise MemfdError(f"memfd {self._label!r} is closed")
-        return self._view
-
-    @property
-    def address(self) -> int:
-        return int(self.array.ctypes.data)
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Close the fd and unmap (deferred while the caller still holds views). Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        mm, self._mmap, self._view = self._mmap, None, None
-        if mm is None:
-            return
-        try:
-            mm.close()
-        except BufferError:
-            # A view handed out by .array is alive; the mmap is unmapped with the last one.
-            log.debug("memfd %r: views still alive, unmap deferred", self._label)
-
-    def __enter__(self) -> MemfdRegion:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"at 0x{self.address:x}"
-        return f"MemfdRegion({self._label!r}, {self._nbytes} bytes, {state})"

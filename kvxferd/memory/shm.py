@@ -22,13 +22,10 @@ import mmap
 import os
 import re
 import stat
-from types import TracebackType
 from typing import Final
 
-import numpy as np
-import numpy.typing as npt
-
 from kvxferd.errors import KvxferdError
+from kvxferd.memory.mapping import MappedRegion
 
 __all__ = [
     "SHM_DIR",
@@ -82,16 +79,16 @@ def _os_error(what: str, name: str, err: OSError) -> str:
     return f"{what} shared memory {name!r} ({SHM_DIR}/{name}): {os.strerror(err.errno or 0)}"
 
 
-class ShmRegion:
+class ShmRegion(MappedRegion):
     """One mapped POSIX shared memory object. Use create() or attach(), not the constructor."""
 
+    _kind = "shared memory"
+    _error = ShmError
+    _log = log
+
     def __init__(self, name: str, nbytes: int, mm: mmap.mmap, fd: int | None = None) -> None:
-        self._name = name
-        self._nbytes = nbytes
-        self._mmap: mmap.mmap | None = mm
-        self._fd = fd  # kept by attach(keep_fd=True), for size_now()
-        # The region's one long-lived export of the mapping; close() drops it before closing.
-        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
+        # The fd is kept by attach(keep_fd=True), for size_now().
+        super().__init__(name, nbytes, mm, fd)
         self._unlinked = False
 
     @classmethod
@@ -176,29 +173,7 @@ class ShmRegion:
     @property
     def name(self) -> str:
         """The region's name under /dev/shm."""
-        return self._name
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes mapped."""
-        return self._nbytes
-
-    @property
-    def closed(self) -> bool:
-        """True after close()."""
-        return self._view is None
-
-    @property
-    def array(self) -> npt.NDArray[np.uint8]:
-        """A writable uint8 view of the whole mapping (see the module doc about close())."""
-        if self._view is None:
-            raise ShmError(f"shared memory {self._name!r} is closed")
-        return self._view
-
-    @property
-    def address(self) -> int:
-        """The mapping's base address, for registering it with a backend."""
-        return int(self.array.ctypes.data)
+        return self._label
 
     def size_now(self) -> int | None:
         """The object's size right now (attach(keep_fd=True) only; else None).
@@ -213,24 +188,9 @@ class ShmRegion:
         try:
             return os.fstat(self._fd).st_size
         except OSError as e:
-            raise ShmError(_os_error("cannot inspect", self._name, e)) from e
+            raise ShmError(_os_error("cannot inspect", self._label, e)) from e
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Unmap (deferred while the caller still holds views). Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        mm, self._mmap, self._view = self._mmap, None, None
-        if mm is None:
-            return
-        try:
-            mm.close()
-        except BufferError:
-            # A view handed out by .array is still alive; the mmap object is its base and is
-            # unmapped when the last view goes away. Closing now would leave it dangling.
-            log.debug("shared memory %r: views still alive, unmap deferred", self._name)
 
     def unlink(self) -> None:
         """Remove the name from /dev/shm (mappings stay valid). Idempotent; a missing name is
@@ -239,24 +199,8 @@ class ShmRegion:
             return
         self._unlinked = True
         try:
-            os.unlink(os.path.join(SHM_DIR, self._name))
+            os.unlink(os.path.join(SHM_DIR, self._label))
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise ShmError(_os_error("cannot unlink", self._name, e)) from e
-
-    def __enter__(self) -> ShmRegion:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Closes the mapping; does not unlink (the creator decides the object's lifetime)."""
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"at 0x{self.address:x}"
-        return f"ShmRegion({self._name!r}, {self._nbytes} bytes, {state})"
+            raise ShmError(_os_error("cannot unlink", self._label, e)) from e

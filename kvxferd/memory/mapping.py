@@ -1,0 +1,94 @@
+"""What the two host regions (ShmRegion, MemfdRegion) share: one read-write mapping, the
+region's one long-lived uint8 view of it, an fd that may be kept beside it, and a close()
+that waits for the caller's views (the module doc of kvxferd.memory.shm says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from types import TracebackType
+from typing import ClassVar, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MappedRegion"]
+
+_R = TypeVar("_R", bound="MappedRegion")
+
+
+class MappedRegion:
+    """One mapped region; subclasses say what they are called in messages (`_kind`), which
+    error their properties raise once closed (`_error`) and where close() logs (`_log`)."""
+
+    _kind: ClassVar[str]
+    _error: ClassVar[type[Exception]]
+    _log: ClassVar[logging.Logger]
+
+    def __init__(self, label: str, nbytes: int, mm: mmap.mmap, fd: int | None = None) -> None:
+        self._label = label
+        self._nbytes = nbytes
+        self._mmap: mmap.mmap | None = mm
+        self._fd = fd  # closed by close()
+        # The region's one long-lived export of the mapping; close() drops it before closing.
+        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes mapped."""
+        return self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._view is None
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """A writable uint8 view of the whole mapping (see kvxferd.memory.shm about close())."""
+        if self._view is None:
+            raise self._error(f"{self._kind} {self._label!r} is closed")
+        return self._view
+
+    @property
+    def address(self) -> int:
+        """The mapping's base address, for registering it with a backend."""
+        return int(self.array.ctypes.data)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the kept fd, if any, and unmap (deferred while the caller still holds views).
+        Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        mm, self._mmap, self._view = self._mmap, None, None
+        if mm is None:
+            return
+        try:
+            mm.close()
+        except BufferError:
+            # A view handed out by .array is still alive; the mmap object is its base and is
+            # unmapped when the last view goes away. Closing now would leave it dangling.
+            self._log.debug("%s %r: views still alive, unmap deferred", self._kind, self._label)
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """close(); a named region is not unlinked (its creator decides its lifetime)."""
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"at 0x{self.address:x}"
+        return f"{type(self).__name__}({self._label!r}, {self._nbytes} bytes, {state})"
