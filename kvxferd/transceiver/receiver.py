@@ -199,7 +199,9 @@ class Receiver:
         self.sessions[request_id] = s
         pool.users.add(f"rx:{request_id}")
         self._phase[request_id] = "admission"
-        s.task = asyncio.create_task(self._run(s), name=f"rx-{request_id}")
+        # The timeout is read once, here: a reload applies to receives accepted after it,
+        # not to one still waiting for admission (docs/operations.md).
+        s.task = asyncio.create_task(self._run(s, self.timeouts.timeout_s), name=f"rx-{request_id}")
 
     async def cancel(self, request_id: str) -> str:
         s = self.sessions.get(request_id)
@@ -408,12 +410,15 @@ class Receiver:
 
     # --------------------------------------------------------------- the work
 
-    async def _run(self, s: RxSession) -> None:
+    async def _run(self, s: RxSession, timeout_s: float | None) -> None:
+        """The receive task. `timeout_s`: kv_transfer_timeout_ms as it was when the receive
+        was accepted; the per-task deadline runs from admission, and every later wait for
+        the peer (staging room, each round, the last Result) is bounded by what is left of
+        it."""
         admitted = False
         try:
             await self.admission.acquire(len(s.blocks))
             admitted = True
-            timeout_s = self.timeouts.timeout_s
             deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
             s.deadline = deadline
             self._phase[s.request_id] = "connecting"

@@ -3,7 +3,9 @@ RequestData, WRITE the blocks with one descriptor per contiguous run, poll the
 write in bounded slices, then report.
 
 Timeouts (the seed): one absolute deadline of kv_transfer_timeout_ms from the
-first send of a request, never reset; the write is waited in slices of
+first send of a request (pipelined: from its last chunk), never reset; the
+timeout is read once, at the first send, so a reload changes only requests
+accepted after it. The write is waited in slices of
 kv_transfer_sender_future_timeout_ms, and between slices cancellation, peer
 health and the deadline are checked. A write that completes after the deadline
 is reported as timed out, never as success. A session's source blocks are
@@ -34,6 +36,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +98,10 @@ _RELEASE_RETRY_S = 0.01
 _RELEASE_RETRY_MAX_S = 0.2
 
 
+def _deadline(now: float, timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else now + timeout_s
+
+
 @dataclass
 class SenderTimeouts:
     # None: kv_transfer_timeout_ms is null (staged runtime only): no deadline.
@@ -117,6 +124,11 @@ class Sender:
         self.sessions: dict[str, TxSession] = {}
         self.accepting = True
         self.open_handles = 0  # posted writes not yet confirmed quiescent
+        # Pipelined: the timeout read at a request's first chunk, until its last chunk
+        # starts the deadline with it.
+        self._timeout_at_accept: weakref.WeakKeyDictionary[TxSession, float | None] = (
+            weakref.WeakKeyDictionary()
+        )
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
         # Told the reason of each RequestData refused without being served.
@@ -183,16 +195,18 @@ class Sender:
         if s.task is None:
             s.serve_peer = peer
             self._choose_receivers(s)
+            # The timeout is read once, at the first send: a reload applies to requests
+            # accepted after it (docs/operations.md).
+            timeout_s = self.timeouts.timeout_s
             if not self.pipelined:
-                s.deadline = self._deadline(now)  # from the first send, never reset
+                s.deadline = _deadline(now, timeout_s)  # from the first send, never reset
+            else:
+                self._timeout_at_accept[s] = timeout_s
             s.task = asyncio.create_task(self._run(s), name=f"tx-{s.request_id}")
         if self.pipelined and last:
-            s.deadline = self._deadline(now)  # pipelined: from the last chunk
+            # Pipelined: from the last chunk (the seed's rule), with the first chunk's timeout.
+            s.deadline = _deadline(now, self._timeout_at_accept.pop(s, self.timeouts.timeout_s))
         s.wake.set()
-
-    def _deadline(self, now: float) -> float | None:
-        timeout_s = self.timeouts.timeout_s
-        return None if timeout_s is None else now + timeout_s
 
     def _reject_chunk(self, s: TxSession, why: str) -> None:
         """A chunk that breaks the request's order ends the request (and only it)."""
