@@ -20,8 +20,10 @@ Both regions are sized by max_tokens_in_buffer (else the engine's
 max_seq_len, else DEFAULT_STAGING_TOKENS) worth of whole blocks, so every
 request the admission window lets in fits. The seed's timeouts apply as in
 the PYTHON runtime: the sender's absolute deadline covers all rounds, the
-receiver's per-task timeout covers the whole receive. Reservations are freed
-only when no write into them can still land.
+receiver's per-task timeout covers the whole receive (every round's wait is
+bounded by what is left of the one deadline fixed at admission, with the
+timeout read when the receive was accepted). Reservations are freed only when
+no write into them can still land.
 
 This runtime reuses the PYTHON runtime's sessions, admission, peer channel
 and quiescence rules; only how bytes cross differs.
@@ -472,14 +474,32 @@ class StagedReceiver(Receiver):
                 return
             out = self.bounce.recv.view(leg.res, nbytes).data
             # Bounded by what is left of the receive's own deadline: the outcome is due then.
+            # The transport bounds only the wait for the round to start arriving; one that
+            # stalls mid-message (its sender stopped) it gives a grace past that before it
+            # lets go of our buffer. The receive does not wait for that grace: it ends at
+            # its deadline and leaves the reservation to the transport until it lets go.
             left = s.deadline - time.monotonic()
+            bound = None if left == math.inf else max(0.0, left)
+            recv = asyncio.ensure_future(
+                self.transport.recv(leg.conn.key, round_tag(s.rx_token, first), out, bound)
+            )
             try:
-                got = await self.transport.recv(
-                    leg.conn.key,
-                    round_tag(s.rx_token, first),
-                    out,
-                    None if left == math.inf else max(0.0, left),
+                await asyncio.wait({recv}, timeout=bound)
+            finally:
+                if not recv.done():  # past the deadline mid-message, or the task cancelled
+                    self._leave_to_transport(recv, leg)
+            if not recv.done():
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.RECEIVER_TIMEOUT,
+                        f"kv_transfer_timeout_ms elapsed while the round of blocks [{first}, "
+                        f"{end}) was arriving",
+                    )
                 )
+                return
+            try:
+                got = recv.result()
             except TransferTimeoutError as exc:
                 s.request_end(Terminal.local(Status.TIMED_OUT, Reason.RECEIVER_TIMEOUT, str(exc)))
                 return
@@ -499,6 +519,21 @@ class StagedReceiver(Receiver):
                 )
                 return
         await super()._scatter(s, leg, first, end, nbytes)
+
+    def _leave_to_transport(self, recv: asyncio.Future[int], leg: RxLeg) -> None:
+        """A round's receive still in progress when the receive ends: its staging
+        reservation is released only once the transport returns (it may still be writing
+        there), not with the session."""
+        res, leg.res = leg.res, None
+        bounce = self.bounce
+        assert res is not None and bounce is not None
+
+        def done(fut: asyncio.Future[int]) -> None:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the receive already ended, the error is moot
+            bounce.recv.release(res)
+
+        recv.add_done_callback(done)
 
     async def _round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         assert leg.conn is not None
