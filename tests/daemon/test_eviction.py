@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
+from typing import Any
 
 import pytest
 from daemon_harness import (
@@ -77,10 +78,21 @@ async def impostor_handshake(ctx: DaemonProc, me: Identity) -> IncompatiblePeerE
         writer.close()
 
 
+def _long_heartbeats() -> dict[str, Any]:
+    """A daemon's settings here: 20 s deadlines, heartbeats that never time out in a test."""
+    return _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
+
+
+def _pair_with_long_heartbeats(cluster: LocalCluster) -> tuple[DaemonProc, DaemonProc, str]:
+    """ctx and gen with _long_heartbeats(), and gen's (first) incarnation."""
+    ctx, gen = start_pair(cluster, **_long_heartbeats())
+    return ctx, gen, str(status(gen)["incarnation"])
+
+
 def replace_stopped(cluster: LocalCluster, stopped: DaemonProc) -> tuple[DaemonProc, str]:
     """A new incarnation under the name of the SIGSTOPped `stopped` (with its own api
     socket, the old one still runs): the daemon and its incarnation."""
-    new_cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
+    new_cfg = _long_heartbeats()
     new_cfg["daemon"]["api_socket"] = str(cluster.workdir / f"{stopped.name}-new.sock")
     new = restart_daemon(cluster, stopped, **new_cfg)
     new_incarnation = str(status(new)["incarnation"])
@@ -148,9 +160,7 @@ def test_restarted_peer_is_accepted_at_once(cluster: LocalCluster) -> None:
     """The generation daemon is SIGKILLed with a request held at the context daemon and
     restarted under its name at once: the kernel closed the old socket, so the new
     incarnation is admitted without a refusal, long before any heartbeat timeout."""
-    cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx, gen = start_pair(cluster, **cfg)
-    old_incarnation = str(status(gen)["incarnation"])
+    ctx, gen, old_incarnation = _pair_with_long_heartbeats(cluster)
 
     async def scenario() -> str:
         async with opened(ctx) as c:
@@ -159,7 +169,7 @@ def test_restarted_peer_is_accepted_at_once(cluster: LocalCluster) -> None:
                 before = failures(ctx)
                 gen.kill(signal.SIGKILL)
             # No wait for the context daemon to notice: the restart races its cleanup.
-            new = restart_daemon(cluster, gen, **cfg)
+            new = restart_daemon(cluster, gen, **_long_heartbeats())
             new_incarnation = str(status(new)["incarnation"])
             assert new_incarnation != old_incarnation
             async with opened(new) as g2:
@@ -189,9 +199,7 @@ def test_stopped_peer_name_taken_without_waiting_for_heartbeat(cluster: LocalClu
     """The generation daemon hangs (SIGSTOP: its connection open, nothing answered) and a
     new incarnation connects under its name: the probe goes unanswered, and the new one
     is admitted and served well inside the (30 s) heartbeat timeout."""
-    cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx, gen = start_pair(cluster, **cfg)
-    old_incarnation = str(status(gen)["incarnation"])
+    ctx, gen, old_incarnation = _pair_with_long_heartbeats(cluster)
 
     async def scenario() -> str:
         async with opened(ctx) as c, opened(gen) as g:
@@ -239,9 +247,7 @@ def test_resumed_stale_incarnation_cannot_take_its_name_back(cluster: LocalClust
     AbortAck (every connection it makes is refused) nor by death or a restart of the
     context daemon: the refusal itself says that nothing its incarnation asked for can
     still be written (Refused.quiescent), which releases the hold."""
-    cfg = _cfg(20000, heartbeat_timeout_ms=LONG_HEARTBEAT_MS)
-    ctx, gen = start_pair(cluster, **cfg)
-    old_incarnation = str(status(gen)["incarnation"])
+    ctx, gen, old_incarnation = _pair_with_long_heartbeats(cluster)
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:

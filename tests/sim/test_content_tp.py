@@ -31,6 +31,13 @@ def pool_of(geometry: str, major: str, tp_size: int, num_blocks: int = 10) -> tu
     return lay, np.full(lay.pool_bytes, 0xAB, dtype=np.uint8)
 
 
+# Every geometry, with every major on either side.
+EVERY_PAIRING = pytest.mark.parametrize(
+    ("geometry", "src_major", "dst_major"),
+    [(g, s, d) for g in GEOMETRIES for s in MAJORS for d in MAJORS],
+)
+
+
 def copy(src_pool: Any, dst_pool: Any, s: Any, d: Any) -> None:
     for (so, n), (do, _) in zip(s.tolist(), d.tolist(), strict=True):
         dst_pool[do : do + n] = src_pool[so : so + n]
@@ -46,9 +53,7 @@ def test_rank_0_of_1_is_the_plain_content(major: str) -> None:
     assert verify_blocks(b, lay, [3, 1, 2], SEED, 3 * lay.tokens_per_block, tp=TpRank()).ok
 
 
-@pytest.mark.parametrize("dst_major", MAJORS)
-@pytest.mark.parametrize("src_major", MAJORS)
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@EVERY_PAIRING
 def test_head_split_delivers_each_rank_its_heads(
     geometry: str, src_major: str, dst_major: str
 ) -> None:
@@ -76,9 +81,7 @@ def test_head_split_delivers_each_rank_its_heads(
         assert want.ok
 
 
-@pytest.mark.parametrize("dst_major", MAJORS)
-@pytest.mark.parametrize("src_major", MAJORS)
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@EVERY_PAIRING
 def test_head_merge_of_two_ranks_verifies_as_one_request(
     geometry: str, src_major: str, dst_major: str
 ) -> None:
