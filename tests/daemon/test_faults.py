@@ -151,48 +151,49 @@ def _assert_survived(daemon: DaemonProc) -> None:
     assert "Traceback" not in daemon.log_text()
 
 
-def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
+def _kill_mid_transfer(cluster: LocalCluster, victim_role: str) -> None:
+    """KILL_N requests in flight when the daemon of `victim_role` is SIGKILLed: every
+    request on the surviving side ends within its deadline, failed by the peer where the
+    kill cut it; the survivor drops the dead peer, holds nothing, and serves a new daemon
+    of the dead one's role."""
     ctx, gen = start_pair(cluster, **_cfg(KILL_TIMEOUT_MS))
-    rids = [f"gkill-{i}" for i in range(KILL_N)]
+    victim, survivor = (gen, ctx) if victim_role == "generation" else (ctx, gen)
+    rids = [f"{victim.name[0]}kill-{i}" for i in range(KILL_N)]
 
     async def scenario() -> None:
-        async with opened(ctx, num_blocks=KILL_BLOCKS + 40) as c:
-            async with opened(gen, num_blocks=KILL_BLOCKS) as g:
-                _, sent_at = await _writes_in_flight_then_killed(ctx, c, g, rids, gen)
-                # Every send ends within its absolute deadline (plus scheduling slack).
-                outcomes = await wait_all(c.client, rids, sent_at + KILL_TIMEOUT_MS / 1e3 + 2.0)
-            _check_killed_peer_outcomes(outcomes, PEER_FAILURES)
-            await until(lambda: peer_names(ctx) == [], what="ctx dropped the dead peer")
-            assert status(ctx)["open_transfer_handles"] == 0
+        async with opened(survivor, num_blocks=KILL_BLOCKS + 40) as s:
+            async with opened(victim, num_blocks=KILL_BLOCKS) as v:
+                c, g = (s, v) if survivor is ctx else (v, s)
+                posted_at, sent_at = await _writes_in_flight_then_killed(ctx, c, g, rids, victim)
+                # Every send ends within its absolute deadline (plus scheduling slack); the
+                # receive tasks' deadlines started before posted_at.
+                started = sent_at if survivor is ctx else posted_at
+                outcomes = await wait_all(s.client, rids, started + KILL_TIMEOUT_MS / 1e3 + 2.0)
+            _check_killed_peer_outcomes(
+                outcomes, PEER_FAILURES if survivor is ctx else ("peer_lost",)
+            )
+            await until(
+                lambda: peer_names(survivor) == [], what=f"{survivor.name} dropped the dead peer"
+            )
+            if survivor is ctx:
+                assert status(ctx)["open_transfer_handles"] == 0
             for rid in rids:
-                await c.client.release(rid)
+                await s.client.release(rid)
+            if survivor is gen:
+                assert status(gen)["admission"]["in_flight_blocks"] == 0
 
-            await _a_new_peer_is_served(cluster, ctx, c, "after-gen-kill")
+            await _a_new_peer_is_served(cluster, survivor, s, f"after-{victim.name}-kill")
 
     asyncio.run(scenario())
-    _assert_survived(ctx)
+    _assert_survived(survivor)
+
+
+def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
+    _kill_mid_transfer(cluster, "generation")
 
 
 def test_context_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
-    ctx, gen = start_pair(cluster, **_cfg(KILL_TIMEOUT_MS))
-    rids = [f"ckill-{i}" for i in range(KILL_N)]
-
-    async def scenario() -> None:
-        async with opened(gen, num_blocks=KILL_BLOCKS + 40) as g:
-            async with opened(ctx, num_blocks=KILL_BLOCKS) as c:
-                # The receive tasks' deadlines started before posted_at.
-                posted_at, _ = await _writes_in_flight_then_killed(ctx, c, g, rids, ctx)
-                outcomes = await wait_all(g.client, rids, posted_at + KILL_TIMEOUT_MS / 1e3 + 2.0)
-            _check_killed_peer_outcomes(outcomes, ("peer_lost",))
-            await until(lambda: peer_names(gen) == [], what="gen dropped the dead peer")
-            for rid in rids:
-                await g.client.release(rid)
-            assert status(gen)["admission"]["in_flight_blocks"] == 0
-
-            await _a_new_peer_is_served(cluster, gen, g, "after-ctx-kill")
-
-    asyncio.run(scenario())
-    _assert_survived(gen)
+    _kill_mid_transfer(cluster, "context")
 
 
 def test_peer_restarted_under_same_name(cluster: LocalCluster) -> None:
