@@ -107,9 +107,9 @@ import logging
 import math
 import os
 import struct
-import time
 from typing import Any
 
+from kvxferd.backends.tagbook import TagBook
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -346,18 +346,15 @@ class UcxTransport:
         self.key = f"{daemon_name}/{incarnation}"
         self._hello = _encode_hello(self.key)
         self._stall_grace_s = stall_grace_s
-        self._abandon_ttl_s = abandon_ttl_s
         self._ctx: Any = None
         self._driver: _EventLoopProgress | None = None
         self._listener: Any = None
         # peer key -> its endpoints (one per direction at most, normally one).
         self._peers: dict[str, list[Any]] = {}
-        # wire tag -> (peer key, time after which it is forgotten); see recv.
-        self._abandoned: dict[int, tuple[str, float]] = {}
+        # By wire tag: the recv in progress, and the abandoned tags (see recv).
+        self._tags: TagBook[int] = TagBook("UCX", abandon_ttl_s)
         self._drainer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        # wire tags with a recv in progress (one recv per tag and peer at a time).
-        self._receiving: set[int] = set()
         self._closed = False
 
     # -- set-up ------------------------------------------------------------
@@ -534,8 +531,7 @@ class UcxTransport:
         """Close every endpoint of that peer; its pending sends and receives fail."""
         for ep in self._peers.pop(peer_key, []):
             self._abort(ep)
-        for wt in [wt for wt, (key, _) in self._abandoned.items() if key == peer_key]:
-            del self._abandoned[wt]
+        self._tags.forget_peer(peer_key)
         await asyncio.sleep(0)
 
     def peers(self) -> list[str]:
@@ -583,20 +579,12 @@ class UcxTransport:
         ctx = self._context()
         wt = wire_tag(peer_key, tag)
         self._endpoints(peer_key)
-        if wt in self._receiving:
-            # Both would match the one message; the other's receive would stay
-            # posted into its buffer.
-            raise TransferError(f"UCX: tag {tag} from {peer_key} is already being received")
-        self._receiving.add(wt)
-        try:
+        with self._tags.receiving(wt, peer_key, tag):
             return await self._recv(ctx, peer_key, tag, wt, out, timeout_s)
-        finally:
-            self._receiving.discard(wt)
 
     async def _recv(
         self, ctx: Any, peer_key: str, tag: int, wt: int, out: memoryview, timeout_s: float | None
     ) -> int:
-        self._abandoned.pop(wt, None)
         loop = asyncio.get_running_loop()
         deadline = math.inf if timeout_s is None else loop.time() + timeout_s
         spins = 0
@@ -686,22 +674,19 @@ class UcxTransport:
     # -- late messages -------------------------------------------------------
 
     def _abandon(self, peer_key: str, wt: int) -> None:
-        self._abandoned[wt] = (peer_key, time.monotonic() + self._abandon_ttl_s)
+        self._tags.abandon(wt, peer_key)
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
         """Receive late messages of abandoned tags into scratch buffers and drop them."""
-        while self._abandoned and not self._closed:
-            now = time.monotonic()
-            for wt, (peer_key, expires) in list(self._abandoned.items()):
-                if now > expires:
-                    del self._abandoned[wt]
-                    continue
+        while self._tags.abandoned() and not self._closed:
+            self._tags.expire()
+            for wt, peer_key in self._tags.abandoned():
                 probe = self._ctx.tag_probe(wt)
                 if not probe.matched:
                     continue
-                del self._abandoned[wt]
+                self._tags.take_back(wt)
                 eps = self._peers.get(peer_key)
                 if not eps:
                     continue
@@ -736,7 +721,7 @@ class UcxTransport:
         for key in list(self._peers):
             for ep in self._peers.pop(key):
                 self._abort(ep)
-        self._abandoned.clear()
+        self._tags.clear()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

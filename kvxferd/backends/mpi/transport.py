@@ -62,6 +62,7 @@ import numpy as np
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
 from kvxferd.backends.mpi.link import Link, Links, Peer
+from kvxferd.backends.tagbook import TagBook
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -143,14 +144,12 @@ class MpiTransport:
         if len(self.key.encode()) > wire.MAX_FIELD:
             raise StartupError(f"MPI peer key {self.key[:40]!r}... is too long")
         self._stall_grace_s = stall_grace_s
-        self._abandon_ttl_s = abandon_ttl_s
         self._rt: Runtime | None = None
         self._links = Links(self.key, self._runtime, self._start_ticker)
-        # (peer key, tag) -> when it is forgotten; see recv.
-        self._abandoned: dict[tuple[str, int], float] = {}
+        # By (peer key, tag): the recv in progress, and the abandoned tags (see recv).
+        self._tags: TagBook[tuple[str, int]] = TagBook("MPI", abandon_ttl_s)
         self._zombies: list[_Zombie] = []
         self._ticker: asyncio.Task[None] | None = None
-        self._receiving: set[tuple[str, int]] = set()
         self._scratch = _ScratchPool()
 
     # -- set-up ------------------------------------------------------------
@@ -188,8 +187,7 @@ class MpiTransport:
     async def remove_peer(self, peer_key: str) -> None:
         """Close every link of that peer; its pending sends and receives fail."""
         self._links.remove(peer_key)
-        for key in [k for k in self._abandoned if k[0] == peer_key]:
-            del self._abandoned[key]
+        self._tags.forget_peer(peer_key)
         await asyncio.sleep(0)
 
     def peers(self) -> list[str]:
@@ -291,21 +289,13 @@ class MpiTransport:
         target = _flat(out, "recv")
         rt = await self._runtime()
         peer = self._links.peer(peer_key)
-        key = (peer_key, tag)
-        if key in self._receiving:
-            # Both would wait for the one message.
-            raise TransferError(f"MPI: tag {tag} from {peer_key} is already being received")
-        self._receiving.add(key)
-        try:
+        with self._tags.receiving((peer_key, tag), peer_key, tag):
             return await self._recv(rt, peer, tag, target, timeout_s)
-        finally:
-            self._receiving.discard(key)
 
     async def _recv(
         self, rt: Runtime, peer: Peer, tag: int, out: memoryview, timeout_s: float | None
     ) -> int:
         MPI = rt.MPI
-        self._abandoned.pop((peer.key, tag), None)
         loop = asyncio.get_running_loop()
         deadline = math.inf if timeout_s is None else loop.time() + timeout_s
         spins = 0
@@ -420,7 +410,7 @@ class MpiTransport:
                     self._links.drop_links(peer, "malformed message header", link.writer)
                     break
                 tag, nbytes, data_tag = header
-                if self._abandoned.pop((peer.key, tag), None) is not None:
+                if self._tags.take_back((peer.key, tag)):
                     self._drop_late(peer, link, tag, nbytes, data_tag, rt)
                 else:
                     peer.pending.setdefault(tag, deque()).append((link, nbytes, data_tag))
@@ -454,7 +444,7 @@ class MpiTransport:
         )
 
     def _abandon(self, peer_key: str, tag: int) -> None:
-        self._abandoned[(peer_key, tag)] = time.monotonic() + self._abandon_ttl_s
+        self._tags.abandon((peer_key, tag), peer_key)
         self._start_ticker()
 
     def _start_ticker(self) -> None:
@@ -481,9 +471,7 @@ class MpiTransport:
         rt = self._rt
         assert rt is not None
         now = time.monotonic()
-        for key, expires in list(self._abandoned.items()):
-            if now > expires:
-                self._abandoned.pop(key, None)
+        self._tags.expire(now)
         live = False
         for peer in list(self._links.peers.values()):
             self._pump(peer, rt)
@@ -498,7 +486,7 @@ class MpiTransport:
                 self._zombies.remove(z)
             elif z.link.lost is None or now - z.since < 1.0:
                 waiting = True
-        if live or waiting or self._abandoned:
+        if live or waiting or self._tags.abandoned():
             return _TICK_S
         if self._zombies:
             # Only receives from peers that are gone, which may never end.
@@ -517,5 +505,5 @@ class MpiTransport:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
         self._links.drop_all("transport closed")
-        self._abandoned.clear()
+        self._tags.clear()
         await asyncio.sleep(0)
