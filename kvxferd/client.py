@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.handoff import hand_off_fd
@@ -64,6 +65,7 @@ class Released:
 
 T = TypeVar("T")
 E = TypeVar("E")
+P = ParamSpec("P")
 
 
 class CallError(KvxferdError):
@@ -442,6 +444,20 @@ class AsyncClient:
             await asyncio.gather(self._reader_task, return_exceptions=True)
 
 
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """The Client method for AsyncClient's `method`: the same parameters and docstring; it
+    runs the call on the client's loop thread and returns its result."""
+
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._client, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    call.__qualname__ = f"Client.{method.__name__}"
+    return call
+
+
 class Client:
     """Blocking client: the same calls as AsyncClient, run on a private loop thread."""
 
@@ -468,70 +484,16 @@ class Client:
             future.cancel()
             raise TimeoutError("no answer from the kvxferd daemon in time") from None
 
-    def register_pool(
-        self,
-        pool_id: str,
-        pool: MemfdRegion | str,
-        layout: KvLayout,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> None:
-        """See AsyncClient.register_pool: a MemfdRegion (safe) or a shm name (legacy)."""
-        self._run(self._client.register_pool(pool_id, pool, layout, tp_rank, tp_size))
-
-    def register_memfd_pool(
-        self, pool_id: str, fd: int, layout: KvLayout, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
-        """See AsyncClient.register_memfd_pool."""
-        self._run(self._client.register_memfd_pool(pool_id, fd, layout, tp_rank, tp_size))
-
-    def deregister_pool(self, pool_id: str) -> None:
-        self._run(self._client.deregister_pool(pool_id))
-
-    def recv(
-        self,
-        request_id: str,
-        pool_id: str,
-        blocks: Sequence[int],
-        peer: str | Sequence[str],
-        num_tokens: int | None = None,
-        beam_width: int = 1,
-        *,
-        block_start: int = 0,
-    ) -> None:
-        """See AsyncClient.recv."""
-        self._run(
-            self._client.recv(
-                request_id, pool_id, blocks, peer, num_tokens, beam_width, block_start=block_start
-            )
-        )
-
-    def send(
-        self,
-        request_id: str,
-        pool_id: str,
-        blocks: Sequence[int],
-        token_end: int,
-        token_start: int = 0,
-        last: bool = True,
-        beam_width: int = 1,
-        peer: str | None = None,
-    ) -> None:
-        """See AsyncClient.send."""
-        self._run(
-            self._client.send(
-                request_id, pool_id, blocks, token_end, token_start, last, beam_width, peer
-            )
-        )
-
-    def cancel(self, request_id: str) -> str:
-        return self._run(self._client.cancel(request_id))
-
-    def release(self, request_id: str) -> None:
-        self._run(self._client.release(request_id))
-
-    def query(self, request_id: str) -> str:
-        return self._run(self._client.query(request_id))
+    # The calls: AsyncClient's, with their parameters and docs, waited for on the loop thread.
+    register_pool = _blocking(AsyncClient.register_pool)
+    register_memfd_pool = _blocking(AsyncClient.register_memfd_pool)
+    deregister_pool = _blocking(AsyncClient.deregister_pool)
+    recv = _blocking(AsyncClient.recv)
+    send = _blocking(AsyncClient.send)
+    cancel = _blocking(AsyncClient.cancel)
+    release = _blocking(AsyncClient.release)
+    query = _blocking(AsyncClient.query)
+    wait = _blocking(AsyncClient.wait)
 
     def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
         return self._client.poll(request_id, side)
@@ -546,9 +508,6 @@ class Client:
 
     def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
         return self._run(self._client.wait_released(request_id, timeout_s), timeout_s)
-
-    def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
-        return self._run(self._client.wait(request_id, timeout_s))
 
     def close(self) -> None:
         try:
