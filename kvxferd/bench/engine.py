@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxferd.bench.plan import Item, Plan
@@ -89,41 +89,35 @@ class CtxRecord:
     message: str = ""
 
 
+@dataclass(eq=False, repr=False)
 class _Side:
-    def __init__(self, client: StampingClient, plan: Plan, region: ShmRegion, pool_id: str) -> None:
-        self.client = client
-        self.plan = plan
-        self.layout: KvLayout = plan.layout()
-        self.region = region
-        self.pool_id = pool_id
-        self.error = ""
+    """What both engines hold; each side's constructor takes these four first."""
+
+    client: StampingClient
+    plan: Plan
+    region: ShmRegion
+    pool_id: str
+    layout: KvLayout = field(init=False)
+    error: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = self.plan.layout()
 
     def fail(self, message: str) -> None:
         if not self.error:
             self.error = message
 
 
+@dataclass(eq=False, repr=False)
 class GenerationSide(_Side):
-    def __init__(
-        self,
-        client: StampingClient,
-        plan: Plan,
-        region: ShmRegion,
-        pool_id: str,
-        peer: str,
-        notify_fd: int,
-        progress_fd: int | None,
-        wait_s: float,
-    ) -> None:
-        super().__init__(client, plan, region, pool_id)
-        self.peer = peer
-        self.notify_fd = notify_fd
-        self.progress_fd = progress_fd
-        self.wait_s = wait_s
-        self.records: list[GenRecord] = []
-        self.timed_start_ns = 0
-        self._unreported = 0
-        self._reported_at = 0.0
+    peer: str
+    notify_fd: int
+    progress_fd: int | None
+    wait_s: float
+    records: list[GenRecord] = field(default_factory=list, init=False)
+    timed_start_ns: int = field(default=0, init=False)
+    _unreported: int = field(default=0, init=False)
+    _reported_at: float = field(default=0.0, init=False)
 
     def _notify(self, line: str) -> None:
         os.write(self.notify_fd, (line + "\n").encode())
@@ -144,12 +138,7 @@ class GenerationSide(_Side):
             for group in self.plan.groups():
                 if self.error:
                     break
-                deadline = None
-                if group.count is None:
-                    self.timed_start_ns = time.monotonic_ns()
-                    deadline = time.monotonic() + self.plan.seconds
-                elif group.timed and not self.timed_start_ns:
-                    self.timed_start_ns = time.monotonic_ns()
+                deadline, self.timed_start_ns = self.plan.start_group(group, self.timed_start_ns)
                 await asyncio.gather(
                     *(self._slot(group.slot_items(s, self.plan.in_flight), deadline)
                       for s in range(self.plan.in_flight))
@@ -196,25 +185,19 @@ class GenerationSide(_Side):
         self._tick()
 
 
+@dataclass(eq=False, repr=False)
 class ContextSide(_Side):
-    def __init__(
-        self,
-        client: StampingClient,
-        plan: Plan,
-        region: ShmRegion,
-        pool_id: str,
-        notify_fd: int,
-        wait_s: float,
-        chunk_blocks: int = 0,
-    ) -> None:
-        super().__init__(client, plan, region, pool_id)
-        self.notify_fd = notify_fd
-        self.wait_s = wait_s
-        self.chunk_blocks = chunk_blocks
-        self.records: list[CtxRecord] = []
-        self.queues: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in range(plan.in_flight)]
-        self.sending: set[str] = set()
-        self._cancels: list[asyncio.Task[None]] = []
+    notify_fd: int
+    wait_s: float
+    chunk_blocks: int = 0
+    records: list[CtxRecord] = field(default_factory=list, init=False)
+    queues: list[asyncio.Queue[str]] = field(init=False)
+    sending: set[str] = field(default_factory=set, init=False)
+    _cancels: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.queues = [asyncio.Queue() for _ in range(self.plan.in_flight)]
 
     async def _read_notifications(self) -> None:
         loop = asyncio.get_running_loop()

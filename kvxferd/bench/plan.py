@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -190,6 +191,19 @@ class Plan:
             timed_count = None if self.mode == SMALL else self.requests
             out.append(Group(f"{base}-t", tokens, blocks, TIMED, timed_count))
         return out
+
+    def start_group(self, group: Group, timed_start_ns: int) -> tuple[float | None, int]:
+        """At the start of `group`: (when its slots stop, the start of the timed part).
+
+        An open-ended group runs `seconds` from now, and its time starts now; any other
+        group has no deadline, and the first timed one starts the time (monotonic ns) unless
+        `timed_start_ns` already did."""
+        if group.count is None:
+            started = time.monotonic_ns()
+            return time.monotonic() + self.seconds, started
+        if group.timed and not timed_start_ns:
+            return None, time.monotonic_ns()
+        return None, timed_start_ns
 
     def src_for(self, item: Item) -> list[int]:
         return self.src_blocks[item.slot][: item.blocks]

@@ -138,12 +138,7 @@ class Initiator:
 
     def run(self) -> None:
         for group in self.plan.groups():
-            deadline = None
-            if group.count is None:
-                self.timed_start_ns = time.monotonic_ns()
-                deadline = time.monotonic() + self.plan.seconds
-            elif group.timed and not self.timed_start_ns:
-                self.timed_start_ns = time.monotonic_ns()
+            deadline, self.timed_start_ns = self.plan.start_group(group, self.timed_start_ns)
             self._group(group, deadline)
 
     def _group(self, group: Group, deadline: float | None) -> None:
