@@ -177,10 +177,15 @@ class ReferenceEngine:
             rec.message = f"rank {outcomes.index(bad)}: {bad.message}"
         rec.nbytes = sum(o.nbytes for o in outcomes)
 
-    async def send_one(self, item: Item) -> Record:
+    def _begin(self, item: Item) -> tuple[Record, list[int], int]:
+        """A request's record, its blocks (taken from the allocator: the caller gives them
+        back) and the seed of its content."""
         rec = Record(item.request_id, item.num_tokens)
         blocks = self.alloc.take(self.blocks_for(item.num_tokens))
-        seed = request_seed(item.request_id)
+        return rec, blocks, request_seed(item.request_id)
+
+    async def send_one(self, item: Item) -> Record:
+        rec, blocks, seed = self._begin(item)
         try:
             for rank in self.ranks:
                 assert rank.region is not None
@@ -201,9 +206,7 @@ class ReferenceEngine:
         return rec
 
     async def recv_one(self, item: Item, peer: str | None = None) -> Record:
-        rec = Record(item.request_id, item.num_tokens)
-        blocks = self.alloc.take(self.blocks_for(item.num_tokens))
-        seed = request_seed(item.request_id)
+        rec, blocks, seed = self._begin(item)
         try:
             for rank in self.ranks:
                 assert rank.region is not None
