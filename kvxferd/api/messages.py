@@ -11,7 +11,7 @@ from typing import Union
 import msgspec
 
 from kvxferd.peers.framing import FrameCodec
-from kvxferd.transceiver.state import Outcome
+from kvxferd.transceiver.state import Code, Outcome
 
 
 class _Msg(msgspec.Struct, tag_field="type"):
@@ -147,7 +147,7 @@ ENGINE_CODEC: FrameCodec[EngineMessage] = FrameCodec(EngineMessage, "engine API"
 DAEMON_CODEC: FrameCodec[DaemonMessage] = FrameCodec(DaemonMessage, "daemon API")  # type: ignore[arg-type]
 
 
-class ApiError:
+class ApiError(Code):
     """Error codes in Reply.error."""
 
     BAD_REQUEST = "bad_request"

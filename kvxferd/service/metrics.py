@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 SIDES = ("send", "recv")
-TIMEOUT_PHASES = {
+TIMEOUT_PHASES: dict[str, str] = {
     Reason.SENDER_DEADLINE: "sender_deadline",
     Reason.RECEIVER_TIMEOUT: "receiver_timeout",
 }
@@ -223,8 +223,8 @@ class DaemonMetrics:
             self.bytes.labels(side=side)
         for result in ("applied", "unchanged", "rejected"):
             self.reloads.labels(result=result)
-        for reason in (Reason.NOT_YOUR_REQUEST, Reason.ALREADY_SERVED):
-            self.refused_requests.labels(reason=reason)
+        for refused in (Reason.NOT_YOUR_REQUEST, Reason.ALREADY_SERVED):
+            self.refused_requests.labels(reason=refused)
         for reason in ("preauth_limit", "preauth_per_source_limit"):
             self.connections_refused.labels(reason=reason)
 

@@ -478,10 +478,11 @@ class Sender:
                 )
             else:
                 status = Status.CANCELLED if msg.reason == Reason.CANCELLED else Status.FAILED
-                reason = {
+                theirs: dict[str, Reason] = {
                     Reason.RECEIVER_TIMEOUT: Reason.PEER_TIMED_OUT,
                     Reason.CANCELLED: Reason.PEER_CANCELLED,
-                }.get(msg.reason, Reason.PEER_FAILED)
+                }
+                reason = theirs.get(msg.reason, Reason.PEER_FAILED)
                 s.request_end(
                     Terminal.peer(status, reason, f"generation side: {msg.reason}: {msg.message}")
                 )

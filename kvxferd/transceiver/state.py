@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 import msgspec
 
@@ -17,7 +17,16 @@ class SessionState(IntEnum):
     DONE = 4
 
 
-class Status:
+class Code(str, Enum):
+    """A wire code: an enum whose members are their strings (they compare, hash, format,
+    encode and label metrics as the plain string, so messages and dashboards see "done",
+    never "Status.DONE")."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Status(Code):
     """Terminal outcomes reported to the engine."""
 
     DONE = "done"
@@ -26,7 +35,7 @@ class Status:
     TIMED_OUT = "timed_out"
 
 
-class Reason:
+class Reason(Code):
     """Reason codes carried in outcomes, Abort messages and metric labels."""
 
     OK = "ok"
@@ -54,7 +63,9 @@ class Reason:
     SHUTDOWN = "shutdown"
 
 
-class Fault:
+class Fault(Code):
+    """Whose fault a failure was: this daemon's side, or the peer's."""
+
     LOCAL = "local"
     PEER = "peer"
 
