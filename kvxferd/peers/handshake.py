@@ -146,8 +146,13 @@ def _proof(secret: bytes, label: bytes, first: bytes, second: bytes, names: str)
 
 
 async def _send(writer: asyncio.StreamWriter, msg: object) -> None:
-    writer.write(PEER_CODEC.encode(msg))
-    await writer.drain()
+    try:
+        writer.write(PEER_CODEC.encode(msg))
+        await writer.drain()
+    except RuntimeError as exc:
+        # uvloop's "the handler is closed": the peer's socket went away (its daemon was
+        # killed) between our last read and this write. A lost connection, like a reset.
+        raise ConnectionResetError(f"connection lost during the handshake: {exc}") from exc
 
 
 async def _recv(

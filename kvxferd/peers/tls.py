@@ -159,7 +159,10 @@ async def accept(
 ) -> frozenset[str]:
     """The accepting side's upgrade: StartTls in clear, then TLS as the server. Returns the
     names the client's verified certificate vouches for."""
-    writer.write(PEER_CODEC.encode(StartTls()))
+    try:
+        writer.write(PEER_CODEC.encode(StartTls()))
+    except RuntimeError as exc:  # uvloop: the socket is already gone
+        raise ConnectionResetError(f"connection lost before TLS: {exc}") from exc
     # No await between here and the upgrade pausing the reads: nothing the client sends
     # from now on can land in the clear-text buffer. What is there already came before
     # StartTls, which a dialer that follows the protocol never sends.
