@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from kvxferd.errors import ConfigError, KvxferdError
 from kvxferd.peers import tls
 from kvxferd.peers.tls import PeerTls
 from kvxferd.service.logs import set_level
+from kvxferd.service.timeouts import timeouts_of
 
 if TYPE_CHECKING:
     from kvxferd.service.view import DaemonView
@@ -218,13 +218,9 @@ def apply(daemon: DaemonView, cfg: KvxferdConfig, settings: ResolvedSettings) ->
     """Make the running daemon use `cfg`'s live values (from here on, for new work)."""
     d = cfg.daemon
     assert settings.kv_transfer_timeout_ms is not None  # plan() never applies null
-    timeout_s = settings.kv_transfer_timeout_ms / 1e3
-    daemon.sender.timeouts.timeout_s = timeout_s
-    slice_ms = settings.kv_transfer_sender_future_timeout_ms
-    # null: no slicing, one wait up to the deadline (as at start-up).
-    daemon.sender.timeouts.slice_s = slice_ms / 1e3 if slice_ms is not None else math.inf
-    daemon.receiver.timeouts.timeout_s = timeout_s
-    daemon.receiver.timeouts.answer_s = d.heartbeat_timeout_ms / 1e3
+    # The same conversion as at start-up. Requests already accepted keep the timeout
+    # they read then (docs/operations.md); the rest is read live.
+    daemon.sender.timeouts, daemon.receiver.timeouts = timeouts_of(cfg, settings)
     poll_ms = settings.kv_transfer_poll_interval_ms
     daemon.admission.resize(settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None)
     timings = daemon.peers.timings
