@@ -19,6 +19,7 @@ Nothing here decodes with pickle; all decoding goes through kvxferd's own codecs
 
 from kvxferd.sim.hostile.bodies import Bodies, frame
 from kvxferd.sim.hostile.engine import fuzz_engine
+from kvxferd.sim.hostile.intruder import Credentials
 from kvxferd.sim.hostile.postauth import fuzz_postauth
 from kvxferd.sim.hostile.preauth import fuzz_preauth
 from kvxferd.sim.hostile.report import FuzzReport, LiveResult, crash_lines
@@ -27,6 +28,7 @@ from kvxferd.sim.hostile.values import Values, message_types
 
 __all__ = [
     "Bodies",
+    "Credentials",
     "FuzzReport",
     "LiveResult",
     "Values",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 from kvxferd.hostport import split_hostport
 from kvxferd.peers.handshake import Identity, PeerIdentity, client_handshake
@@ -14,13 +15,23 @@ from kvxferd.sim.hostile.report import http_status
 from kvxferd.sim.hostile.streams import Listened
 
 
-def fake_info(daemon: DaemonProc, agent_name: str, metadata: bytes) -> Info:
+@dataclass(frozen=True)
+class Credentials:
+    """What gets the fuzzer through a daemon's handshake: the cluster's shared secret and a
+    real NIXL agent (its name and metadata)."""
+
+    secret: bytes
+    agent_name: str
+    agent_metadata: bytes
+
+
+def fake_info(daemon: DaemonProc, creds: Credentials) -> Info:
     """An Info the daemon accepts: its own compat settings and fingerprint, no pools."""
     doc = http_status(daemon)
     settings = doc["settings"]
     return Info(
-        agent_name=agent_name,
-        agent_metadata=metadata,
+        agent_name=creds.agent_name,
+        agent_metadata=creds.agent_metadata,
         pools=[],
         fingerprint=doc["fingerprint"],
         compat={k: settings[k] for k in ("backend", "runtime", "pipelined_transfer")},

@@ -27,7 +27,7 @@ from kvxferd.peers.messages import (
 )
 from kvxferd.sim.cluster import DaemonProc
 from kvxferd.sim.hostile.bodies import HEADER, Bodies, frame
-from kvxferd.sim.hostile.intruder import fake_info, handshake
+from kvxferd.sim.hostile.intruder import Credentials, fake_info, handshake
 from kvxferd.sim.hostile.report import FuzzReport, http_status
 from kvxferd.sim.hostile.streams import short_hex
 from kvxferd.sim.hostile.values import Values, hostile_layout, message_types
@@ -109,9 +109,7 @@ async def _until(predicate: Callable[[], bool], timeout_s: float) -> bool:
 
 async def fuzz_postauth(
     daemon: DaemonProc,
-    secret: bytes,
-    agent_metadata: bytes,
-    agent_name: str,
+    creds: Credentials,
     count: int,
     seed: int,
     report: FuzzReport,
@@ -128,7 +126,7 @@ async def fuzz_postauth(
     values = Values(rng, max_str=64 << 10, max_list=4096)
     bodies = Bodies(PeerMessage, rng, max_str=64 << 10)
     role = "generation" if daemon.role == "context" else "context"
-    info = fake_info(daemon, agent_name, agent_metadata)
+    info = fake_info(daemon, creds)
     known: list[str] = ["r-0", "fuzz", *(f"r-{i}" for i in range(1, 4))]
     incarnation = 0
     sent = 0
@@ -143,7 +141,7 @@ async def fuzz_postauth(
 
     while sent < count:
         incarnation += 1
-        me = Identity("fuzzer", f"{seed}-{incarnation}", role, secret)
+        me = Identity("fuzzer", f"{seed}-{incarnation}", role, creds.secret)
         try:
             conn = await handshake(daemon, me, info, deadline_s)
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:

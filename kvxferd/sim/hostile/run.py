@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.cluster import DaemonProc
 from kvxferd.sim.hostile.engine import fuzz_engine, silent_engines
+from kvxferd.sim.hostile.intruder import Credentials
 from kvxferd.sim.hostile.postauth import fuzz_postauth
 from kvxferd.sim.hostile.preauth import fuzz_preauth, stalled_strangers
 from kvxferd.sim.hostile.report import FuzzReport, LiveResult, crash_lines, forged_lines, rss_bytes
@@ -87,7 +88,7 @@ async def run_live(
     daemons = (ctx, gen)
     rss_before = {d.name: rss_bytes(d) for d in daemons}
     log_start = {d.name: len(d.log_text()) for d in daemons}
-    agent_name, metadata = agent
+    creds = Credentials(secret, *agent)
     reports: list[FuzzReport] = []
 
     async def say(text: str) -> None:
@@ -117,14 +118,12 @@ async def run_live(
         await say(f"{report.name}: {report.summary()}")
         report = FuzzReport(f"peer-postauth-{daemon.name}")
         reports.append(report)
-        await fuzz_postauth(
-            daemon, secret, metadata, agent_name, n - pre, seed * 10 + 2 + i, report
-        )
+        await fuzz_postauth(daemon, creds, n - pre, seed * 10 + 2 + i, report)
         await say(f"{report.name}: {report.summary()}")
     if stolen:
         report = FuzzReport("peer-stolen-ctx")
         reports.append(report)
-        await fuzz_stolen_sends(ctx, secret, metadata, agent_name, stolen, seed * 10 + 6, report)
+        await fuzz_stolen_sends(ctx, creds, stolen, seed * 10 + 6, report)
         await say(f"{report.name}: {report.summary()}")
     for i, (daemon, n) in enumerate(zip(daemons, split(engine_messages), strict=True)):
         report = FuzzReport(f"engine-{daemon.name}")

@@ -15,7 +15,7 @@ from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.handshake import Identity
 from kvxferd.peers.messages import PEER_CODEC, PoolInfo, PoolsUpdate, RequestData
 from kvxferd.sim.cluster import DaemonProc
-from kvxferd.sim.hostile.intruder import Intruder, fake_info, handshake
+from kvxferd.sim.hostile.intruder import Credentials, Intruder, fake_info, handshake
 from kvxferd.sim.hostile.report import FuzzReport
 from kvxferd.sim.hostile.values import fuzz_layout
 from kvxferd.transceiver.state import Outcome
@@ -26,9 +26,7 @@ if TYPE_CHECKING:
 
 async def fuzz_stolen_sends(
     ctx: DaemonProc,
-    secret: bytes,
-    agent_metadata: bytes,
-    agent_name: str,
+    creds: Credentials,
     count: int,
     seed: int,
     report: FuzzReport,
@@ -53,9 +51,10 @@ async def fuzz_stolen_sends(
         await client.register_pool("victim", region.name, layout)
     finally:
         region.unlink()
-    info = fake_info(ctx, agent_name, agent_metadata)
+    info = fake_info(ctx, creds)
     role = "generation"
-    conn = await handshake(ctx, Identity("fuzzer", f"steal-{seed}", role, secret), info, deadline_s)
+    me = Identity("fuzzer", f"steal-{seed}", role, creds.secret)
+    conn = await handshake(ctx, me, info, deadline_s)
     report.connections += 1
     huge = (2**64 - 4096, 2**63, 2**63 - layout.block_bytes, 2**48)
     try:
