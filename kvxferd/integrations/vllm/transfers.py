@@ -117,10 +117,9 @@ class Transfers:
             self._ready.recving.add(refusal.req_id)
             self._ready.failed.add(refusal.req_id)
         for recv in plan.recvs:
-            entry = self._entries[recv.req_id] = _Entry(recv.transfer_id, "recv")
-            self._call(
+            self._start(
                 recv.req_id,
-                entry,
+                _Entry(recv.transfer_id, "recv"),
                 lambda c, r=recv: c.recv(  # type: ignore[misc]
                     r.transfer_id,
                     self.pool_id,
@@ -131,16 +130,17 @@ class Transfers:
                 ),
             )
         for send in plan.sends:
-            entry = self._entries[send.req_id] = _Entry(send.transfer_id, "send")
-            self._call(
+            self._start(
                 send.req_id,
-                entry,
+                _Entry(send.transfer_id, "send"),
                 lambda c, s=send: c.send(  # type: ignore[misc]
                     s.transfer_id, self.pool_id, s.blocks, s.num_tokens, peer=s.peer or None
                 ),
             )
 
-    def _call(self, req_id: str, entry: _Entry, call: Callable[[Client], None]) -> None:
+    def _start(self, req_id: str, entry: _Entry, call: Callable[[Client], None]) -> None:
+        """Enter a planned transfer (reported once from now on) and make its call."""
+        self._entries[req_id] = entry
         client = self._client_or_dial()
         if client is None:
             log.warning("request %s: no kvxferd daemon to %s with", req_id, entry.side)
