@@ -1,0 +1,147 @@
+"""The daemon's gauges computed from its state at each scrape (engines, peers, sessions,
+admission, bounce and staging buffers, holds), beside the counters of metrics.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from kvxferd.service.view import DaemonView
+    from kvxferd.transceiver.holds import HoldKeeper
+
+
+class LiveCollector:
+    """Gauges computed from the daemon's state when scraped."""
+
+    def __init__(self, daemon: DaemonView) -> None:
+        self._d = daemon
+
+    def collect(self) -> Iterable[Metric]:
+        d = self._d
+        yield _gauge("kvxferd_ready", "1 when the daemon serves (see /readyz).", float(d.ready))
+        yield _gauge("kvxferd_draining", "1 while the daemon drains for shutdown.", d.draining)
+        in_flight = GaugeMetricFamily(
+            "kvxferd_requests_in_flight",
+            "Accepted requests without an outcome yet, by side.",
+            labels=["side"],
+        )
+        in_flight.add_metric(["send"], d.sender.active_count())
+        in_flight.add_metric(["recv"], d.receiver.active_count())
+        yield in_flight
+        yield _gauge(
+            "kvxferd_admission_blocked_requests",
+            "Receives waiting for room in the admission window.",
+            d.admission.waiting,
+        )
+        yield _gauge(
+            "kvxferd_admission_in_flight_blocks",
+            "Destination blocks currently admitted.",
+            d.admission.in_flight_blocks,
+        )
+        if d.admission.capacity is not None:
+            yield _gauge(
+                "kvxferd_admission_window_blocks",
+                "Size of the admission window (ceil(max_tokens_in_buffer / tokens_per_block)).",
+                d.admission.capacity,
+            )
+        yield _gauge(
+            "kvxferd_engine_connections", "Engines attached to the API socket.", len(d.api.engines)
+        )
+        yield _gauge(
+            "kvxferd_peer_connections",
+            "Established, authenticated peer connections.",
+            len(d.peers.connections),
+        )
+        yield _gauge(
+            "kvxferd_peer_unauthenticated_connections",
+            "Accepted peer connections whose peer has not proved the shared secret yet.",
+            d.peers.preauth_connections,
+        )
+        yield _gauge(
+            "kvxferd_open_transfer_handles",
+            "Posted writes not yet confirmed quiescent.",
+            d.sender.open_handles,
+        )
+        yield from _bounce_families(getattr(d, "bounce", None))
+        yield from _hold_families(d.receiver.holds)
+        yield _gauge(
+            "kvxferd_event_loop_lag_seconds",
+            "How late the event loop woke a 100 ms sleep, last measurement.",
+            d.loop_monitor.lag_s,
+        )
+
+
+def _bounce_families(bounce: object | None) -> Iterable[Metric]:
+    """The bounce buffer's own counters (all zero while bounce is off)."""
+    yield CounterMetricFamily(
+        "kvxferd_bounce_reservations",
+        "Reservations made in the bounce regions.",
+        value=getattr(bounce, "reservations_made", 0),
+    )
+    yield CounterMetricFamily(
+        "kvxferd_bounce_fallbacks",
+        "Requests that took the per-block path although bounce is on.",
+        value=getattr(bounce, "fallbacks", 0),
+    )
+    in_use = GaugeMetricFamily(
+        "kvxferd_bounce_in_use_bytes", "Bytes reserved in each bounce region.", labels=["region"]
+    )
+    for region in ("send", "recv"):
+        in_use.add_metric([region], getattr(getattr(bounce, region, None), "in_use_bytes", 0))
+    yield in_use
+    yield _gauge(
+        "kvxferd_bounce_region_bytes",
+        "Size of each bounce region (0: bounce is off).",
+        getattr(getattr(bounce, "send", None), "nbytes", 0),
+    )
+
+
+def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
+    """Memory kept from reuse until a writer is fenced (kvxferd.transceiver.holds)."""
+    yield _gauge(
+        "kvxferd_held_requests", "Ended receives whose memory waits for a fence.", len(holds.holds)
+    )
+    yield _gauge(
+        "kvxferd_held_blocks",
+        "Engine blocks held because a write into them may still land.",
+        holds.held_blocks(),
+    )
+    yield _gauge(
+        "kvxferd_held_reservation_bytes",
+        "Bounce/staging bytes quarantined because a peer may still write there.",
+        holds.held_reservation_bytes(),
+    )
+    yield _gauge(
+        "kvxferd_held_oldest_seconds", "Age of the oldest hold (0: none).", holds.oldest_age_s()
+    )
+    by_peer = GaugeMetricFamily(
+        "kvxferd_held_blocks_by_peer",
+        "Engine blocks held, by the context daemon that may still write them.",
+        labels=["peer"],
+    )
+    oldest = GaugeMetricFamily(
+        "kvxferd_held_oldest_seconds_by_peer",
+        "Age of the oldest hold waiting for that context daemon.",
+        labels=["peer"],
+    )
+    for peer, row in sorted(holds.by_peer().items()):
+        by_peer.add_metric([peer], row["blocks"])
+        oldest.add_metric([peer], row["oldest_s"])
+    yield by_peer
+    yield oldest
+    released = CounterMetricFamily(
+        "kvxferd_holds_released",
+        "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted, "
+        "peer_quiescent).",
+        labels=["how"],
+    )
+    for how, count in sorted(holds.released_total.items()):
+        released.add_metric([how], count)
+    yield released
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
