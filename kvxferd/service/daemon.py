@@ -193,7 +193,7 @@ class Daemon:
         m.bind(self)
         self.api.on_outcome = m.observe_outcome
         self.api.on_malformed = partial(m.malformed_message, "engine")
-        self.sender.on_write_done = m.observe_write
+        self.sender.writes.on_write_done = m.observe_write
         self.sender.on_refused = m.request_refused
         self.admission.on_wait = m.observe_admission_wait
         self.peers.observer = m

@@ -63,7 +63,7 @@ class LiveCollector:
         yield _gauge(
             "kvxferd_open_transfer_handles",
             "Posted writes not yet confirmed quiescent.",
-            d.sender.open_handles,
+            d.sender.writes.open_handles,
         )
         yield from _bounce_families(getattr(d, "bounce", None))
         yield from _hold_families(d.receiver.holds)

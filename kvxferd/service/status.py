@@ -86,7 +86,7 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "staging": daemon.bounce.status() if daemon.bounce and daemon.staged else None,
         "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
-        "open_transfer_handles": daemon.sender.open_handles,
+        "open_transfer_handles": daemon.sender.writes.open_handles,
         # Context side: receives of other daemons waiting for the send to say whose request
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),

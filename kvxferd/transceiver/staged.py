@@ -243,7 +243,7 @@ class StagedSender(Sender):
                     [[leg.conn.info.bounce_base + leg.request.bounce_offset, nbytes]],
                     dtype=np.int64,
                 )
-                status = await self._post_and_wait(s, local, remote, leg.conn)
+                status = await self.writes.post_and_wait(s, local, remote, leg.conn)
                 if status is not XferStatus.DONE or s.terminal is not None:
                     return False
         finally:

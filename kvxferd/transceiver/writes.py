@@ -1,0 +1,181 @@
+"""The write operation every sending mover uses: post one WRITE, wait for it in slices up
+to the request's deadline, and release it until the backend confirms it quiescent.
+
+A post is checked again on the data-plane thread right before it is made (postguard):
+a queued post can run long after it was queued. A write is waited in bounded slices
+(kv_transfer_sender_future_timeout_ms) so that cancellation, a lost peer and the deadline
+are noticed while it runs. Whatever happens, the caller gets the write back quiescent:
+until the backend confirms the release, the blocks stay on loan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvxferd.backends.base import Backend, XferHandle, XferStatus
+from kvxferd.errors import KvxferdError, PeerLostError, RemoteMemoryError, TransferError
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.postguard import PostRefused, post_refusal
+from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.state import Reason, SessionState, Status
+
+log = logging.getLogger("kvxferd.sender")
+
+# Poll back-off inside one wait slice: fast first (small writes finish in
+# microseconds), capped so a long write costs little CPU.
+_POLL_FIRST_S = 0.0001
+_POLL_MAX_S = 0.002
+# How long to keep retrying a release that NIXL refuses before giving up loudly.
+_RELEASE_RETRY_S = 0.01
+_RELEASE_RETRY_MAX_S = 0.2
+
+
+class Writes:
+    """`slice_s`: the current wait slice (read at each slice: a reload may change it)."""
+
+    def __init__(self, dataplane: DataPlane, slice_s: Callable[[], float]) -> None:
+        self._dp = dataplane
+        self._slice_s = slice_s
+        self.open_handles = 0  # posted writes not yet confirmed quiescent
+        # Told (wire seconds from post to done, descriptors) of each completed write.
+        self.on_write_done: Callable[[float, int], None] | None = None
+
+    async def post_and_wait(
+        self,
+        s: TxSession,
+        local: np.ndarray,
+        remote: np.ndarray,
+        conn: PeerConnection | None = None,
+    ) -> XferStatus:
+        """Post one WRITE (to `conn`'s agent, by default the first receiver's) and wait for
+        it; always returns with the write quiescent."""
+        conn = conn or s.conn
+        assert conn is not None
+        backend = self._dp.backend
+        s.advance(SessionState.TRANSFERRING)
+        # Marked before posting: from here a cancel answers "busy".
+        s.posting = True
+        status = XferStatus.ERROR
+        try:
+            await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
+            posted = time.monotonic()
+            try:
+                handle, status = await self._dp.call(
+                    self._post_if_wanted, s, conn, local, remote, backend
+                )
+            except PostRefused as exc:
+                s.request_end(exc.terminal)
+                return XferStatus.ERROR
+            except PeerLostError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return XferStatus.ERROR
+            except RemoteMemoryError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return XferStatus.ERROR
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return XferStatus.ERROR
+            s.xfer = handle
+            self.open_handles += 1
+            status = await self._wait(s, status, conn)
+            if status is XferStatus.DONE and self.on_write_done is not None:
+                self.on_write_done(time.monotonic() - posted, len(local))
+            if status is XferStatus.ERROR and s.terminal is None:
+                s.request_end(
+                    Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, "backend reported ERR")
+                )
+            return status
+        finally:
+            await self.quiesce(s)
+            s.posting = False
+
+    def _post_if_wanted(
+        self,
+        s: TxSession,
+        conn: PeerConnection,
+        local: np.ndarray,
+        remote: np.ndarray,
+        backend: Backend,
+    ) -> tuple[XferHandle, XferStatus]:
+        """On the data-plane thread, right before the post: a queued post may run long
+        after it was queued (the daemon was stopped, the thread was busy), so the request
+        is checked again here; only reads, so safe off the event loop."""
+        refused = post_refusal(s, conn)
+        if refused is not None:
+            raise PostRefused(refused)
+        return backend.post_write(local, remote, conn.agent_name)
+
+    async def _wait(self, s: TxSession, status: XferStatus, conn: PeerConnection) -> XferStatus:
+        """Poll until done, error, or an end requested between/inside slices."""
+        assert s.xfer is not None
+        backend = self._dp.backend
+        deadline = s.deadline if s.deadline is not None else math.inf
+        slice_end = time.monotonic() + self._slice_s()
+        pause = _POLL_FIRST_S
+        while status is XferStatus.IN_PROGRESS:
+            if s.terminal is not None:
+                return status  # aborted, cancelled or peer lost: caller quiesces
+            now = time.monotonic()
+            if now >= deadline:
+                s.request_end(
+                    Terminal.local(
+                        Status.TIMED_OUT,
+                        Reason.SENDER_DEADLINE,
+                        "kv_transfer_timeout_ms elapsed while the write was in progress",
+                    )
+                )
+                return status
+            if now >= slice_end:
+                # One sender wait slice elapsed: check the peer before the next one.
+                if conn.closed.is_set():
+                    s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, conn.close_reason))
+                    return status
+                slice_end = now + self._slice_s()
+            s.wake.clear()
+            wait = min(pause, max(0.0, min(slice_end, deadline) - now))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(s.wake.wait(), wait)
+            pause = min(pause * 2, _POLL_MAX_S)
+            try:
+                status = await self._dp.call(backend.poll, s.xfer)
+            except PeerLostError as exc:
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return XferStatus.ERROR
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return XferStatus.ERROR
+        return status
+
+    async def quiesce(self, s: TxSession) -> None:
+        """Release the write handle; until NIXL confirms, the blocks stay on loan."""
+        handle = s.xfer
+        if handle is None:
+            return
+        backend = self._dp.backend
+        pause = _RELEASE_RETRY_S
+        while not handle.released:  # an inline completion was released in the post
+            try:
+                await self._dp.call(backend.release, handle)
+            except KvxferdError as exc:
+                # A backend that cannot cancel (Mooncake) refuses until the write ends,
+                # which can take its whole timeout: say so once, then back off quietly.
+                level = logging.WARNING if pause == _RELEASE_RETRY_S else logging.DEBUG
+                log.log(
+                    level,
+                    "request %s: release refused, retrying: %s",
+                    shown(s.request_id),
+                    shown(exc, TEXT_LIMIT),
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _RELEASE_RETRY_MAX_S)
+        s.xfer = None
+        self.open_handles -= 1
