@@ -31,7 +31,7 @@ from kvxferd.service.logs import shown
 from kvxferd.service.loopmon import LoopMonitor
 from kvxferd.service.metrics import DaemonMetrics
 from kvxferd.service.ops import TaskScope, refresh_status, summary_line
-from kvxferd.service.peer_routes import PeerRoutes, StagedHooks
+from kvxferd.service.peer_routes import PeerRoutes
 from kvxferd.service.pools import PoolRegistry
 from kvxferd.service.reload import ConfigLoader, ReloadReport, serve_reloads
 from kvxferd.service.sdnotify import Notifier
@@ -40,12 +40,12 @@ from kvxferd.service.timeouts import timeouts_of
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.movers import SEND_MOVERS
 from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
 from kvxferd.transceiver.staged import (
     DEFAULT_STAGING_TOKENS,
     StagedReceiver,
-    StagedSender,
     staging_bytes,
 )
 
@@ -123,20 +123,12 @@ class Daemon:
         self.staged = settings.runtime == "CPP"
         self.bounce = _transfer_buffers(cfg, settings, self.staged)
         sender_timeouts, receiver_timeouts = timeouts_of(cfg, settings)
-        if self.staged:
-            staged_tx = StagedSender(
-                sender_timeouts, self.dataplane, pipelined=settings.pipelined_transfer,
-                bounce=self.bounce,
-            )  # fmt: skip
-            self.sender: Sender = staged_tx
-            hooks: StagedHooks | None = StagedHooks(staged_tx.on_round_ack, staged_tx.forget_peer)
-        else:
-            self.sender = Sender(
-                sender_timeouts, self.dataplane, pipelined=settings.pipelined_transfer,
-                bounce=self.bounce,
-            )  # fmt: skip
-            hooks = None
-        self.routes = PeerRoutes(self, self.dataplane, self.tasks, self.agent_name, hooks)
+        # The send coordinator, with the runtime's mover (how a slice's bytes cross).
+        self.sender = Sender(
+            sender_timeouts, self.dataplane, pipelined=settings.pipelined_transfer,
+            bounce=self.bounce, mover=SEND_MOVERS[settings.runtime],
+        )  # fmt: skip
+        self.routes = PeerRoutes(self, self.dataplane, self.tasks, self.agent_name)
         self.peers = PeerManager(
             self.identity,
             self.dataplane,
@@ -156,16 +148,15 @@ class Daemon:
         self.admission = AdmissionWindow(
             settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None
         )
-        # The staged runtime's sides move bytes over the two-sided transport, once up.
-        self._staged_sides: list[StagedSender | StagedReceiver] = []
+        # The staged receiver takes rounds over the two-sided transport, once up.
+        self._staged_rx: StagedReceiver | None = None
         receive = (self.admission, self.peers.connect)
         if self.staged:
-            staged_rx = StagedReceiver(
+            self._staged_rx = StagedReceiver(
                 receiver_timeouts, *receive, pipelined=settings.pipelined_transfer,
                 bounce=self.bounce,
             )  # fmt: skip
-            self.receiver: Receiver = staged_rx
-            self._staged_sides = [staged_tx, staged_rx]
+            self.receiver: Receiver = self._staged_rx
         else:
             self.receiver = Receiver(
                 receiver_timeouts, *receive, pipelined=settings.pipelined_transfer,
@@ -274,8 +265,9 @@ class Daemon:
         host, _ = split_hostport(self.cfg.daemon.peer_listen)
         self.routes.transport_address = await transport.start(host)
         self.routes.transport = transport
-        for side in self._staged_sides:
-            side.transport = transport
+        self.sender.mover.attach(transport)
+        if self._staged_rx is not None:
+            self._staged_rx.transport = transport
         log.info(
             "data plane up: %s transport listening on %s",
             self.settings.backend,

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvxferd.backends.twosided import TwoSidedTransport
@@ -27,7 +26,6 @@ from kvxferd.peers.messages import (
     PoolsUpdate,
     RequestData,
     Result,
-    RoundAck,
 )
 from kvxferd.service.logs import TEXT_LIMIT, shown
 from kvxferd.service.ops import TaskScope
@@ -40,14 +38,6 @@ log = logging.getLogger("kvxferd.daemon")
 Route = Callable[[PeerConnection, Any], Awaitable[None]]
 
 
-@dataclass
-class StagedHooks:
-    """What only the staged runtime's sender takes from the peer side (None otherwise)."""
-
-    on_round_ack: Callable[[PeerConnection, RoundAck], Awaitable[None]]
-    forget_peer: Callable[[str], None]
-
-
 class PeerRoutes:
     def __init__(
         self,
@@ -55,13 +45,11 @@ class PeerRoutes:
         dataplane: DataPlane,
         scope: TaskScope,
         agent_name: str,
-        staged: StagedHooks | None,
     ) -> None:
         self._d = daemon
         self._dp = dataplane
         self._scope = scope
         self._agent_name = agent_name
-        self._staged = staged
         # The two-sided transport, once started (staged runtime over UCX or MPI).
         self.transport: TwoSidedTransport | None = None
         self.transport_address = ""
@@ -79,8 +67,8 @@ class PeerRoutes:
             CancelAnswer: d.receiver.on_cancel_answer,
             PoolsUpdate: self._pools_update,
         }
-        if self._staged is not None:
-            routes[RoundAck] = self._staged.on_round_ack
+        # What the sender's mover takes itself (the staged rounds' acknowledgements).
+        routes.update(d.sender.mover.routes())
         return routes
 
     async def on_message(self, conn: PeerConnection, msg: PeerMessage) -> None:
@@ -227,7 +215,6 @@ class PeerRoutes:
     async def closed(self, conn: PeerConnection) -> None:
         d = self._d
         await asyncio.gather(d.sender.on_peer_closed(conn), d.receiver.on_peer_closed(conn))
-        if self.transport is not None:  # sessions are quiescent: drop its endpoints too
-            if self._staged is not None:
-                self._staged.forget_peer(conn.key)
+        d.sender.mover.peer_gone(conn.key)  # sessions are quiescent: forget it there too
+        if self.transport is not None:
             await self.transport.remove_peer(conn.key)

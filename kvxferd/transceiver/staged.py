@@ -36,7 +36,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -47,13 +47,17 @@ from kvxferd.memory.heads import mapping_problems
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result, RoundAck
-from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
+from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceBuffers, BounceRegion, Reservation
+from kvxferd.transceiver.direct import leg_target
 from kvxferd.transceiver.legs import RxLeg, TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.receiver import Receiver
-from kvxferd.transceiver.sender import Sender
 from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
 from kvxferd.transceiver.state import Reason, SessionState, Status
+from kvxferd.transceiver.writes import Writes
+
+if TYPE_CHECKING:
+    from kvxferd.transceiver.movers import Match, Route
 
 DEFAULT_STAGING_TOKENS = 8192
 
@@ -108,14 +112,31 @@ def blocks_per_round(region_bytes: int, blocks: int, leg_block_bytes: list[int])
     return k
 
 
-class StagedSender(Sender):
-    """Context side: for every leg of a request (one, or one per generation rank of a
-    head-split), gather each round of blocks (only the heads that leg's receiver holds)
-    into the send region and move it into that receiver's reservation."""
+class StagedMover:
+    """The staged runtime's SendMover (transceiver/movers.py). Context side: for every leg
+    of a request (one, or one per generation rank of a head-split), gather each round of
+    blocks (only the heads that leg's receiver holds) into the send region and move it
+    into that receiver's reservation."""
 
-    # Set by the daemon when the backend is two-sided (UCX, MPI); None: one-sided writes.
-    transport: TwoSidedTransport | None = None
-    _connected: set[str] | None = None
+    def __init__(
+        self, writes: Writes, bounce: BounceBuffers, pipelined: bool, match: Match
+    ) -> None:
+        self.writes = writes
+        self.bounce = bounce
+        self.pipelined = pipelined
+        self._match = match
+        # The two-sided transport once started (UCX, MPI); None: one-sided writes.
+        self.transport: TwoSidedTransport | None = None
+        self._connected: set[str] | None = None
+
+    def routes(self) -> dict[type, Route]:
+        return {RoundAck: self.on_round_ack}
+
+    def attach(self, transport: TwoSidedTransport) -> None:
+        self.transport = transport
+
+    def peer_gone(self, peer_key: str) -> None:
+        self.forget_peer(peer_key)
 
     async def on_round_ack(self, conn: PeerConnection, msg: RoundAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -130,7 +151,7 @@ class StagedSender(Sender):
         """(the heads of our pool the leg moves or None for whole blocks, its bytes per
         block), once the leg's blocks and head mapping are checked."""
         assert s.pool is not None
-        target = self._leg_target(s, start, end, leg)
+        target = leg_target(s, start, end, leg, self.pipelined)
         if isinstance(target, Terminal):
             return target
         dst_layout, _, dst_tp = target
@@ -148,9 +169,8 @@ class StagedSender(Sender):
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
         return heads, leg_block_bytes(ours, heads)
 
-    async def _write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
+    async def write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
         assert s.conn is not None and s.request is not None and s.pool is not None
-        assert self.bounce is not None
         legs = s.legs or [TxLeg(s.conn, s.request)]
         geometry: list[tuple[tuple[int, int] | None, int]] = []
         for leg in legs:  # every leg first: a bad leg fails the request before any write
