@@ -3,7 +3,7 @@
 A send coordinator (transceiver/sender.py: engine sends, receivers' RequestData, aborts,
 cancels, peers lost, drain, outcomes) hands each due slice of a request to its mover.
 A mover implements SendMover; adding one is a module with its class and a line in
-SEND_MOVERS (docs/protocol.md, "Adding a mover").
+SEND_MOVERS (docs/internals.md, "Adding a mover").
 """
 
 from __future__ import annotations
