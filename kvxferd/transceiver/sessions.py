@@ -227,9 +227,25 @@ def conclude(
         pool.users.discard(f"{'tx' if side == 'send' else 'rx'}:{session.request_id}")
     session.outcome = make_outcome(session, side, blocks_held)
     # Successes at DEBUG: at thousands of requests a second, one line each
-    # would drown the log; every failure is logged with its reason.
+    # would drown the log; every failure is logged with its reason. The line is built
+    # only when it is emitted: this runs once per request.
+    level = logging.DEBUG if term.status == Status.DONE else logging.WARNING
+    if log.isEnabledFor(level):
+        _log_outcome(session, side, term, log, level, blocks_held)
+    if session.engine is not None:
+        session.engine.deliver(session.outcome)
+
+
+def _log_outcome(
+    session: _Session,
+    side: str,
+    term: Terminal,
+    log: logging.Logger,
+    level: int,
+    blocks_held: bool,
+) -> None:
     log.log(
-        logging.DEBUG if term.status == Status.DONE else logging.WARNING,
+        level,
         "%s %s: %s (%s, %s fault)%s%s",
         side,
         shown(session.request_id),
@@ -240,8 +256,6 @@ def conclude(
         "; blocks held until the writer is fenced" if blocks_held else "",
         extra={"request_id": session.request_id},
     )
-    if session.engine is not None:
-        session.engine.deliver(session.outcome)
 
 
 def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Outcome:
