@@ -26,6 +26,7 @@ from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES, Fram
 from kvxferd.peers.manager import PREAUTH_MAX_CONNECTIONS, PREAUTH_MAX_PER_SOURCE
 from kvxferd.peers.messages import PEER_CODEC, Auth
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.hostile.streams import until_closed
 
 MiB = 1 << 20
 
@@ -70,17 +71,7 @@ async def connect_from(
 
 async def closed_by_daemon(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> bool:
     """True when the daemon ends the connection (EOF or reset) within `timeout_s`."""
-
-    async def drain() -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while await reader.read(64 << 10):
-                pass
-
-    try:
-        await asyncio.wait_for(drain(), timeout_s)
-    except asyncio.TimeoutError:
-        return False
-    return True
+    return await until_closed(reader, timeout_s)
 
 
 def test_the_length_prefix_is_checked_before_the_body_is_awaited() -> None:
