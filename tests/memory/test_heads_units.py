@@ -7,7 +7,6 @@ of every requested block arrive, nothing else of the destination changes.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_harness import tiny_layout, tp_transfers
 
 from kvxferd.memory.heads import (
     TpRank,
@@ -35,18 +35,9 @@ from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout, LayoutErro
 
 
 def layout(heads: int = 2, major: str = BLOCK_MAJOR, **kw: Any) -> KvLayout:
-    args: dict[str, Any] = dict(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=heads,
-        head_dim=2,
-        tokens_per_block=3,
-        dtype="float16",
-        major=major,
-        num_blocks=5,
-    )
-    args.update(kw)
-    return KvLayout(**args)
+    """tiny_layout with `heads` heads, 3 tokens per block and 5 blocks."""
+    fields = {"num_kv_heads": heads, "major": major, "tokens_per_block": 3, "num_blocks": 5}
+    return tiny_layout(**{**fields, **kw})
 
 
 # -- TpRank ----------------------------------------------------------------------------------
@@ -305,41 +296,6 @@ def test_same_heads_merge_into_whole_blocks() -> None:
     assert remote.tolist() == [[3 * lay.block_bytes, 2 * lay.block_bytes]]
 
 
-@st.composite
-def tp_transfer(draw: st.DrawFn) -> dict[str, Any]:
-    src_size, dst_size = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    total = math.lcm(src_size, dst_size) * draw(st.integers(1, 2))
-    geo = dict(
-        num_layers=draw(st.integers(1, 2)),
-        kv_factor=draw(st.sampled_from([1, 2])),
-        head_dim=draw(st.integers(1, 2)),
-        tokens_per_block=draw(st.integers(1, 3)),
-        dtype=draw(st.sampled_from(["int8", "float16"])),
-    )
-    src = KvLayout(
-        **geo,
-        num_kv_heads=total // src_size,
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 5)),
-    )
-    dst = KvLayout(
-        **geo,
-        num_kv_heads=total // dst_size,
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 5)),
-    )
-    n = draw(st.integers(0, min(src.num_blocks, dst.num_blocks)))
-    return dict(
-        src=src,
-        dst=dst,
-        src_tp=TpRank(draw(st.integers(0, src_size - 1)), src_size),
-        dst_tp=TpRank(draw(st.integers(0, dst_size - 1)), dst_size),
-        src_blocks=list(draw(st.permutations(range(src.num_blocks)))[:n]),
-        dst_blocks=list(draw(st.permutations(range(dst.num_blocks)))[:n]),
-        seed=draw(st.integers(0, 2**32 - 1)),
-    )
-
-
 def copy_rows(
     local: npt.NDArray[np.int64],
     remote: npt.NDArray[np.int64],
@@ -354,8 +310,8 @@ def copy_rows(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tp_transfer())
-def test_pairing_moves_the_shared_heads_and_nothing_else(case: dict[str, Any]) -> None:
+@given(tp_transfers(layers=2, dtypes=("int8", "float16"), max_blocks=5), st.integers(0, 2**32 - 1))
+def test_pairing_moves_the_shared_heads_and_nothing_else(case: dict[str, Any], seed: int) -> None:
     src, dst, src_tp, dst_tp = case["src"], case["dst"], case["src_tp"], case["dst_tp"]
     s0, d0 = src_tp.rank * src.num_kv_heads, dst_tp.rank * dst.num_kv_heads
     lo, hi = max(s0, d0), min(s0 + src.num_kv_heads, d0 + dst.num_kv_heads)
@@ -363,7 +319,7 @@ def test_pairing_moves_the_shared_heads_and_nothing_else(case: dict[str, Any]) -
         with pytest.raises(LayoutError, match="no KV head in common"):
             pair_head_segments(src, src_tp, case["src_blocks"], dst, dst_tp, case["dst_blocks"])
         return
-    rng = np.random.default_rng(case["seed"])
+    rng = np.random.default_rng(seed)
     src_pool = rng.integers(0, 256, src.pool_bytes, dtype=np.uint8)
     dst_pool = np.full(dst.pool_bytes, 0x5A, dtype=np.uint8)
     want = dst_pool.copy()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import tiny_layout
+from layout_harness import MAJORS, draw_blocks, draw_pools, geometries, tiny_layout
 
 from kvxferd.errors import KvxferdError
 from kvxferd.memory import (
@@ -234,35 +234,19 @@ def expand(src: np.ndarray, dst: np.ndarray, piece: int) -> list[tuple[int, int]
 
 @st.composite
 def pairings(draw: st.DrawFn) -> tuple[KvLayout, list[int], KvLayout, list[int]]:
-    geometry: dict[str, Any] = dict(
-        num_layers=draw(st.integers(1, 3)),
-        kv_factor=draw(st.sampled_from([1, 2])),
-        num_kv_heads=draw(st.integers(1, 2)),
-        head_dim=draw(st.integers(1, 3)),
-        tokens_per_block=draw(st.integers(1, 3)),
-        dtype=draw(st.sampled_from(["int8", "float16", "float32"])),
-    )
-    src = KvLayout(
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 8)),
-        **geometry,
-    )
-    dst = KvLayout(
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 8)),
-        **geometry,
-    )
+    geo = draw(geometries(head_dim=3, dtypes=("int8", "float16", "float32")))
+    src, dst = draw_pools(draw, geo, MAJORS, 8)
     n = draw(st.integers(0, min(src.num_blocks, dst.num_blocks)))
     # Runs of consecutive ids are common in practice: mix them with shuffles.
-    src_blocks = draw(st.permutations(range(src.num_blocks)))[:n]
+    src_blocks = draw_blocks(draw, src, n)
     dst_blocks = (
-        draw(st.permutations(range(dst.num_blocks)))[:n]
+        draw_blocks(draw, dst, n)
         if draw(st.booleans())
         else list(range(dst.num_blocks - n, dst.num_blocks))
     )
     if draw(st.booleans()):
         src_blocks = list(range(n))
-    return src, list(src_blocks), dst, list(dst_blocks)
+    return src, src_blocks, dst, dst_blocks
 
 
 @settings(max_examples=400, deadline=None)

@@ -17,6 +17,7 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_harness import block_id_lists, tiny_layout
 
 from kvxferd.memory import layout as layout_mod
 from kvxferd.memory.layout import (
@@ -41,20 +42,9 @@ ORDERS = [
 
 
 def lay(major: str = BLOCK_MAJOR, **kw: Any) -> KvLayout:
-    """2 layers, K and V, 2 heads of 2 fp16, 3 tokens per block, 4 blocks: token 8 bytes,
-    piece 24, block 96, pool 384."""
-    args: dict[str, Any] = dict(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=2,
-        head_dim=2,
-        tokens_per_block=3,
-        dtype="float16",
-        major=major,
-        num_blocks=4,
-    )
-    args.update(kw)
-    return KvLayout(**args)
+    """tiny_layout with 2 heads and 3 tokens per block: token 8 bytes, piece 24, block 96,
+    pool 384."""
+    return tiny_layout(**{"num_kv_heads": 2, "tokens_per_block": 3, "major": major, **kw})
 
 
 def ref_strides(layout: KvLayout, order: tuple[str, ...]) -> dict[str, int]:
@@ -380,11 +370,7 @@ def test_check_blocks_names_the_first_bad_id(blocks: Any, message: str) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    st.integers(1, 12).flatmap(
-        lambda n: st.tuples(st.just(n), st.lists(st.integers(-2, n + 2), max_size=10))
-    )
-)
+@given(block_id_lists(12, 2, 10))
 def test_check_blocks_matches_the_reference(case: tuple[int, list[int]]) -> None:
     n, blocks = case
     layout = lay(num_blocks=n)

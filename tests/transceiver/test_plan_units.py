@@ -9,7 +9,6 @@ that writes one block (or one byte) beyond the request fails.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,14 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_harness import (
+    block_id_lists,
+    draw_blocks,
+    draw_pools,
+    geometries,
+    tiny_layout,
+    tp_transfers,
+)
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout, LayoutError
@@ -31,18 +38,8 @@ Bytes = npt.NDArray[np.uint8]
 
 
 def layout(major: str = BLOCK_MAJOR, **kw: Any) -> KvLayout:
-    args: dict[str, Any] = dict(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=2,
-        head_dim=2,
-        tokens_per_block=2,
-        dtype="float16",
-        major=major,
-        num_blocks=8,
-    )
-    args.update(kw)
-    return KvLayout(**args)
+    """tiny_layout with 2 heads and 8 blocks."""
+    return tiny_layout(**{"num_kv_heads": 2, "major": major, "num_blocks": 8, **kw})
 
 
 def pools(src: KvLayout, dst: KvLayout, seed: int = 0) -> tuple[Bytes, Bytes]:
@@ -172,11 +169,7 @@ def test_repeated_id_names_both_positions() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    st.integers(1, 20).flatmap(
-        lambda n: st.tuples(st.just(n), st.lists(st.integers(-3, n + 3), max_size=12))
-    )
-)
+@given(block_id_lists(20, 3, 12))
 def test_validation_matches_the_reference(case: tuple[int, list[int]]) -> None:
     n, blocks = case
     ok = all(0 <= b < n for b in blocks) and len(set(blocks)) == len(blocks)
@@ -289,24 +282,10 @@ ORDERS = [BLOCK_MAJOR, LAYER_MAJOR, "layer,block,head,kv,token", "token,head,blo
 
 
 @st.composite
-def geometry(draw: st.DrawFn) -> dict[str, Any]:
-    return dict(
-        num_layers=draw(st.integers(1, 3)),
-        kv_factor=draw(st.sampled_from([1, 2])),
-        num_kv_heads=draw(st.integers(1, 2)),
-        head_dim=draw(st.integers(1, 2)),
-        tokens_per_block=draw(st.integers(1, 3)),
-        dtype=draw(st.sampled_from(["float16", "int8", "float32"])),
-    )
-
-
-@st.composite
 def same_heads_case(draw: st.DrawFn) -> tuple[KvLayout, list[int], KvLayout, list[int]]:
-    geo = draw(geometry())
-    src = KvLayout(**geo, major=draw(st.sampled_from(ORDERS)), num_blocks=draw(st.integers(1, 10)))
-    dst = KvLayout(**geo, major=draw(st.sampled_from(ORDERS)), num_blocks=draw(st.integers(1, 10)))
+    src, dst = draw_pools(draw, draw(geometries()), ORDERS, 10)
     n = draw(st.integers(0, min(src.num_blocks, dst.num_blocks)))
-    src_blocks = draw(st.permutations(range(src.num_blocks)))[:n]
+    src_blocks = draw_blocks(draw, src, n)
     # Often contiguous runs on both sides, sometimes not.
     if draw(st.booleans()):
         start = draw(st.integers(0, dst.num_blocks - n))
@@ -315,8 +294,8 @@ def same_heads_case(draw: st.DrawFn) -> tuple[KvLayout, list[int], KvLayout, lis
             s0 = draw(st.integers(0, src.num_blocks - n))
             src_blocks = list(range(s0, s0 + n))
     else:
-        dst_blocks = draw(st.permutations(range(dst.num_blocks)))[:n]
-    return src, list(src_blocks), dst, list(dst_blocks)
+        dst_blocks = draw_blocks(draw, dst, n)
+    return src, src_blocks, dst, dst_blocks
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -334,37 +313,8 @@ def test_any_plan_writes_exactly_the_requested_blocks(
         assert rows(remote) == [(DST_BASE + d * size, n * size) for _, d, n in runs]
 
 
-@st.composite
-def tp_case(draw: st.DrawFn) -> dict[str, Any]:
-    src_size, dst_size = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    total = math.lcm(src_size, dst_size) * draw(st.integers(1, 2))
-    geo = draw(geometry())
-    geo.pop("num_kv_heads")
-    src = KvLayout(
-        **geo,
-        num_kv_heads=total // src_size,
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 6)),
-    )
-    dst = KvLayout(
-        **geo,
-        num_kv_heads=total // dst_size,
-        major=draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR])),
-        num_blocks=draw(st.integers(1, 6)),
-    )
-    n = draw(st.integers(0, min(src.num_blocks, dst.num_blocks)))
-    return dict(
-        src=src,
-        dst=dst,
-        src_tp=TpRank(draw(st.integers(0, src_size - 1)), src_size),
-        dst_tp=TpRank(draw(st.integers(0, dst_size - 1)), dst_size),
-        src_blocks=list(draw(st.permutations(range(src.num_blocks)))[:n]),
-        dst_blocks=list(draw(st.permutations(range(dst.num_blocks)))[:n]),
-    )
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tp_case())
+@given(tp_transfers(layers=3, dtypes=("float16", "int8", "float32"), max_blocks=6))
 def test_plans_across_tensor_parallel_sizes_move_only_the_shared_heads(
     case: dict[str, Any],
 ) -> None:
