@@ -188,6 +188,15 @@ def _kill_mid_transfer(cluster: LocalCluster, victim_role: str) -> None:
     _assert_survived(survivor)
 
 
+async def _ended(engine: SimEngine, rid: str, timeout_s: float, needle: str, **want: str) -> None:
+    """Wait for `rid`'s outcome: its fields `want` (status, reason, fault) as given, `needle`
+    in its message; then release it."""
+    got = await engine.client.wait(rid, timeout_s=timeout_s)
+    assert {field: getattr(got, field) for field in want} == want, got
+    assert needle in got.message, got
+    await engine.client.release(rid)
+
+
 def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster) -> None:
     _kill_mid_transfer(cluster, "generation")
 
@@ -392,10 +401,7 @@ def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
             finally:
                 with contextlib.suppress(Exception):
                     await c.close(deregister=False)
-            got = await g.client.wait("orphan", timeout_s=10)
-            assert (got.status, got.fault) == ("failed", "peer"), got
-            assert "engine_disconnected" in got.message, got
-            await g.client.release("orphan")
+            await _ended(g, "orphan", 10, "engine_disconnected", status="failed", fault="peer")
 
     asyncio.run(scenario())
     logged(ctx, "orphan", "engine_disconnected")
@@ -561,10 +567,9 @@ def test_incompatible_layout_refused(cluster: LocalCluster) -> None:
                 # (b) Both pools exist before the handshake: the handshake refuses the peer.
                 async with opened(early, geometry=wide) as g2:
                     await g2.recv("geo-early", 64, ctx.peer_address)
-                    got = await g2.client.wait("geo-early", timeout_s=15)
-                    assert (got.status, got.reason) == ("failed", "peer_refused"), got
-                    assert "head_dim" in got.message, got
-                    await g2.client.release("geo-early")
+                    await _ended(
+                        g2, "geo-early", 15, "head_dim", status="failed", reason="peer_refused"
+                    )
 
     asyncio.run(scenario())
     logged(ctx, "handshake", "head_dim")
@@ -999,10 +1004,15 @@ def test_sender_deadline_when_no_receive(cluster: LocalCluster) -> None:
         async with opened(ctx) as c:
             await c.send("tx-deadline", 64)
             assert await c.client.query("tx-deadline") == "waiting_for_peer"
-            o = await c.client.wait("tx-deadline", timeout_s=15)
-            assert (o.status, o.reason, o.fault) == ("timed_out", "sender_deadline", "local"), o
-            assert "receiver" in o.message, o
-            await c.client.release("tx-deadline")
+            await _ended(
+                c,
+                "tx-deadline",
+                15,
+                "receiver",
+                status="timed_out",
+                reason="sender_deadline",
+                fault="local",
+            )
 
     asyncio.run(scenario())
     logged(ctx, "tx-deadline", "sender_deadline")
