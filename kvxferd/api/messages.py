@@ -18,6 +18,19 @@ class _Msg(msgspec.Struct, tag_field="type"):
     pass
 
 
+class _Call(_Msg):
+    """An engine call: its `call_id` comes back in exactly one Reply. A base's fields
+    encode first, so `call_id` stays the first field of every call, as it always was."""
+
+    call_id: int
+
+
+class _RequestCall(_Call):
+    """A call about one request: `request_id` follows `call_id` in each of them."""
+
+    request_id: str
+
+
 class EngineHello(_Msg, tag="hello"):
     version: int
     engine: str
@@ -30,7 +43,7 @@ class DaemonHello(_Msg, tag="hello_ok"):
     tokens_per_block: int
 
 
-class RegisterPool(_Msg, tag="register_pool"):
+class RegisterPool(_Call, tag="register_pool"):
     """`layout.num_kv_heads` counts the heads this rank holds: with tensor parallelism, rank
     `tp_rank` of `tp_size` holds the global heads [tp_rank * h, (tp_rank + 1) * h).
 
@@ -38,7 +51,6 @@ class RegisterPool(_Msg, tag="register_pool"):
     got) or, the legacy way, a POSIX shm object named `shm_name`; exactly one of the two.
     """
 
-    call_id: int
     pool_id: str
     shm_name: str
     nbytes: int
@@ -48,24 +60,22 @@ class RegisterPool(_Msg, tag="register_pool"):
     handoff: str = ""
 
 
-class PoolHandoff(_Msg, tag="pool_handoff"):
+class PoolHandoff(_Call, tag="pool_handoff"):
     """The first and only frame of a short-lived second connection to the engine API: it
     carries the pool's memfd as SCM_RIGHTS ancillary data, in the same sendmsg. The daemon
     checks the seals and answers a Reply whose `result` is a one-time token for
     RegisterPool.handoff (usable by the same process only, for a short while)."""
 
-    call_id: int
     version: int
     pool_id: str
     nbytes: int
 
 
-class DeregisterPool(_Msg, tag="deregister_pool"):
-    call_id: int
+class DeregisterPool(_Call, tag="deregister_pool"):
     pool_id: str
 
 
-class Recv(_Msg, tag="recv"):
+class Recv(_RequestCall, tag="recv"):
     """From `peer` (one context daemon), or from every daemon of `peers` (head-merge: the
     context instance has more tensor-parallel ranks than we do); exactly one of the two.
 
@@ -73,8 +83,6 @@ class Recv(_Msg, tag="recv"):
     the ones before are already here (a prefix cache) and are not written. `num_tokens`
     counts the whole request's tokens, from token 0."""
 
-    call_id: int
-    request_id: str
     pool_id: str
     blocks: list[int]
     peer: str = ""
@@ -84,12 +92,10 @@ class Recv(_Msg, tag="recv"):
     block_start: int = 0
 
 
-class Send(_Msg, tag="send"):
+class Send(_RequestCall, tag="send"):
     """`peer`: the generation daemon (its announced name) whose receive this request
     serves; "" serves whoever asks first."""
 
-    call_id: int
-    request_id: str
     pool_id: str
     blocks: list[int]
     token_start: int
@@ -99,19 +105,16 @@ class Send(_Msg, tag="send"):
     peer: str = ""
 
 
-class Cancel(_Msg, tag="cancel"):
-    call_id: int
-    request_id: str
+class Cancel(_RequestCall, tag="cancel"):
+    """Stop the request unless a write of it is in flight (Reply.result says which)."""
 
 
-class Release(_Msg, tag="release"):
-    call_id: int
-    request_id: str
+class Release(_RequestCall, tag="release"):
+    """Forget a finished request, so that its id may be used again."""
 
 
-class Query(_Msg, tag="query"):
-    call_id: int
-    request_id: str
+class Query(_RequestCall, tag="query"):
+    """The request's state name, in Reply.result."""
 
 
 class Reply(_Msg, tag="reply"):

@@ -119,11 +119,17 @@ class PoolsUpdate(_Msg, tag="pools"):
     agent_metadata: bytes = b""
 
 
-class RequestData(_Msg, tag="request_data"):
-    """Generation -> context: write this request's KV into these blocks."""
+class _AboutReceive(_Msg):
+    """A message about one receive (see the module docstring). A base's fields encode
+    first, so these two stay the first fields of each such message, as they always were."""
 
     request_id: str
     rx_token: int
+
+
+class RequestData(_AboutReceive, tag="request_data"):
+    """Generation -> context: write this request's KV into these blocks."""
+
     pool_id: str
     # The receiver's blocks for the request's logical blocks [block_start, ...): the blocks
     # before block_start are in its prefix cache and get nothing. num_tokens counts from
@@ -143,11 +149,9 @@ class RequestData(_Msg, tag="request_data"):
     block_start: int = 0
 
 
-class Result(_Msg, tag="result"):
+class Result(_AboutReceive, tag="result"):
     """Context -> generation: a slice was written (status "ok") or failed (a reason code)."""
 
-    request_id: str
-    rx_token: int
     status: str
     nbytes: int = 0
     last: bool = True
@@ -160,45 +164,35 @@ class Result(_Msg, tag="result"):
     end_block: int = 0
 
 
-class RoundAck(_Msg, tag="round_ack"):
+class RoundAck(_AboutReceive, tag="round_ack"):
     """Generation -> context (staged runtime): the round ending at `end_block` was
     scattered; the staging reservation may take the next one."""
 
-    request_id: str
-    rx_token: int
     end_block: int
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_AboutReceive, tag="abort"):
     """Either side: this request failed here; stop working on it.
 
     From the generation side it also asks for quiescence: the context side
     answers AbortAck once no write for `rx_token` can still land.
     """
 
-    request_id: str
-    rx_token: int
     reason: str
     message: str = ""
 
 
-class AbortAck(_Msg, tag="abort_ack"):
-    request_id: str
-    rx_token: int
+class AbortAck(_AboutReceive, tag="abort_ack"):
+    """Context -> generation: no write for the aborted receive can still land."""
 
 
-class CancelRequest(_Msg, tag="cancel"):
+class CancelRequest(_AboutReceive, tag="cancel"):
     """Generation -> context: the engine cancels; stop unless a write is in flight."""
 
-    request_id: str
-    rx_token: int
 
-
-class CancelAnswer(_Msg, tag="cancel_answer"):
+class CancelAnswer(_AboutReceive, tag="cancel_answer"):
     """`cancelled` True: nothing was or will be written; False: busy, retry later."""
 
-    request_id: str
-    rx_token: int
     cancelled: bool
 
 
