@@ -211,6 +211,17 @@ def run_until(what: str, done: Callable[[], bool], *workers: Worker) -> int:
     return n
 
 
+def both_reported(
+    what: str, d: Worker, d_req: str, p: Worker, p_req: str, *, then_steps: int
+) -> None:
+    """Step both workers until `d` reported `d_req` received and `p` reported `p_req` sent,
+    then `then_steps` more steps each (nothing planned): any report twice would show."""
+    run_until(what, lambda: d.count("recving", d_req) > 0 and p.count("sending", p_req) > 0, d, p)
+    for _ in range(then_steps):
+        d.step()
+        p.step()
+
+
 def recv_params(tid: str, peer: str) -> dict[str, Any]:
     return {"do_remote_prefill": True, "kvxferd": {"transfer_id": tid, "peer": peer}}
 
@@ -410,15 +421,7 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
     sends = plan_send("p-a", "t-dup", 40, [10, 11, 12]).sends
     sends += plan_send("p-b", "t-dup", 40, [13, 14, 15]).sends
     p.step(StepPlan(sends=sends), finished={"p-a", "p-b"})
-    run_until(
-        "the first transfer",
-        lambda: d.count("recving", "d-a") > 0 and p.count("sending", "p-a") > 0,
-        d,
-        p,
-    )
-    for _ in range(5):
-        d.step()
-        p.step()
+    both_reported("the first transfer", d, "d-a", p, "p-a", then_steps=5)
 
     assert d.reported("recving") == {"d-a": 1, "d-b": 1} and d.reported("failed") == {"d-b": 1}
     assert p.reported("sending") == {"p-a": 1, "p-b": 1}
@@ -543,15 +546,7 @@ def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., 
     d.step(plan_recv("d-new", "t-new", daemons.ctx.peer_address, prompt, [40, 41, 42, 43, 44]))
     p.step(plan_send("p-new", "t-new", prompt, [30, 31, 32, 33, 34]), finished={"p-new"})
     assert len(d.dialed) == len(p.dialed) == 2
-    run_until(
-        "the transfer after the restart",
-        lambda: d.count("recving", "d-new") > 0 and p.count("sending", "p-new") > 0,
-        d,
-        p,
-    )
-    for _ in range(3):
-        d.step()
-        p.step()
+    both_reported("the transfer after the restart", d, "d-new", p, "p-new", then_steps=3)
 
     assert d.reported("recving") == {"d-k": 1, "d-new": 1} and d.reported("failed") == {"d-k": 1}
     assert p.reported("sending") == {"p-k": 1, "p-new": 1}
