@@ -19,7 +19,9 @@ from daemon_harness import (
     GEOMETRY,
     SimEngine,
     assert_clean,
+    delivered,
     layout_for,
+    peer_names,
     staged_backends,
     status,
     wait_for,
@@ -113,6 +115,54 @@ async def _done(engine: SimEngine, request_id: str) -> Any:
     return outcome
 
 
+async def _merge(cs: list[RankEngine], g: RankEngine, peers: list[str], prefix: str) -> None:
+    """Head-merge: one request `prefix`-n of each of LENGTHS from the context ranks `cs`
+    (TP 2) into `g` (TP 1). Every outcome done and ok, each context rank moving its half of
+    every token and no more, every byte verified."""
+    dst = {f"{prefix}-{n}": (await g.recv(f"{prefix}-{n}", n, peers), n) for n in LENGTHS}
+    for rid, (_, n) in dst.items():
+        for c in cs:
+            await c.send(rid, n)
+    for rid, (blocks, n) in dst.items():
+        got = await _outcomes(g, rid)
+        sent = [await _outcomes(c, rid) for c in cs]
+        assert (got.status, got.reason) == ("done", "ok"), got
+        for one in sent:
+            assert (one.status, one.reason) == ("done", "ok"), one
+            assert one.nbytes == len(blocks) * g.layout.block_bytes // 2
+        assert got.nbytes == sum(one.nbytes for one in sent)
+        result = g.verify(rid, blocks, n)
+        assert result.ok and result.bytes_checked > 0, result.first_mismatch
+
+
+async def _split(c: RankEngine, gs: list[RankEngine], peer: str, prefix: str) -> None:
+    """Head-split: one request `prefix`-n of each of LENGTHS from `c` (TP 1) into the
+    generation ranks `gs` (TP 2), the send posted before the receives for every other one.
+    Every outcome done and ok, each rank receiving its half of every token, every byte of
+    every rank verified."""
+    dst: dict[str, tuple[list[list[int]], int]] = {}
+    for i, n in enumerate(LENGTHS):
+        rid = f"{prefix}-{n}"
+        if i % 2:
+            # Context first: the daemon holds the send until both ranks asked.
+            await c.send(rid, n)
+        dst[rid] = ([await g.recv(rid, n, peer) for g in gs], n)
+        if not i % 2:
+            await c.send(rid, n)
+    for rid, (blocks, n) in dst.items():
+        sent = await _outcomes(c, rid)
+        got = [await _outcomes(g, rid) for g in gs]
+        assert (sent.status, sent.reason) == ("done", "ok"), sent
+        for one, g in zip(got, gs, strict=True):
+            assert (one.status, one.reason) == ("done", "ok"), one
+            assert one.nbytes == len(blocks[0]) * g.layout.block_bytes
+        assert sent.nbytes == sum(one.nbytes for one in got)
+        assert sent.nbytes == len(blocks[0]) * c.layout.block_bytes
+        for g, b in zip(gs, blocks, strict=True):
+            result = g.verify(rid, b, n)
+            assert result.ok, (g.tp, result.first_mismatch)
+
+
 MAJOR_PAIRS = [
     ("block-major", "block-major"),
     ("layer-major", "layer-major"),
@@ -132,25 +182,7 @@ def test_head_merge_two_context_ranks_into_one(
             ranks([d["ctx0"], d["ctx1"]], 2, ctx_major) as ctx,
             ranks([d["gen"]], 1, gen_major) as (gen,),
         ):
-            dst = {}
-            for n in LENGTHS:
-                rid = f"merge-{ctx_major}-{gen_major}-{n}"
-                dst[rid] = (await gen.recv(rid, n, peers), n)
-            for rid, (_, n) in dst.items():
-                for c in ctx:
-                    await c.send(rid, n)
-            for rid, (blocks, n) in dst.items():
-                got = await _outcomes(gen, rid)
-                sent = [await _outcomes(c, rid) for c in ctx]
-                assert (got.status, got.reason) == ("done", "ok"), got
-                for s in sent:
-                    assert (s.status, s.reason) == ("done", "ok"), s
-                # Each context rank wrote its half of every token.
-                assert got.nbytes == sum(s.nbytes for s in sent)
-                assert sent[0].nbytes == sent[1].nbytes == len(blocks) * gen.layout.block_bytes // 2
-                result = gen.verify(rid, blocks, n)
-                assert result.ok, result.first_mismatch
-                assert result.bytes_checked > 0
+            await _merge(ctx, gen, peers, f"merge-{ctx_major}-{gen_major}")
 
     asyncio.run(scenario())
     for name in ("ctx0", "ctx1", "gen"):
@@ -169,26 +201,7 @@ def test_head_split_one_context_rank_into_two(
             ranks([d["solo"]], 1, ctx_major) as (ctx,),
             ranks([d["half0"], d["half1"]], 2, gen_major) as gen,
         ):
-            dst: dict[str, tuple[list[list[int]], int]] = {}
-            for i, n in enumerate(LENGTHS):
-                rid = f"split-{ctx_major}-{gen_major}-{n}"
-                if i % 2:
-                    # Context first: the daemon holds the send until both ranks asked.
-                    await ctx.send(rid, n)
-                dst[rid] = ([await g.recv(rid, n, solo) for g in gen], n)
-                if not i % 2:
-                    await ctx.send(rid, n)
-            for rid, (blocks, n) in dst.items():
-                sent = await _outcomes(ctx, rid)
-                got = [await _outcomes(g, rid) for g in gen]
-                assert (sent.status, sent.reason) == ("done", "ok"), sent
-                for o in got:
-                    assert (o.status, o.reason) == ("done", "ok"), o
-                assert sent.nbytes == sum(o.nbytes for o in got)
-                assert sent.nbytes == len(blocks[0]) * ctx.layout.block_bytes
-                for g, b in zip(gen, blocks, strict=True):
-                    result = g.verify(rid, b, n)
-                    assert result.ok, (g.tp, result.first_mismatch)
+            await _split(ctx, gen, solo, f"split-{ctx_major}-{gen_major}")
 
     asyncio.run(scenario())
     for name in ("solo", "half0", "half1"):
@@ -357,44 +370,6 @@ def test_staged_merge_and_split_move_every_heads_round(cluster: LocalCluster, ba
     halves = [_start(cluster, f"half{r}", "generation", 2, transceiver=staged) for r in range(2)]
     peers = [c.peer_address for c in ctx]
 
-    async def merge(cs: list[RankEngine], g: RankEngine) -> None:
-        dst = {f"smerge-{n}": (await g.recv(f"smerge-{n}", n, peers), n) for n in LENGTHS}
-        for rid, (_, n) in dst.items():
-            for c in cs:
-                await c.send(rid, n)
-        for rid, (blocks, n) in dst.items():
-            got = await _outcomes(g, rid)
-            sent = [await _outcomes(c, rid) for c in cs]
-            assert (got.status, got.reason) == ("done", "ok"), got
-            for one in sent:
-                assert (one.status, one.reason) == ("done", "ok"), one
-                # Each context rank moved its half of every token, no more.
-                assert one.nbytes == len(blocks) * g.layout.block_bytes // 2
-            assert got.nbytes == sum(one.nbytes for one in sent)
-            result = g.verify(rid, blocks, n)
-            assert result.ok and result.bytes_checked > 0, result.first_mismatch
-
-    async def split(c: RankEngine, gs: list[RankEngine]) -> None:
-        dst: dict[str, tuple[list[list[int]], int]] = {}
-        for i, n in enumerate(LENGTHS):
-            rid = f"ssplit-{n}"
-            if i % 2:
-                await c.send(rid, n)  # context first: it waits for both ranks' requests
-            dst[rid] = ([await g.recv(rid, n, solo.peer_address) for g in gs], n)
-            if not i % 2:
-                await c.send(rid, n)
-        for rid, (blocks, n) in dst.items():
-            sent = await _outcomes(c, rid)
-            got = [await _outcomes(g, rid) for g in gs]
-            assert (sent.status, sent.reason) == ("done", "ok"), sent
-            for one, g in zip(got, gs, strict=True):
-                assert (one.status, one.reason) == ("done", "ok"), one
-                assert one.nbytes == len(blocks[0]) * g.layout.block_bytes
-            assert sent.nbytes == sum(one.nbytes for one in got)
-            for g, b in zip(gs, blocks, strict=True):
-                result = g.verify(rid, b, n)
-                assert result.ok, (g.tp, result.first_mismatch)
-
     async def scenario() -> None:
         async with (
             ranks(ctx, 2, "layer-major") as cs,
@@ -402,7 +377,9 @@ def test_staged_merge_and_split_move_every_heads_round(cluster: LocalCluster, ba
             ranks([solo], 1, "block-major") as (c,),
             ranks(halves, 2, "layer-major") as gs,
         ):
-            await asyncio.gather(merge(cs, g), split(c, gs))
+            await asyncio.gather(
+                _merge(cs, g, peers, "smerge"), _split(c, gs, solo.peer_address, "ssplit")
+            )
 
     asyncio.run(scenario())
     for d in (*ctx, gen, solo, *halves):
@@ -789,8 +766,8 @@ def test_a_served_leg_whose_context_rank_dies_does_not_fail_the_merge(
     ctx0 = _start(cluster, "ctx0", "context", 2)
     ctx1 = _start(cluster, "ctx1", "context", 2)
     gen = _start(cluster, "gen", "generation", 1)
-    peers = [ctx0.peer_address, ctx1.peer_address]
     n = 150
+    peers = [ctx0.peer_address, ctx1.peer_address]
 
     async def scenario() -> None:
         c0 = await RankEngine.open_rank(ctx0, TpRank(0, 2))
@@ -807,16 +784,13 @@ def test_a_served_leg_whose_context_rank_dies_does_not_fail_the_merge(
                 ctx0.kill(signal.SIGKILL)
                 await c0.close(deregister=False)  # its daemon is gone
                 wait_for(
-                    lambda: [p["name"] for p in status(gen)["peers"]] == ["ctx1"],
+                    lambda: peer_names(gen) == ["ctx1"],
                     what="the generation daemon sees rank 0 gone",
                 )
                 # Peers are forgotten after their requests were handled: still going.
                 assert status(gen)["sessions"]["recv"] == {"transferring": 1}
                 await c1.send("late-death", n)
-                await _done(c1, "late-death")
-                await _done(g, "late-death")
-                result = g.verify("late-death", blocks, n)
-                assert result.ok, result.first_mismatch
+                await delivered(c1, g, "late-death", blocks, n)
             finally:
                 await c1.close()
 
@@ -868,17 +842,14 @@ def test_a_served_leg_whose_generation_rank_dies_does_not_fail_the_split(
                     half0.kill(signal.SIGKILL)
                     await g0.close(deregister=False)
                     wait_for(
-                        lambda: [p["name"] for p in status(ctx)["peers"]] == ["half1"],
+                        lambda: peer_names(ctx) == ["half1"],
                         what="the context daemon sees rank 0 gone",
                     )
                     # Peers are forgotten after their requests were handled: still going.
                     assert status(ctx)["sessions"]["send"] == {"transferring": 1}
                 finally:
                     half1.kill(signal.SIGCONT)
-                await _done(c, "split-death")
-                await _done(g1, "split-death")
-                result = g1.verify("split-death", blocks, n)
-                assert result.ok, result.first_mismatch
+                await delivered(c, g1, "split-death", blocks, n)
             finally:
                 await g1.close()
 
