@@ -126,81 +126,147 @@ def test_unreadable_or_empty_secret_fails_at_load(tmp_path: Path, content: str |
 # ------------------------------------------------------------- YAML syntax
 
 
+def one_problem(text: str, *needles: str) -> None:
+    """`text` fails to load with exactly one problem, which holds every one of `needles`."""
+    [problem] = problems(text)
+    for needle in needles:
+        assert needle in problem, (needle, problem)
+
+
 def test_syntax_error_names_line_and_column() -> None:
     [problem] = problems("cache_transceiver_config:\n  backend: NIXL\n bad: [1,\n")
     assert problem.startswith("ctx.yaml: YAML syntax error at line ")
     assert "column" in problem
 
 
-def test_syntax_error_position_is_exact() -> None:
-    [problem] = problems("a: 1\nb: : 2\n")
-    assert "line 2, column 4" in problem
-
-
-def test_tab_indentation_reported_with_position() -> None:
-    [problem] = problems("engine:\n\trole: context\n")
-    assert "line 2" in problem
-
-
-def test_python_tags_are_refused() -> None:
-    [problem] = problems("engine: !!python/object/apply:os.system ['true']\n")
-    assert "YAML syntax error" in problem and "line 1" in problem
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        pytest.param("a: 1\nb: : 2\n", ["line 2, column 4"], id="position_is_exact"),
+        pytest.param("engine:\n\trole: context\n", ["line 2"], id="tab_indentation"),
+        pytest.param(
+            "engine: !!python/object/apply:os.system ['true']\n",
+            ["YAML syntax error", "line 1"],
+            id="python_tags_are_refused",
+        ),
+        pytest.param(
+            """
+            cache_transceiver_config:
+              backend: NIXL
+              backend: UCX
+            """,
+            ["cache_transceiver_config.backend: duplicate key 'backend' (lines 3 and 4)"],
+            id="duplicate_keys_are_errors",
+        ),
+    ],
+)
+def test_a_syntax_problem_names_its_place(text: str, needles: list[str]) -> None:
+    one_problem(text, *needles)
 
 
 @pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "a list"), ("42\n", "42")])
 def test_top_level_must_be_a_mapping(text: str, kind: str) -> None:
-    [problem] = problems(text)
-    assert "must hold a mapping" in problem and kind in problem
-
-
-def test_duplicate_keys_are_errors() -> None:
-    [problem] = problems(
-        """
-        cache_transceiver_config:
-          backend: NIXL
-          backend: UCX
-        """
-    )
-    assert "cache_transceiver_config.backend: duplicate key 'backend' (lines 3 and 4)" in problem
+    one_problem(text, "must hold a mapping", kind)
 
 
 # ------------------------------------------------------------- values
 
 
-def test_range_error_names_path_value_and_rule() -> None:
-    [problem] = problems("cache_transceiver_config:\n  kv_transfer_timeout_ms: -5\n")
-    assert problem == (
-        "ctx.yaml: cache_transceiver_config.kv_transfer_timeout_ms: "
-        "must be greater than 0 (got -5) (line 2)"
-    )
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(
+            "cache_transceiver_config:\n  kv_transfer_timeout_ms: -5\n",
+            "ctx.yaml: cache_transceiver_config.kv_transfer_timeout_ms: "
+            "must be greater than 0 (got -5) (line 2)",
+            id="range_error_names_path_value_and_rule",
+        ),
+        pytest.param(
+            "cache_transceiver_config:\n  kv_transfer_timeout: 5\n",
+            "ctx.yaml: cache_transceiver_config.kv_transfer_timeout: unknown key "
+            "'kv_transfer_timeout' (did you mean 'kv_transfer_timeout_ms'?) (line 2)",
+            id="unknown_key_suggests_closest",
+        ),
+    ],
+)
+def test_the_whole_message(text: str, message: str) -> None:
+    [problem] = problems(text)
+    assert problem == message
 
 
-def test_ge_error() -> None:
-    [problem] = problems("cache_transceiver_config: {kv_cache_bounce_size_mb: -1}\n")
-    assert "kv_cache_bounce_size_mb: must be greater than or equal to 0 (got -1)" in problem
-
-
-def test_type_error_says_what_is_allowed() -> None:
-    [problem] = problems("cache_transceiver_config:\n  kv_transfer_timeout_ms: '60000'\n")
-    assert "cache_transceiver_config.kv_transfer_timeout_ms: must be an integer greater " in problem
-    assert "or null (got '60000', a string)" in problem
-
-
-def test_bool_for_int_is_a_type_error() -> None:
-    [problem] = problems("engine: {kv_layout: {tokens_per_block: yes}}\n")
-    assert "engine.kv_layout.tokens_per_block: must be an integer greater than 0" in problem
-    assert "got true, a boolean" in problem
-
-
-def test_literal_error_lists_choices_and_case_hint() -> None:
-    [problem] = problems("cache_transceiver_config: {transceiver_runtime: Auto}\n")
-    assert "must be one of 'CPP', 'PYTHON', 'auto', or null (got 'Auto')" in problem
-    assert "case-sensitive: did you mean 'auto'?" in problem
-
-
-def test_section_of_wrong_type() -> None:
-    [problem] = problems("engine: [context]\n")
-    assert "ctx.yaml: engine: must be a mapping" in problem and "got a list" in problem
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        pytest.param(
+            "cache_transceiver_config: {kv_cache_bounce_size_mb: -1}\n",
+            ["kv_cache_bounce_size_mb: must be greater than or equal to 0 (got -1)"],
+            id="ge_error",
+        ),
+        pytest.param(
+            "cache_transceiver_config:\n  kv_transfer_timeout_ms: '60000'\n",
+            [
+                "cache_transceiver_config.kv_transfer_timeout_ms: must be an integer greater ",
+                "or null (got '60000', a string)",
+            ],
+            id="type_error_says_what_is_allowed",
+        ),
+        pytest.param(
+            "engine: {kv_layout: {tokens_per_block: yes}}\n",
+            [
+                "engine.kv_layout.tokens_per_block: must be an integer greater than 0",
+                "got true, a boolean",
+            ],
+            id="bool_for_int_is_a_type_error",
+        ),
+        pytest.param(
+            "cache_transceiver_config: {transceiver_runtime: Auto}\n",
+            [
+                "must be one of 'CPP', 'PYTHON', 'auto', or null (got 'Auto')",
+                "case-sensitive: did you mean 'auto'?",
+            ],
+            id="literal_error_lists_choices_and_case_hint",
+        ),
+        pytest.param(
+            "engine: [context]\n",
+            ["ctx.yaml: engine: must be a mapping", "got a list"],
+            id="section_of_wrong_type",
+        ),
+        pytest.param(
+            "daemon: {heartbeat_interval_ms: 5000}\n",
+            ["daemon.heartbeat_timeout_ms: must be greater than heartbeat_interval_ms (5000)"],
+            id="heartbeat_rule_reported_at_timeout_path",
+        ),
+        # unknown keys
+        pytest.param(
+            "daemon: {colour: blue}\n",
+            ["unknown key 'colour'; allowed here: name, api_socket, peer_listen"],
+            id="unknown_key_without_close_match_lists_allowed",
+        ),
+        pytest.param(
+            "engin: {}\n",
+            ["unknown top-level key 'engin' (did you mean 'engine'?)"],
+            id="misspelled_section",
+        ),
+        # YAML's own surprises
+        pytest.param(
+            "daemon:\n  peer_listen: 10:20\n",  # YAML 1.1: base-60 integer
+            ["daemon.peer_listen: must be a string (got 620); quote it"],
+            id="unquoted_host_port_read_as_number_gets_quote_hint",
+        ),
+        pytest.param(
+            "daemon: {name: 2024-01-01}\n",
+            ["got 2024-01-01, a date); quote it"],
+            id="date_for_string_gets_quote_hint",
+        ),
+        pytest.param(
+            "daemon:\n  peers:\n    7: 'h:1'\n",
+            ["daemon.peers.7: the key 7 is not a string; quote it"],
+            id="non_string_peer_name",
+        ),
+    ],
+)
+def test_a_bad_value_or_key_is_one_problem_that_says_so(text: str, needles: list[str]) -> None:
+    one_problem(text, *needles)
 
 
 def test_every_problem_reported_at_once() -> None:
@@ -225,13 +291,6 @@ def test_every_problem_reported_at_once() -> None:
     ]
 
 
-def test_heartbeat_rule_reported_at_timeout_path() -> None:
-    [problem] = problems("daemon: {heartbeat_interval_ms: 5000}\n")
-    assert (
-        "daemon.heartbeat_timeout_ms: must be greater than heartbeat_interval_ms (5000)" in problem
-    )
-
-
 def test_peer_name_and_address_errors() -> None:
     found = problems("daemon:\n  peers:\n    'gen 0': 'h:1'\n    gen1: 'h'\n")
     assert any("daemon.peers.gen 0: name must contain only letters" in p for p in found)
@@ -239,24 +298,6 @@ def test_peer_name_and_address_errors() -> None:
 
 
 # ------------------------------------------------------------- unknown keys and nesting
-
-
-def test_unknown_key_suggests_closest() -> None:
-    [problem] = problems("cache_transceiver_config:\n  kv_transfer_timeout: 5\n")
-    assert problem == (
-        "ctx.yaml: cache_transceiver_config.kv_transfer_timeout: unknown key "
-        "'kv_transfer_timeout' (did you mean 'kv_transfer_timeout_ms'?) (line 2)"
-    )
-
-
-def test_unknown_key_without_close_match_lists_allowed() -> None:
-    [problem] = problems("daemon: {colour: blue}\n")
-    assert "unknown key 'colour'; allowed here: name, api_socket, peer_listen" in problem
-
-
-def test_misspelled_section() -> None:
-    [problem] = problems("engin: {}\n")
-    assert "unknown top-level key 'engin' (did you mean 'engine'?)" in problem
 
 
 @pytest.mark.parametrize(
@@ -287,22 +328,7 @@ def test_wrong_nesting_gets_a_hint(text: str, hint: str) -> None:
 # ------------------------------------------------------------- YAML's own surprises
 
 
-def test_unquoted_host_port_read_as_number_gets_quote_hint() -> None:
-    [problem] = problems("daemon:\n  peer_listen: 10:20\n")  # YAML 1.1: base-60 integer
-    assert "daemon.peer_listen: must be a string (got 620); quote it" in problem
-
-
-def test_date_for_string_gets_quote_hint() -> None:
-    [problem] = problems("daemon: {name: 2024-01-01}\n")
-    assert "got 2024-01-01, a date); quote it" in problem
-
-
 @pytest.mark.parametrize(("text", "shown"), [("1: x\n", "the key 1"), ("on: 1\n", "the key true")])
 def test_non_string_key(text: str, shown: str) -> None:
     [problem] = problems(text)
     assert f"{shown} is not a string" in problem and "quote it" in problem
-
-
-def test_non_string_peer_name() -> None:
-    [problem] = problems("daemon:\n  peers:\n    7: 'h:1'\n")
-    assert "daemon.peers.7: the key 7 is not a string; quote it" in problem
