@@ -90,8 +90,12 @@ async def next_iteration() -> None:
         await asyncio.sleep(0)
 
 
-def corked(transport: FakeTransport | None = None) -> tuple[CorkedWriter, FakeWriter]:
+def corked(
+    transport: FakeTransport | None = None, fail_with: BaseException | None = None
+) -> tuple[CorkedWriter, FakeWriter]:
+    """A CorkedWriter over a FakeWriter whose writes raise `fail_with`, where given."""
     fake = FakeWriter(transport)
+    fake.fail_with = fail_with
     return CorkedWriter(fake), fake  # type: ignore[arg-type]
 
 
@@ -181,8 +185,7 @@ def test_the_buffer_flushes_at_once_when_it_reaches_the_threshold() -> None:
 
 def test_a_write_failure_makes_the_connection_unusable() -> None:
     async def scenario() -> None:
-        out, fake = corked()
-        fake.fail_with = BrokenPipeError("peer gone")
+        out, fake = corked(fail_with=BrokenPipeError("peer gone"))
         out.write(b"lost")
         assert out.failed is None
         await next_iteration()  # the scheduled flush hits the failure
@@ -201,8 +204,7 @@ def test_a_write_failure_makes_the_connection_unusable() -> None:
 )
 def test_each_kind_of_write_failure_is_caught(exc: BaseException) -> None:
     async def scenario() -> None:
-        out, fake = corked()
-        fake.fail_with = exc
+        out, _ = corked(fail_with=exc)
         out.write(b"x" * CorkedWriter.FLUSH_AT_BYTES)  # flushes inside write: no raise
         assert out.failed is exc
 
@@ -211,8 +213,7 @@ def test_each_kind_of_write_failure_is_caught(exc: BaseException) -> None:
 
 def test_a_failed_flush_drops_its_frames_and_resets_the_buffer() -> None:
     async def scenario() -> None:
-        out, fake = corked()
-        fake.fail_with = OSError("x")
+        out, fake = corked(fail_with=OSError("x"))
         out.write(b"a")
         out.write(b"b")
         out.flush()
