@@ -8,7 +8,7 @@ an abandoned tag takes it back; abandoned tags are forgotten after `ttl_s`, when
 peer is removed, or when the transport closes.
 
 A transport keys its tags as it matches messages: UCX by the tag on the wire (which
-already names the sender), MPI by (peer key, tag).
+already names the sender), MPI by (peer key, tag). TaggedTransport is what both build on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from kvxferd.errors import TransferError
 
-__all__ = ["TagBook"]
+__all__ = ["TagBook", "TaggedTransport"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -79,3 +79,28 @@ class TagBook(Generic[K]):
     def clear(self) -> None:
         """The transport closed: forget every abandoned tag."""
         self._abandoned.clear()
+
+
+class TaggedTransport(Generic[K]):
+    """What both two-sided transports are made of: their peer key (daemon/incarnation),
+    the grace a message past its deadline still gets to arrive whole (`stall_grace_s`),
+    and their TagBook. One constructor, so that both take the same options; `_open` does
+    the transport's own set-up (loading its library first, which raises StartupError)."""
+
+    name: str
+
+    def __init__(
+        self,
+        daemon_name: str,
+        incarnation: str,
+        *,
+        stall_grace_s: float = 5.0,
+        abandon_ttl_s: float = 120.0,
+    ) -> None:
+        self.key = f"{daemon_name}/{incarnation}"
+        self._stall_grace_s = stall_grace_s
+        self._tags: TagBook[K] = TagBook(self.name, abandon_ttl_s)
+        self._open()
+
+    def _open(self) -> None:
+        raise NotImplementedError

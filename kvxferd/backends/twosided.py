@@ -8,10 +8,13 @@ agent calls are no-ops.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from kvxferd.backends.base import Segments, XferHandle, XferStatus
-from kvxferd.errors import TransferError
+from kvxferd.errors import PeerLostError, TransferError, TransferTimeoutError
 
 
 class TwoSidedTransport(Protocol):
@@ -37,6 +40,37 @@ class TwoSidedTransport(Protocol):
     async def remove_peer(self, peer_key: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def connect_timeout(
+    transport: str, peer_key: str, address: str, awaited: str, timeout_s: float
+) -> TransferTimeoutError:
+    """A connect to a peer that got no `awaited` (answer, hello answer...) in time."""
+    return TransferTimeoutError(
+        f"{transport} connect to {peer_key} at {address}: no {awaited} within {timeout_s:g}s"
+    )
+
+
+@contextlib.contextmanager
+def connect_failures(
+    transport: str,
+    peer_key: str,
+    address: str,
+    timeout_s: float,
+    lost: type[Exception] = OSError,
+    why: Callable[[Exception], str] = str,
+) -> Iterator[None]:
+    """Around a transport's first contact with a peer: no answer within `timeout_s` is a
+    TransferTimeoutError, a `lost` exception (`why` says what it was) a PeerLostError."""
+    try:
+        yield
+    except (asyncio.TimeoutError, TimeoutError) as exc:
+        raise connect_timeout(transport, peer_key, address, "answer", timeout_s) from exc
+    except lost as exc:
+        raise PeerLostError(
+            f"{transport} connect to {peer_key} at {address} failed ({why(exc)}); "
+            "is the peer running?"
+        ) from exc
 
 
 def round_tag(rx_token: int, first_block: int) -> int:

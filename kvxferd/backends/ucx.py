@@ -109,7 +109,8 @@ import os
 import struct
 from typing import Any
 
-from kvxferd.backends.tagbook import TagBook
+from kvxferd.backends.tagbook import TaggedTransport
+from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -249,6 +250,10 @@ def _decode_hello(buf: bytearray) -> str:
     return bytes(buf[_HELLO_HEAD.size : _HELLO_HEAD.size + n]).decode()
 
 
+def _named(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _split_address(address: str) -> tuple[str, int]:
     try:
         return split_hostport(address, "UCX peer address")
@@ -324,7 +329,7 @@ def _install_event_loop_progress(ctx: Any, loop: asyncio.AbstractEventLoop) -> _
     return driver
 
 
-class UcxTransport:
+class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
     """Tagged messages between daemons over UCX (ucxx, asyncio).
 
     Runs on the daemon's event loop; not thread-safe. See the module docstring
@@ -334,25 +339,14 @@ class UcxTransport:
     name = "UCX"
     link_ahead = False  # endpoints open at the first round
 
-    def __init__(
-        self,
-        daemon_name: str,
-        incarnation: str,
-        *,
-        stall_grace_s: float = 5.0,
-        abandon_ttl_s: float = 120.0,
-    ) -> None:
+    def _open(self) -> None:
         self._ucxx = _load()
-        self.key = f"{daemon_name}/{incarnation}"
         self._hello = _encode_hello(self.key)
-        self._stall_grace_s = stall_grace_s
         self._ctx: Any = None
         self._driver: _EventLoopProgress | None = None
         self._listener: Any = None
         # peer key -> its endpoints (one per direction at most, normally one).
         self._peers: dict[str, list[Any]] = {}
-        # By wire tag: the recv in progress, and the abandoned tags (see recv).
-        self._tags: TagBook[int] = TagBook("UCX", abandon_ttl_s)
         self._drainer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -445,22 +439,14 @@ class UcxTransport:
         host, port = _split_address(address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        try:
+        # ucxx raises exceptions of its own: their type names say what went wrong.
+        with connect_failures("UCX", peer_key, address, timeout_s, Exception, _named):
             ep = await asyncio.wait_for(
                 ctx.create_endpoint(
                     host, port, endpoint_error_handling=True, connect_timeout=timeout_s
                 ),
                 timeout_s,
             )
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise TransferTimeoutError(
-                f"UCX connect to {peer_key} at {address}: no answer within {timeout_s:g}s"
-            ) from exc
-        except Exception as exc:
-            raise PeerLostError(
-                f"UCX connect to {peer_key} at {address} failed "
-                f"({type(exc).__name__}: {exc}); is the peer running?"
-            ) from exc
         try:
             ack = bytearray(_HELLO_BYTES)
             await asyncio.wait_for(
@@ -471,9 +457,7 @@ class UcxTransport:
         except BaseException as exc:
             self._abort(ep)
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-                raise TransferTimeoutError(
-                    f"UCX connect to {peer_key} at {address}: no hello answer within {timeout_s:g}s"
-                ) from exc
+                raise connect_timeout("UCX", peer_key, address, "hello answer", timeout_s) from exc
             if isinstance(exc, Exception) and not isinstance(exc, TransferError):
                 raise PeerLostError(
                     f"UCX connect to {peer_key} at {address}: hello failed "

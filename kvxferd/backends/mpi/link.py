@@ -42,7 +42,8 @@ from typing import Any, TypeVar
 
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
-from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
+from kvxferd.backends.twosided import connect_failures, connect_timeout
+from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
@@ -326,18 +327,10 @@ class Links:
         def remaining() -> float:
             return max(deadline - loop.time(), 0.001)
 
-        try:
+        with connect_failures("MPI", peer_key, address, timeout_s):
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), remaining()
             )
-        except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise TransferTimeoutError(
-                f"MPI connect to {peer_key} at {address}: no answer within {timeout_s:g}s"
-            ) from exc
-        except OSError as exc:
-            raise PeerLostError(
-                f"MPI connect to {peer_key} at {address} failed ({exc}); is the peer running?"
-            ) from exc
         connecting: asyncio.Future[Any] | None = None
         try:
             writer.write(wire.frame(wire.HELLO, self.key.encode()))
@@ -379,9 +372,7 @@ class Links:
                 # Finishes later (MPICH bounds it): free what it makes.
                 connecting.add_done_callback(_free_comm)
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-                raise TransferTimeoutError(
-                    f"MPI connect to {peer_key} at {address}: no rendezvous within {timeout_s:g}s"
-                ) from exc
+                raise connect_timeout("MPI", peer_key, address, "rendezvous", timeout_s) from exc
             if isinstance(exc, asyncio.IncompleteReadError | ConnectionError):
                 raise PeerLostError(
                     f"MPI connect to {peer_key} at {address}: the peer closed the rendezvous"

@@ -62,7 +62,7 @@ import numpy as np
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
 from kvxferd.backends.mpi.link import Link, Links, Peer
-from kvxferd.backends.tagbook import TagBook
+from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -119,7 +119,7 @@ class _Zombie:
     since: float = field(default_factory=time.monotonic)
 
 
-class MpiTransport:
+class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag): see recv
     """Tagged messages between daemons over MPI (mpi4py + MPICH).
 
     Runs on the daemon's event loop; not thread-safe. See the package and
@@ -131,23 +131,12 @@ class MpiTransport:
     # first round: see "Surviving a peer's death" in the package docstring.
     link_ahead = True
 
-    def __init__(
-        self,
-        daemon_name: str,
-        incarnation: str,
-        *,
-        stall_grace_s: float = 5.0,
-        abandon_ttl_s: float = 120.0,
-    ) -> None:
+    def _open(self) -> None:
         self._mpi4py = load_mpi4py()
-        self.key = f"{daemon_name}/{incarnation}"
         if len(self.key.encode()) > wire.MAX_FIELD:
             raise StartupError(f"MPI peer key {self.key[:40]!r}... is too long")
-        self._stall_grace_s = stall_grace_s
         self._rt: Runtime | None = None
         self._links = Links(self.key, self._runtime, self._start_ticker)
-        # By (peer key, tag): the recv in progress, and the abandoned tags (see recv).
-        self._tags: TagBook[tuple[str, int]] = TagBook("MPI", abandon_ttl_s)
         self._zombies: list[_Zombie] = []
         self._ticker: asyncio.Task[None] | None = None
         self._scratch = _ScratchPool()
