@@ -8,8 +8,10 @@ tests/daemon/test_fencing.py run the same fences across real daemons and signals
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,17 @@ def child() -> tuple[subprocess.Popen[bytes], process.ProcessInfo]:
     assert fields is not None
     me = process.me()
     return proc, process.ProcessInfo(me.boot_id, me.pid_ns, proc.pid, int(fields[19]))
+
+
+@contextlib.contextmanager
+def running_child() -> Iterator[tuple[subprocess.Popen[bytes], process.ProcessInfo]]:
+    """child(), killed and reaped when the block ends."""
+    proc, info = child()
+    try:
+        yield proc, info
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def hold(leg: HeldLeg, rid: str = "r1") -> Hold:
@@ -100,8 +113,7 @@ class Keeper:
 
 def test_a_stopped_writer_holds_until_it_dies() -> None:
     async def scenario() -> None:
-        proc, info = child()
-        try:
+        with running_child() as (proc, info):
             k = Keeper()
             proc.send_signal(signal.SIGSTOP)  # stopped is not gone
             k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", info)))
@@ -111,9 +123,6 @@ def test_a_stopped_writer_holds_until_it_dies() -> None:
             assert await k.released_within(5)
             assert k.released == [("r1", "peer_exited")]
             assert k.freed == [Reservation(0, 4096)] and not k.keeper.holds
-        finally:
-            proc.kill()
-            proc.wait()
 
     asyncio.run(scenario())
 
@@ -141,8 +150,7 @@ def test_an_abort_ack_of_the_same_incarnation_releases() -> None:
 @pytest.mark.parametrize("watchable", [False, True])
 def test_a_new_incarnation_releases_only_where_death_cannot_be_watched(watchable: bool) -> None:
     async def scenario() -> None:
-        proc, info = child()
-        try:
+        with running_child() as (proc, info):
             k = Keeper()
             k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", info if watchable else None)))
             # A name alone proves nothing: not a connection we dialed, or not where the
@@ -159,9 +167,6 @@ def test_a_new_incarnation_releases_only_where_death_cannot_be_watched(watchable
                 assert k.released == [("r1", "peer_exited")]
             else:
                 assert k.released == [("r1", "peer_restarted")]
-        finally:
-            proc.kill()
-            proc.wait()
 
     asyncio.run(scenario())
 
