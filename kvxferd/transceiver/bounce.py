@@ -48,6 +48,8 @@ MAX_AVG_SEGMENT_BYTES = 6 << 10
 RESERVATION_ALIGN = 4096
 
 Index = npt.NDArray[np.intp]
+Bytes = npt.NDArray[np.uint8]
+Heads = tuple[int, int]  # a pool's heads [start, end), local indices
 
 # Copies this large are split over the copier's threads; below it a thread
 # hand-off (tens of microseconds) would eat the gain.
@@ -137,38 +139,16 @@ class Copier(Protocol):
     pool they pack the same bytes as `gather`/`scatter`.
     """
 
-    def gather(
-        self,
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        out: npt.NDArray[np.uint8],
-    ) -> None: ...
+    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None: ...
 
-    def scatter(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-    ) -> None: ...
+    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None: ...
 
     def gather_heads(
-        self,
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
-        out: npt.NDArray[np.uint8],
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
     ) -> None: ...
 
     def scatter_heads(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
     ) -> None: ...
 
 
@@ -227,7 +207,7 @@ class HostCopier:
             f.result()
 
     @staticmethod
-    def _check_pool(pool: npt.NDArray[np.uint8], layout: KvLayout) -> None:
+    def _check_pool(pool: Bytes, layout: KvLayout) -> None:
         if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
             raise ValueError(
                 f"pool must be a 1-D uint8 array of at least {layout.pool_bytes} bytes, "
@@ -275,36 +255,25 @@ class HostCopier:
             index = (index[:, None] + np.arange(run // unit, dtype=np.int64)).ravel()
         return np.dtype(f"V{unit}"), index.astype(np.intp), offsets.size * run
 
-    def _take(
+    def _units_of(
+        self, layout: KvLayout, blocks: list[int], heads: Heads | None
+    ) -> tuple[np.dtype[np.void], Index, int]:
+        """The units of `blocks`, or of only their heads [start, end) when `heads` is given."""
+        # All heads: whole pieces pack the same bytes, with far fewer elements.
+        if heads is None or tuple(heads) == (0, layout.num_kv_heads):
+            return self._units(layout, blocks)
+        return self._head_units(layout, blocks, heads)
+
+    def _copy(
         self,
-        pool: npt.NDArray[np.uint8],
+        packed: Bytes,
+        pool: Bytes,
         layout: KvLayout,
         units: tuple[np.dtype[np.void], Index, int],
-        out: npt.NDArray[np.uint8],
+        into_pool: bool,
     ) -> None:
-        """Copy the indexed units of the pool into `out`, packed, in order."""
-        self._check_pool(pool, layout)
-        unit, index, nbytes = units
-        if out.size < nbytes:
-            raise ValueError(f"the packed buffer holds {out.size} bytes, {nbytes} needed")
-        src_units = pool[: layout.pool_bytes].view(unit)
-        out_units = out[:nbytes].view(unit)
-
-        def copy(share: slice) -> None:
-            # mode="clip" skips numpy's bounds check, which would also make it
-            # copy through a temporary: check_blocks already bounded every index.
-            np.take(src_units, index[share], out=out_units[share], mode="clip")
-
-        self._split(copy, index.size, nbytes)
-
-    def _put(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        units: tuple[np.dtype[np.void], Index, int],
-    ) -> None:
-        """Copy `packed`, in order, into the indexed units of the pool."""
+        """Copy between the indexed units of the pool and `packed` (in order): out of the
+        pool (gather), or into it (scatter, `into_pool`)."""
         self._check_pool(pool, layout)
         unit, index, nbytes = units
         if packed.size < nbytes:
@@ -313,52 +282,30 @@ class HostCopier:
         packed_units = packed[:nbytes].view(unit)
 
         def copy(share: slice) -> None:
-            np.put(pool_units, index[share], packed_units[share], mode="clip")
+            if into_pool:
+                np.put(pool_units, index[share], packed_units[share], mode="clip")
+            else:
+                # mode="clip" skips numpy's bounds check, which would also make it
+                # copy through a temporary: check_blocks already bounded every index.
+                np.take(pool_units, index[share], out=packed_units[share], mode="clip")
 
         self._split(copy, index.size, nbytes)
 
-    def gather(
-        self,
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        out: npt.NDArray[np.uint8],
-    ) -> None:
-        self._take(pool, layout, self._units(layout, blocks), out)
+    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
+        self._copy(out, pool, layout, self._units_of(layout, blocks, None), into_pool=False)
 
-    def scatter(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-    ) -> None:
-        self._put(packed, pool, layout, self._units(layout, blocks))
+    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
+        self._copy(packed, pool, layout, self._units_of(layout, blocks, None), into_pool=True)
 
     def gather_heads(
-        self,
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
-        out: npt.NDArray[np.uint8],
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
     ) -> None:
-        # All heads: whole pieces pack the same bytes, with far fewer elements.
-        whole = tuple(heads) == (0, layout.num_kv_heads)
-        units = self._units(layout, blocks) if whole else self._head_units(layout, blocks, heads)
-        self._take(pool, layout, units, out)
+        self._copy(out, pool, layout, self._units_of(layout, blocks, heads), into_pool=False)
 
     def scatter_heads(
-        self,
-        packed: npt.NDArray[np.uint8],
-        pool: npt.NDArray[np.uint8],
-        layout: KvLayout,
-        blocks: list[int],
-        heads: tuple[int, int],
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
     ) -> None:
-        whole = tuple(heads) == (0, layout.num_kv_heads)
-        units = self._units(layout, blocks) if whole else self._head_units(layout, blocks, heads)
-        self._put(packed, pool, layout, units)
+        self._copy(packed, pool, layout, self._units_of(layout, blocks, heads), into_pool=True)
 
 
 class BounceBuffers:
@@ -378,45 +325,40 @@ class BounceBuffers:
 
     async def gather(
         self,
-        pool: npt.NDArray[np.uint8],
+        pool: Bytes,
         layout: KvLayout,
         blocks: list[int],
         res: Reservation,
         nbytes: int,
-        heads: tuple[int, int] | None = None,
+        heads: Heads | None = None,
     ) -> None:
         """Gather `blocks` (only the pool's heads [start, end) when `heads` is given) into
         the send reservation."""
         out = self.send.view(res, nbytes)
-        loop = asyncio.get_running_loop()
         if heads is None:
-            await loop.run_in_executor(self._pool, self.copier.gather, pool, layout, blocks, out)
+            await self._off_loop(self.copier.gather, pool, layout, blocks, out)
         else:
-            await loop.run_in_executor(
-                self._pool, self.copier.gather_heads, pool, layout, blocks, heads, out
-            )
+            await self._off_loop(self.copier.gather_heads, pool, layout, blocks, heads, out)
 
     async def scatter(
         self,
         res: Reservation,
         nbytes: int,
-        pool: npt.NDArray[np.uint8],
+        pool: Bytes,
         layout: KvLayout,
         blocks: list[int],
-        heads: tuple[int, int] | None = None,
+        heads: Heads | None = None,
     ) -> None:
         """Scatter the receive reservation into `blocks` (only into the pool's heads
         [start, end) when `heads` is given)."""
         packed = self.recv.view(res, nbytes)
-        loop = asyncio.get_running_loop()
         if heads is None:
-            await loop.run_in_executor(
-                self._pool, self.copier.scatter, packed, pool, layout, blocks
-            )
+            await self._off_loop(self.copier.scatter, packed, pool, layout, blocks)
         else:
-            await loop.run_in_executor(
-                self._pool, self.copier.scatter_heads, packed, pool, layout, blocks, heads
-            )
+            await self._off_loop(self.copier.scatter_heads, packed, pool, layout, blocks, heads)
+
+    async def _off_loop(self, copy: Callable[..., None], *args: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, copy, *args)
 
     def status(self) -> dict[str, object]:
         return {
