@@ -39,6 +39,17 @@ _RELEASE_RETRY_S = 0.01
 _RELEASE_RETRY_MAX_S = 0.2
 
 
+def _failed(exc: TransferError) -> Terminal:
+    """How a backend error at a post or a poll ends its request, and whose fault it is:
+    the peer going away, or addresses its agent never registered (RemoteMemoryError,
+    raised only at a post), are the peer's; any other failure is ours."""
+    if isinstance(exc, PeerLostError):
+        return Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc))
+    if isinstance(exc, RemoteMemoryError):
+        return Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
+    return Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
+
+
 class Writes:
     """`slice_s`: the current wait slice (read at each slice: a reload may change it)."""
 
@@ -75,14 +86,8 @@ class Writes:
             except PostRefused as exc:
                 s.request_end(exc.terminal)
                 return XferStatus.ERROR
-            except PeerLostError as exc:
-                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
-                return XferStatus.ERROR
-            except RemoteMemoryError as exc:
-                s.request_end(Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
-                return XferStatus.ERROR
             except TransferError as exc:
-                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                s.request_end(_failed(exc))
                 return XferStatus.ERROR
             s.xfer = handle
             self.open_handles += 1
@@ -147,11 +152,8 @@ class Writes:
             pause = min(pause * 2, _POLL_MAX_S)
             try:
                 status = await self._dp.call(backend.poll, s.xfer)
-            except PeerLostError as exc:
-                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
-                return XferStatus.ERROR
             except TransferError as exc:
-                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                s.request_end(_failed(exc))
                 return XferStatus.ERROR
         return status
 
