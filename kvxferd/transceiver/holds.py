@@ -81,10 +81,6 @@ class Hold:
     since: float = field(default_factory=time.monotonic)
 
     @property
-    def blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.rx_token)
 
@@ -92,6 +88,10 @@ class Hold:
     def user(self) -> str:
         """Its mark among the pool's users: a held pool cannot be deregistered."""
         return f"held:{self.request_id}:{self.rx_token}"
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass(eq=False)
