@@ -1,4 +1,6 @@
-"""Per-request state on each side (TxSession on the sender, RxSession on the receiver)."""
+"""Per-request state on each side (TxSession on the sender, RxSession on the receiver), and
+what both coordinators do to their sessions alike: settle, conclude, release, an engine
+leaving, the drain at shutdown."""
 
 from __future__ import annotations
 
@@ -6,9 +8,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvxferd.backends.base import XferHandle
 from kvxferd.errors import RequestError
@@ -17,7 +19,7 @@ from kvxferd.peers.messages import RequestData
 from kvxferd.service.logs import TEXT_LIMIT, shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.legs import RxLeg, TxLeg
-from kvxferd.transceiver.state import Fault, Outcome, SessionState, Status
+from kvxferd.transceiver.state import Fault, Outcome, Reason, SessionState, Status
 
 
 class EngineLink(Protocol):
@@ -192,6 +194,52 @@ async def settle(sessions: Iterable[_Session]) -> None:
     tasks = [s.task for s in sessions if s.task is not None]
     if tasks:
         await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+
+S = TypeVar("S", bound="_Session")
+# How a coordinator ends one session now (request_end, plus whatever its side must do
+# at once, such as cancelling the task or telling peers); may be a coroutine function.
+EndNow = Callable[[S, Terminal], "Awaitable[None] | None"]
+
+
+async def _end(s: S, term: Terminal, end_now: EndNow[S] | None) -> None:
+    if end_now is None:
+        s.request_end(term)
+    elif (pending := end_now(s, term)) is not None:
+        await pending
+
+
+async def abort_engine_sessions(
+    sessions: MutableMapping[str, S],
+    engine: EngineLink,
+    reason: str,
+    message: str,
+    end_now: EndNow[S] | None = None,
+) -> None:
+    """An engine left: end every session of it (FAILED, `reason`), wait until each is
+    quiescent, then forget them (nobody is left to release them)."""
+    mine = [s for s in sessions.values() if s.engine is engine]
+    for s in mine:
+        await _end(s, Terminal.local(Status.FAILED, reason, message), end_now)
+    await settle(mine)
+    for s in mine:
+        sessions.pop(s.request_id, None)
+
+
+async def drain_sessions(
+    sessions: MutableMapping[str, S], deadline: float, end_now: EndNow[S] | None = None
+) -> None:
+    """Shutdown: give the running sessions until `deadline` (monotonic) to end by
+    themselves, end every one still without an outcome (FAILED, SHUTDOWN), and wait until
+    all are quiescent. `end_now` (default `request_end`) may also forget a session."""
+    active = [s.task for s in sessions.values() if s.task is not None and not s.finished]
+    if active:
+        await asyncio.wait(active, timeout=max(0.0, deadline - time.monotonic()))
+    shutdown = Terminal.local(Status.FAILED, Reason.SHUTDOWN, "daemon shut down before done")
+    for s in list(sessions.values()):
+        if not s.finished:
+            await _end(s, shutdown, end_now)
+    await settle(list(sessions.values()))
 
 
 def release_finished(sessions: MutableMapping[str, Any], request_id: str, what: str) -> None:
