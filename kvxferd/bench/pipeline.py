@@ -29,13 +29,16 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvxferd.bench.configs import BenchConfig, resolve
 from kvxferd.bench.engine import ContextSide
 from kvxferd.bench.plan import SWEEP, Item
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
+
+if TYPE_CHECKING:
+    from kvxferd.bench.report import Format
 
 PIPELINED = "nixl-python-pipelined"
 SEQUENTIAL = "nixl-python"
@@ -216,8 +219,29 @@ def _results(
     return results
 
 
+_COLUMNS = {
+    "tokens": "tokens",
+    "chunks": "chunks",
+    "bytes": "MiB/req",
+    "pipelined_exposed_ms": "pipelined p50",
+    "pipelined_exposed_p99_ms": "p99",
+    "sequential_exposed_ms": "sequential p50",
+    "sequential_exposed_p99_ms": "p99",
+    "chunk_transfer_ms": "1 chunk p50",
+    "chunk_transfer_p99_ms": "p99",
+    "exposed_vs_chunk": "pipe/chunk",
+    "sequential_vs_chunk": "seq/chunk",
+}
+# Counts as they are, MiB in tenths, times (ms) and ratios in hundredths.
+_FORMATS: dict[str, Format] = {
+    "tokens": "",
+    "chunks": "",
+    "bytes": lambda nbytes: f"{nbytes / 2**20:.1f}",
+}
+
+
 def format_table(report: dict[str, Any]) -> str:
-    from kvxferd.bench.report import _table, header_lines
+    from kvxferd.bench.report import column_table, header_lines
 
     lines = header_lines(report)
     lines.append(
@@ -225,25 +249,7 @@ def format_table(report: dict[str, Any]) -> str:
         "compute per chunk (the context engine sleeps), then the chunk is sent"
     )
     lines.append("")
-    rows = [
-        [
-            f"{r['tokens']}",
-            f"{r['chunks']}",
-            f"{r['bytes'] / 2**20:.1f}",
-            f"{r['pipelined_exposed_ms']:.2f}",
-            f"{r['pipelined_exposed_p99_ms']:.2f}",
-            f"{r['sequential_exposed_ms']:.2f}",
-            f"{r['sequential_exposed_p99_ms']:.2f}",
-            f"{r['chunk_transfer_ms']:.2f}",
-            f"{r['chunk_transfer_p99_ms']:.2f}",
-            f"{r['exposed_vs_chunk']:.2f}",
-            f"{r['sequential_vs_chunk']:.2f}",
-        ]
-        for r in report["results"]
-    ]
-    headers = ["tokens", "chunks", "MiB/req", "pipelined p50", "p99", "sequential p50", "p99",
-               "1 chunk p50", "p99", "pipe/chunk", "seq/chunk"]  # fmt: skip
-    lines += _table(headers, rows)
+    lines += column_table(_COLUMNS, report["results"], ".2f", _FORMATS)
     lines.append(
         "\nexposed: t_done at the generation engine - the moment the last chunk was sent (ms); "
         "1 chunk: a request of one chunk, its whole transfer (sequential daemon); "

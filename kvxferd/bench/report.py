@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvxferd.bench.runner import BenchError
+
+# How a table writes a value: a format spec ("" for str()) or a function.
+Format = str | Callable[[Any], str]
 
 
 def _mib(n: float) -> str:
@@ -46,54 +50,78 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*headers), *(fmt.format(*r) for r in rows)]
 
 
+def column_table(
+    columns: Mapping[str, str],
+    results: list[dict[str, Any]],
+    default: Format,
+    formats: Mapping[str, Format],
+) -> list[str]:
+    """One row per result; `columns`: the result keys shown, in order, each with its header.
+    A value is written as `formats` says for its key, else as `default`."""
+
+    def cell(value: Any, how: Format) -> str:
+        return format(value, how) if isinstance(how, str) else how(value)
+
+    rows = [[cell(r[key], formats.get(key, default)) for key in columns] for r in results]
+    return _table(list(columns.values()), rows)
+
+
+_SMALL_COLUMNS = {
+    "config": "config",
+    "requests": "requests",
+    "requests_per_s": "req/s",
+    "p50_ms": "p50 ms",
+    "p99_ms": "p99 ms",
+    "raw_requests_per_s": "raw req/s",
+    "raw_p50_ms": "raw p50",
+    "raw_p99_ms": "raw p99",
+    "ratio_to_raw": "vs raw",
+}
+# Latencies (ms) to the µs, rates whole, the ratio in hundredths.
+_SMALL_FORMATS: dict[str, Format] = {
+    "config": "",
+    "requests": "",
+    "requests_per_s": ".0f",
+    "raw_requests_per_s": ".0f",
+    "ratio_to_raw": ".2f",
+}
+_SWEEP_COLUMNS = {
+    "config": "config",
+    "tokens": "tokens",
+    "blocks": "blocks",
+    "bytes": "MiB/req",
+    "descriptors": "segments",
+    "gbps": "GB/s",
+    "p50_ms": "p50 ms",
+    "p99_ms": "p99 ms",
+    "raw_gbps": "raw GB/s",
+    "raw_p50_ms": "raw p50",
+    "ratio_to_raw": "vs raw",
+    "memcpy_gbps": "memcpy GB/s",
+    "ratio_to_memcpy": "vs memcpy",
+}
+# Counts as they are, everything measured in hundredths.
+_SWEEP_FORMATS: dict[str, Format] = {
+    "config": "",
+    "tokens": "",
+    "blocks": "",
+    "bytes": _mib,
+    "descriptors": "",
+}
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = header_lines(report)
     lines.append("")
     if report["mode"] == "small":
         raw = report["raw"]
-        rows = [
-            [
-                r["config"],
-                f"{r['requests']}",
-                f"{r['requests_per_s']:.0f}",
-                f"{r['p50_ms']:.3f}",
-                f"{r['p99_ms']:.3f}",
-                f"{r['raw_requests_per_s']:.0f}",
-                f"{r['raw_p50_ms']:.3f}",
-                f"{r['raw_p99_ms']:.3f}",
-                f"{r['ratio_to_raw']:.2f}",
-            ]
-            for r in report["results"]
-        ]
-        headers = ["config", "requests", "req/s", "p50 ms", "p99 ms", "raw req/s", "raw p50",
-                   "raw p99", "vs raw"]  # fmt: skip
-        lines += _table(headers, rows)
+        lines += column_table(_SMALL_COLUMNS, report["results"], ".3f", _SMALL_FORMATS)
         lines.append(
             f"\nraw NIXL: {raw['requests']} one-block transfers in {raw['seconds']:.2f} s "
             "(post + busy poll in one process)"
         )
         return "\n".join(lines)
-    rows = [
-        [
-            r["config"],
-            f"{r['tokens']}",
-            f"{r['blocks']}",
-            _mib(r["bytes"]),
-            f"{r['descriptors']}",
-            f"{r['gbps']:.2f}",
-            f"{r['p50_ms']:.2f}",
-            f"{r['p99_ms']:.2f}",
-            f"{r['raw_gbps']:.2f}",
-            f"{r['raw_p50_ms']:.2f}",
-            f"{r['ratio_to_raw']:.2f}",
-            f"{r['memcpy_gbps']:.2f}",
-            f"{r['ratio_to_memcpy']:.2f}",
-        ]
-        for r in report["results"]
-    ]
-    headers = ["config", "tokens", "blocks", "MiB/req", "segments", "GB/s", "p50 ms", "p99 ms",
-               "raw GB/s", "raw p50", "vs raw", "memcpy GB/s", "vs memcpy"]  # fmt: skip
-    lines += _table(headers, rows)
+    lines += column_table(_SWEEP_COLUMNS, report["results"], ".2f", _SWEEP_FORMATS)
     lines.append(
         "\nGB/s: bytes of the timed requests / busy time (union of send-to-completion "
         "intervals); raw: bare NIXL pair, same segments; memcpy: one np.copyto, best of 3"
