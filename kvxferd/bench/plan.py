@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvxferd.memory.layout import KvLayout
+from kvxferd.sim.cluster import GEOMETRY_FLAGS
 
 SWEEP = "sweep"
 SMALL = "small"
@@ -74,14 +75,7 @@ class Geometry:
 
     def cluster_geometry(self) -> dict[str, Any]:
         """The `engine.kv_layout` section of the daemons' configs (LocalCluster.geometry)."""
-        return {
-            "num_layers": self.layers,
-            "num_kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "tokens_per_block": self.tokens_per_block,
-            "dtype": self.dtype,
-            "layout": self.layout,
-        }
+        return {key: getattr(self, flag) for flag, key in GEOMETRY_FLAGS.items()}
 
 
 @dataclass(frozen=True)

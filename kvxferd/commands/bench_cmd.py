@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -188,14 +189,8 @@ def _options(args: argparse.Namespace) -> Any:
         raise _UsageError(f"--seconds must be positive, got {args.seconds}")
     if not args.timeout > 0:
         raise _UsageError(f"--timeout must be positive, got {args.timeout}")
-    geometry = Geometry(
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        tokens_per_block=args.tokens_per_block,
-        dtype=args.dtype,
-        layout=args.layout,
-    )
+    # The KV geometry flags are named after Geometry's fields.
+    geometry = Geometry(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Geometry)})
     try:
         geometry.kv_layout(1)
     except LayoutError as exc:

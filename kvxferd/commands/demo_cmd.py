@@ -151,14 +151,10 @@ def _demo(args: argparse.Namespace) -> int:
             ctx = [start(n, "context", tp[0]) for n in _names("demo-ctx", tp[0])]
             gen = [start(n, "generation", tp[1]) for n in _names("demo-gen", tp[1])]
             say(f"running {args.requests} requests of {args.min_tokens}-{args.max_tokens} tokens")
-            common = dict(
-                requests=args.requests,
-                seed=args.seed,
-                min_tokens=args.min_tokens,
-                max_tokens=args.max_tokens,
-                in_flight=args.in_flight,
-                pool_blocks=pool_blocks,
-            )
+            # The workload flags both engines take, under the same names, as given here.
+            workload = ("requests", "seed", "min_tokens", "max_tokens", "in_flight")
+            common = {name: getattr(args, name) for name in workload}
+            common["pool_blocks"] = pool_blocks
             # Generation-first, as in a deployment: the generation engine announces
             # each posted receive over a pipe and the context engine sends only then,
             # so latency is the transfer's, not one engine waiting for the other.

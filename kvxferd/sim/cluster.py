@@ -36,6 +36,16 @@ DEFAULT_GEOMETRY: dict[str, Any] = {
     "dtype": "float16",
     "layout": "block-major",
 }
+# The reference engine's geometry flags (kvxferd.sim.engine; kvxferd bench's Geometry has
+# the same names), each by the `engine.kv_layout` key of the daemons' configs it mirrors.
+GEOMETRY_FLAGS = {
+    "layers": "num_layers",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "tokens_per_block": "tokens_per_block",
+    "dtype": "dtype",
+    "layout": "layout",
+}
 
 
 class ClusterError(KvxferdError):
@@ -218,14 +228,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "kvxferd.sim.engine", "--role", role]
         for each in daemons:
             cmd += ["--socket", each.api_socket]
-        geometry = {
-            "layers": self.geometry["num_layers"],
-            "kv_heads": self.geometry["num_kv_heads"],
-            "head_dim": self.geometry["head_dim"],
-            "tokens_per_block": self.geometry["tokens_per_block"],
-            "dtype": self.geometry["dtype"],
-            "layout": self.geometry["layout"],
-        }
+        geometry = {flag: self.geometry[key] for flag, key in GEOMETRY_FLAGS.items()}
         for key, value in {**geometry, **opts}.items():
             if value is None or value is False:
                 continue
