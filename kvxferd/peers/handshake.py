@@ -99,11 +99,16 @@ InfoCheck = Callable[
 ]
 
 
-async def _checked(check: InfoCheck, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
+async def _check_info(
+    writer: asyncio.StreamWriter, check: InfoCheck, peer: PeerIdentity, info: Info, label: str
+) -> None:
+    """Either side, on the other's Info: refuse it (and raise) when `check` says so."""
     refusal = check(peer, info)
     if inspect.isawaitable(refusal):
-        return await refusal
-    return refusal
+        refusal = await refusal
+    if refusal is not None:
+        await _refuse(writer, *refusal)
+        raise IncompatiblePeerError(f"refused {peer.name} at {label}: {refusal[1]}")
 
 
 # Asked once the peer proved the secret, before any metadata is sent: None to go on,
@@ -192,6 +197,28 @@ def _expect(msg: PeerMessage, kind: type[M], peer: str) -> M:
     return msg
 
 
+Opening = TypeVar("Opening", Hello, Challenge)
+
+
+async def _opening(
+    msg: PeerMessage,
+    kind: type[Opening],
+    writer: asyncio.StreamWriter,
+    tls_names: frozenset[str] | None,
+    peer: str,
+) -> Opening:
+    """Either side, on the other's first message (Hello, Challenge): a well-formed identity,
+    one its certificate names (mutual TLS), of our protocol version."""
+    opening = _expect(msg, kind, peer)
+    _check_identity(opening, peer)
+    await _check_certificate(writer, tls_names, opening.name, peer)
+    if opening.version != PROTOCOL_VERSION:
+        text = f"protocol version {opening.version} at {peer}, ours is {PROTOCOL_VERSION}"
+        await _refuse(writer, "version", text)
+        raise IncompatiblePeerError(text)
+    return opening
+
+
 async def client_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -216,13 +243,7 @@ async def client_handshake(
         ),
     )
     msg = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)  # not authenticated yet
-    msg = _expect(msg, Challenge, peer_label)
-    _check_identity(msg, peer_label)
-    await _check_certificate(writer, tls_names, msg.name, peer_label)
-    if msg.version != PROTOCOL_VERSION:
-        text = f"protocol version {msg.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
-        await _refuse(writer, "version", text)
-        raise IncompatiblePeerError(text)
+    msg = await _opening(msg, Challenge, writer, tls_names, peer_label)
     names = f"{me.name}>{msg.name}"
     expected = _proof(me.secret, b"server", nonce_c, msg.nonce, names)
     if not hmac.compare_digest(expected, msg.proof):
@@ -238,10 +259,7 @@ async def client_handshake(
         exc.peer_name, exc.peer_incarnation = peer.name, peer.incarnation  # who refused
         raise
     info = _expect(info, Info, peer_label)
-    refusal = await _checked(check, peer, info)
-    if refusal is not None:
-        await _refuse(writer, *refusal)
-        raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
+    await _check_info(writer, check, peer, info, peer_label)
     await _send(writer, await make_info())
     ready = await _recv(reader, peer_label)
     _expect(ready, Ready, peer_label)
@@ -263,13 +281,7 @@ async def server_handshake(
     (the manager stops counting the connection as unauthenticated then); `tls_names` as
     in client_handshake, for the client's certificate."""
     hello = await _recv(reader, peer_label, PREAUTH_MAX_FRAME_BYTES)
-    hello = _expect(hello, Hello, peer_label)
-    _check_identity(hello, peer_label)
-    await _check_certificate(writer, tls_names, hello.name, peer_label)
-    if hello.version != PROTOCOL_VERSION:
-        text = f"protocol version {hello.version} at {peer_label}, ours is {PROTOCOL_VERSION}"
-        await _refuse(writer, "version", text)
-        raise IncompatiblePeerError(text)
+    hello = await _opening(hello, Hello, writer, tls_names, peer_label)
     if len(hello.nonce) != NONCE_BYTES:
         raise ProtocolError(f"{peer_label} sent a {len(hello.nonce)}-byte nonce")
     nonce_s = os.urandom(NONCE_BYTES)
@@ -298,9 +310,6 @@ async def server_handshake(
     await _send(writer, await make_info())
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)
-    refusal = await _checked(check, peer, info)
-    if refusal is not None:
-        await _refuse(writer, *refusal)
-        raise IncompatiblePeerError(f"refused {peer.name} at {peer_label}: {refusal[1]}")
+    await _check_info(writer, check, peer, info, peer_label)
     await _send(writer, Ready())
     return peer, info
