@@ -32,6 +32,7 @@ from kvxferd.api.messages import (
     Cancel,
     DaemonHello,
     DeregisterPool,
+    EngineCall,
     EngineHello,
     Query,
     Recv,
@@ -191,7 +192,14 @@ class AsyncClient:
         self._waiters.clear()
         self._release_waiters.clear()
 
-    async def _call(self, msg: Any) -> str:
+    async def _ask(
+        self, call: Callable[Concatenate[int, P], EngineCall], *args: P.args, **kw: P.kwargs
+    ) -> str:
+        """Make the engine call `call` (its message class, given all fields but the first,
+        call_id, which is this connection's next) and wait for its Reply's result."""
+        return await self._call(call(next(self._ids), *args, **kw))
+
+    async def _call(self, msg: EngineCall) -> str:
         if self._reader_task is None or self._reader_task.done():
             raise DaemonGoneError(self._closed_reason or "not connected")
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -229,17 +237,7 @@ class AsyncClient:
         if isinstance(pool, MemfdRegion):
             await self.register_memfd_pool(pool_id, pool.fd, layout, tp_rank, tp_size)
             return
-        await self._call(
-            RegisterPool(
-                call_id=next(self._ids),
-                pool_id=pool_id,
-                shm_name=pool,
-                nbytes=layout.pool_bytes,
-                layout=dict(layout.to_wire()),
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-            )
-        )
+        await self._register(pool_id, layout, tp_rank, tp_size, shm_name=pool)
 
     async def register_memfd_pool(
         self,
@@ -273,21 +271,32 @@ class AsyncClient:
             ) from exc
         if not reply.ok:
             raise CallError(reply.error, reply.message)
-        await self._call(
-            RegisterPool(
-                call_id=next(self._ids),
-                pool_id=pool_id,
-                shm_name="",
-                nbytes=layout.pool_bytes,
-                layout=dict(layout.to_wire()),
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                handoff=reply.result,
-            )
+        await self._register(pool_id, layout, tp_rank, tp_size, handoff=reply.result)
+
+    async def _register(
+        self,
+        pool_id: str,
+        layout: KvLayout,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        shm_name: str = "",
+        handoff: str = "",
+    ) -> None:
+        """RegisterPool, of a shm object by name or of a handed-over memfd by its token."""
+        await self._ask(
+            RegisterPool,
+            pool_id=pool_id,
+            shm_name=shm_name,
+            nbytes=layout.pool_bytes,
+            layout=dict(layout.to_wire()),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            handoff=handoff,
         )
 
     async def deregister_pool(self, pool_id: str) -> None:
-        await self._call(DeregisterPool(call_id=next(self._ids), pool_id=pool_id))
+        await self._ask(DeregisterPool, pool_id=pool_id)
 
     async def recv(
         self,
@@ -315,18 +324,16 @@ class AsyncClient:
         """
         single = isinstance(peer, str)
         self._released.pop(request_id, None)  # a release of an earlier request of this id
-        await self._call(
-            Recv(
-                call_id=next(self._ids),
-                request_id=request_id,
-                pool_id=pool_id,
-                blocks=[int(b) for b in blocks],
-                peer=peer if isinstance(peer, str) else "",
-                num_tokens=num_tokens,
-                beam_width=beam_width,
-                peers=[] if single else list(peer),
-                block_start=block_start,
-            )
+        await self._ask(
+            Recv,
+            request_id=request_id,
+            pool_id=pool_id,
+            blocks=[int(b) for b in blocks],
+            peer=peer if isinstance(peer, str) else "",
+            num_tokens=num_tokens,
+            beam_width=beam_width,
+            peers=[] if single else list(peer),
+            block_start=block_start,
         )
 
     async def send(
@@ -348,33 +355,31 @@ class AsyncClient:
         (its `daemon.name`); the daemon then serves only that daemon's receive and
         refuses any other's (`not_your_request`). None: whoever asks first (the first
         chunk's value counts; a later chunk may repeat it or leave it out)."""
-        await self._call(
-            Send(
-                call_id=next(self._ids),
-                request_id=request_id,
-                pool_id=pool_id,
-                blocks=[int(b) for b in blocks],
-                token_start=token_start,
-                token_end=token_end,
-                last=last,
-                beam_width=beam_width,
-                peer=peer or "",
-            )
+        await self._ask(
+            Send,
+            request_id=request_id,
+            pool_id=pool_id,
+            blocks=[int(b) for b in blocks],
+            token_start=token_start,
+            token_end=token_end,
+            last=last,
+            beam_width=beam_width,
+            peer=peer or "",
         )
 
     async def cancel(self, request_id: str) -> str:
         """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished"."""
-        return await self._call(Cancel(call_id=next(self._ids), request_id=request_id))
+        return await self._ask(Cancel, request_id=request_id)
 
     async def release(self, request_id: str) -> None:
         """Forget a finished request, so that its id may be used again (a request whose
         blocks are held keeps its id until they are released)."""
-        await self._call(Release(call_id=next(self._ids), request_id=request_id))
+        await self._ask(Release, request_id=request_id)
         for side in ("send", "recv"):
             self._outcomes.pop((request_id, side), None)
 
     async def query(self, request_id: str) -> str:
-        return await self._call(Query(call_id=next(self._ids), request_id=request_id))
+        return await self._ask(Query, request_id=request_id)
 
     def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
         for s in (side,) if side else ("recv", "send"):

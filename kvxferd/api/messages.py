@@ -18,14 +18,14 @@ class _Msg(msgspec.Struct, tag_field="type"):
     pass
 
 
-class _Call(_Msg):
+class EngineCall(_Msg):
     """An engine call: its `call_id` comes back in exactly one Reply. A base's fields
     encode first, so `call_id` stays the first field of every call, as it always was."""
 
     call_id: int
 
 
-class _RequestCall(_Call):
+class _RequestCall(EngineCall):
     """A call about one request: `request_id` follows `call_id` in each of them."""
 
     request_id: str
@@ -43,7 +43,7 @@ class DaemonHello(_Msg, tag="hello_ok"):
     tokens_per_block: int
 
 
-class RegisterPool(_Call, tag="register_pool"):
+class RegisterPool(EngineCall, tag="register_pool"):
     """`layout.num_kv_heads` counts the heads this rank holds: with tensor parallelism, rank
     `tp_rank` of `tp_size` holds the global heads [tp_rank * h, (tp_rank + 1) * h).
 
@@ -60,7 +60,7 @@ class RegisterPool(_Call, tag="register_pool"):
     handoff: str = ""
 
 
-class PoolHandoff(_Call, tag="pool_handoff"):
+class PoolHandoff(EngineCall, tag="pool_handoff"):
     """The first and only frame of a short-lived second connection to the engine API: it
     carries the pool's memfd as SCM_RIGHTS ancillary data, in the same sendmsg. The daemon
     checks the seals and answers a Reply whose `result` is a one-time token for
@@ -71,7 +71,7 @@ class PoolHandoff(_Call, tag="pool_handoff"):
     nbytes: int
 
 
-class DeregisterPool(_Call, tag="deregister_pool"):
+class DeregisterPool(EngineCall, tag="deregister_pool"):
     pool_id: str
 
 
