@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from kvxferd.errors import ProtocolError
 from kvxferd.memory.layout import KvLayout, LayoutError
-from kvxferd.peers.framing import CorkedWriter
+from kvxferd.peers.framing import CorkedWriter, until_heard
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
 from kvxferd.service.logs import TEXT_LIMIT, shown
@@ -145,17 +145,10 @@ class PeerConnection:
         start = time.monotonic()
         if not await self._ping():
             return False
-        deadline = start + timeout_s
-        while not self.closed.is_set():
-            if self._alive_at >= start:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._heard.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._heard.wait(), remaining)
-        return False
+        ended = await until_heard(
+            lambda: self.closed.is_set() or self._alive_at >= start, self._heard, start + timeout_s
+        )
+        return ended and not self.closed.is_set()  # a closed connection is no answer
 
     async def _ping(self) -> bool:
         self._seq += 1

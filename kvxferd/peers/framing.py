@@ -8,7 +8,10 @@ typed Struct by field name. Nothing is ever decoded with pickle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
+import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import msgspec
@@ -168,3 +171,16 @@ class FrameCodec(Generic[T]):
                 f"truncated {self._what} frame: {len(exc.partial)} of {length} bytes"
             ) from exc
         return self.decode(body)
+
+
+async def until_heard(done: Callable[[], bool], heard: asyncio.Event, deadline: float) -> bool:
+    """True once `done()` holds, checked again each time the stream's reader sets `heard`
+    (on every frame); False at `deadline` (time.monotonic())."""
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        heard.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(heard.wait(), left)
+    return True

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from kvxferd.errors import ProtocolError
-from kvxferd.peers.framing import FrameCodec
+from kvxferd.peers.framing import FrameCodec, until_heard
 from kvxferd.sim.hostile.report import FuzzReport
 
 T = TypeVar("T")
@@ -50,15 +50,9 @@ class Listened(Generic[T]):
 
     async def until(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """True once `done()` holds or the connection has ended; False at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while not done() and not self.eof.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.got.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.got.wait(), left)
-        return True
+        return await until_heard(
+            lambda: done() or self.eof.is_set(), self.got, time.monotonic() + timeout_s
+        )
 
     async def close(self) -> None:
         self.writer.close()
