@@ -54,12 +54,9 @@ class FuzzReport:
             self.hung_cases.append(what)
 
     def summary(self) -> dict[str, object]:
+        counts = ("messages", "connections", "answered", "closed", "hung")
         return {
-            "messages": self.messages,
-            "connections": self.connections,
-            "answered": self.answered,
-            "closed": self.closed,
-            "hung": self.hung,
+            **{name: getattr(self, name) for name in counts},
             "unexpected": len(self.unexpected),
             "by_kind": dict(sorted(self.by_kind.items())),
             **({"replies": dict(sorted(self.replies.items()))} if self.replies else {}),
