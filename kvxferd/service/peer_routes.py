@@ -40,11 +40,7 @@ Route = Callable[[PeerConnection, Any], Awaitable[None]]
 
 class PeerRoutes:
     def __init__(
-        self,
-        daemon: DaemonView,
-        dataplane: DataPlane,
-        scope: TaskScope,
-        agent_name: str,
+        self, daemon: DaemonView, dataplane: DataPlane, scope: TaskScope, agent_name: str
     ) -> None:
         self._d = daemon
         self._dp = dataplane
