@@ -40,14 +40,10 @@ from kvxferd.service.timeouts import timeouts_of
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
-from kvxferd.transceiver.movers import SEND_MOVERS
+from kvxferd.transceiver.movers import RECV_MOVERS, SEND_MOVERS
 from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
-from kvxferd.transceiver.staged import (
-    DEFAULT_STAGING_TOKENS,
-    StagedReceiver,
-    staging_bytes,
-)
+from kvxferd.transceiver.staging import DEFAULT_STAGING_TOKENS, staging_bytes
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -148,20 +144,12 @@ class Daemon:
         self.admission = AdmissionWindow(
             settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None
         )
-        # The staged receiver takes rounds over the two-sided transport, once up.
-        self._staged_rx: StagedReceiver | None = None
-        receive = (self.admission, self.peers.connect)
-        if self.staged:
-            self._staged_rx = StagedReceiver(
-                receiver_timeouts, *receive, pipelined=settings.pipelined_transfer,
-                bounce=self.bounce,
-            )  # fmt: skip
-            self.receiver: Receiver = self._staged_rx
-        else:
-            self.receiver = Receiver(
-                receiver_timeouts, *receive, pipelined=settings.pipelined_transfer,
-                bounce=self.bounce,
-            )  # fmt: skip
+        # The receive coordinator, with the runtime's receive mover.
+        rx_mover = RECV_MOVERS[settings.runtime](self.bounce, settings.pipelined_transfer)
+        self.receiver = Receiver(
+            receiver_timeouts, self.admission, self.peers.connect, rx_mover,
+            pipelined=settings.pipelined_transfer,
+        )  # fmt: skip
         self.calls = EngineCalls(self, self.tasks, self.routes.announce_pools)
         self.api = ApiServer(d.api_socket_path(), self.calls)
         # Operations: per-daemon metrics registry, sd_notify, loop lag, reload history.
@@ -266,8 +254,7 @@ class Daemon:
         self.routes.transport_address = await transport.start(host)
         self.routes.transport = transport
         self.sender.mover.attach(transport)
-        if self._staged_rx is not None:
-            self._staged_rx.transport = transport
+        self.receiver.mover.attach(transport)
         log.info(
             "data plane up: %s transport listening on %s",
             self.settings.backend,

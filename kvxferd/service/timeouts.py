@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 from kvxferd.config import KvxferdConfig, ResolvedSettings
-from kvxferd.transceiver.receiver import ReceiverTimeouts
-from kvxferd.transceiver.sender import SenderTimeouts
+from kvxferd.transceiver.timeouts import ReceiverTimeouts, SenderTimeouts
 
 
 def timeouts_of(

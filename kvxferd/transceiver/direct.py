@@ -19,7 +19,7 @@ from kvxferd.backends.base import XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
-from kvxferd.peers.messages import PoolInfo, Result
+from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.legs import TxLeg, split_problem, whole_blocks
 from kvxferd.transceiver.plan import plan_write
@@ -191,8 +191,7 @@ class DirectMover:
                 return
             if s.deadline is not None and time.monotonic() > s.deadline:
                 s.request_end(
-                    Terminal.local(
-                        Status.TIMED_OUT,
+                    Terminal.timed_out(
                         Reason.SENDER_DEADLINE,
                         "the write completed after kv_transfer_timeout_ms; not reported as success",
                     )
@@ -208,16 +207,7 @@ class DirectMover:
             if isinstance(target, Terminal):
                 s.request_end(target)
                 return
-        sent = await leg.conn.send(
-            Result(
-                request_id=s.request_id,
-                rx_token=leg.request.rx_token,
-                status=Reason.OK,
-                nbytes=nbytes,
-                last=last,
-                bounced=bounced,
-            )
-        )
+        sent = await leg.conn.send(leg.written(s.request_id, nbytes, last, bounced, (0, 0)))
         if not sent:
             s.request_end(
                 Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")

@@ -32,7 +32,7 @@ from kvxferd.memory.heads import (
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.compat import tp_support_problem
-from kvxferd.peers.messages import Abort, RequestData
+from kvxferd.peers.messages import Abort, RequestData, Result
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import Reservation
 from kvxferd.transceiver.state import Reason
@@ -56,6 +56,22 @@ class TxLeg:
         """What this receiver takes of our blocks [start, end): nothing before its
         block_start (it has those in its prefix cache); empty when all of them are."""
         return max(start, self.request.block_start), end
+
+    def written(
+        self, request_id: str, nbytes: int, last: bool, bounced: bool, span: tuple[int, int]
+    ) -> Result:
+        """The Result telling this leg's receiver that `nbytes` are in place: the logical
+        blocks `span` (first, end), or (0, 0) for the whole request."""
+        return Result(
+            request_id=request_id,
+            rx_token=self.request.rx_token,
+            status=Reason.OK,
+            nbytes=nbytes,
+            last=last,
+            bounced=bounced,
+            first_block=span[0],
+            end_block=span[1],
+        )
 
     def dst_blocks(self, first: int, end: int) -> list[int]:
         """The receiver's blocks for our blocks [first, end) (within its span): it lists
@@ -285,6 +301,20 @@ def peer_tp(conn: PeerConnection) -> tuple[TpRank, KvLayout] | str | None:
             return f"context daemon {conn.peer.name} has pools of two ranks ({found[0]}, {tp})"
         found = (tp, layout)
     return found
+
+
+def rx_leg_heads(pool: LocalPool, leg: RxLeg) -> tuple[int, int] | None:
+    """The heads of our pool a receive's leg moves (None: whole blocks). A context daemon
+    that announced no pool yet is taken to hold our heads (a receive without tensor
+    parallelism); LayoutError when it holds none of them."""
+    assert leg.conn is not None
+    peer = leg.source if leg.source is not None else peer_tp(leg.conn)
+    if peer is None:
+        return None
+    if isinstance(peer, str):
+        raise LayoutError(peer)
+    tp, layout = peer
+    return leg_heads(pool.layout, pool.tp, layout, tp)
 
 
 def whole_blocks_from(pool: LocalPool, conn: PeerConnection) -> bool:

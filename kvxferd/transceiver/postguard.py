@@ -32,8 +32,7 @@ def post_refusal(s: TxSession, conn: PeerConnection) -> Terminal | None:
     if s.terminal is not None:
         return s.terminal
     if s.deadline is not None and time.monotonic() >= s.deadline:
-        return Terminal.local(
-            Status.TIMED_OUT,
+        return Terminal.timed_out(
             Reason.SENDER_DEADLINE,
             "kv_transfer_timeout_ms elapsed before the write was posted; not posted",
         )

@@ -29,8 +29,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvxferd.errors import RequestError
 from kvxferd.peers.channel import PeerConnection
@@ -39,8 +37,8 @@ from kvxferd.service.logs import LogLimiter, shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.dataplane import DataPlane
-from kvxferd.transceiver.direct import DirectMover
 from kvxferd.transceiver.legs import abort_legs, expected_legs
+from kvxferd.transceiver.movers import SEND_MOVERS, MoverFactory, SendMover
 from kvxferd.transceiver.sessions import (
     EngineLink,
     Terminal,
@@ -51,32 +49,17 @@ from kvxferd.transceiver.sessions import (
     release_finished,
 )
 from kvxferd.transceiver.state import Reason, Status
+from kvxferd.transceiver.timeouts import SenderTimeouts
 from kvxferd.transceiver.tx_chunks import check_send, session_for_send
 from kvxferd.transceiver.tx_matching import Matching
 from kvxferd.transceiver.tx_peer_ends import PeerEnds
 from kvxferd.transceiver.writes import Writes
 
-if TYPE_CHECKING:
-    from kvxferd.transceiver.movers import Match, MoverFactory, SendMover
-
 log = logging.getLogger("kvxferd.sender")
-
-
-def _direct_mover(
-    writes: Writes, bounce: BounceBuffers | None, pipelined: bool, match: Match
-) -> SendMover:
-    return DirectMover(writes, bounce, pipelined)
 
 
 def _deadline(now: float, timeout_s: float | None) -> float | None:
     return None if timeout_s is None else now + timeout_s
-
-
-@dataclass
-class SenderTimeouts:
-    # None: kv_transfer_timeout_ms is null (staged runtime only): no deadline.
-    timeout_s: float | None
-    slice_s: float
 
 
 class Sender:
@@ -106,7 +89,7 @@ class Sender:
             self.sessions, lambda: self.accepting, self._count_refusal, self.log_limiter
         )
         self._ends = PeerEnds(self.sessions, self._matching, self.log_limiter)
-        make = mover or _direct_mover
+        make = mover or SEND_MOVERS["PYTHON"]
         self.mover: SendMover = make(self.writes, bounce, pipelined, self._matching.match)
         # Pipelined: the timeout read at a request's first chunk, until its last chunk
         # starts the deadline with it.
@@ -280,8 +263,7 @@ class Sender:
             else:
                 waiting_for = "the last chunk"
             s.request_end(
-                Terminal.local(
-                    Status.TIMED_OUT,
+                Terminal.timed_out(
                     Reason.SENDER_DEADLINE,
                     f"kv_transfer_timeout_ms elapsed waiting for {waiting_for}",
                 )

@@ -5,6 +5,7 @@ leaving, the drain at shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -46,6 +47,11 @@ class Terminal:
         return Terminal(status, reason, Fault.LOCAL, message)
 
     @staticmethod
+    def timed_out(reason: str, message: str) -> Terminal:
+        """A deadline of ours passed (the sender's or the receive's): our side's end."""
+        return Terminal(Status.TIMED_OUT, reason, Fault.LOCAL, message)
+
+    @staticmethod
     def peer(status: str, reason: str, message: str) -> Terminal:
         # The message usually quotes the peer's own (an Abort's, a Result's): bounded and
         # escaped before it reaches a log line or the engine's outcome.
@@ -81,6 +87,19 @@ class _Session:
             return False
         self.terminal = terminal
         self.wake.set()
+        return True
+
+    async def wait_wake(self, deadline: float, reason: str, why: str) -> bool:
+        """Wait for the next wake-up, at most until `deadline` (monotonic; inf: none).
+        False once the deadline has passed: the session then ended timed out (`reason`,
+        `why`)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.request_end(Terminal.timed_out(reason, why))
+            return False
+        self.wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), None if remaining == math.inf else remaining)
         return True
 
 

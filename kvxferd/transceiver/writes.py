@@ -132,8 +132,7 @@ class Writes:
             now = time.monotonic()
             if now >= deadline:
                 s.request_end(
-                    Terminal.local(
-                        Status.TIMED_OUT,
+                    Terminal.timed_out(
                         Reason.SENDER_DEADLINE,
                         "kv_transfer_timeout_ms elapsed while the write was in progress",
                     )

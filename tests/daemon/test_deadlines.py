@@ -26,12 +26,10 @@ from daemon_harness import GEOMETRY, SimEngine, assert_clean, metric, staged_bac
 from kvxferd.errors import PeerLostError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import fill_blocks, request_seed
-from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.legs import RxLeg
-from kvxferd.transceiver.receiver import ReceiverTimeouts
 from kvxferd.transceiver.sessions import RxSession
-from kvxferd.transceiver.staged import StagedReceiver
+from kvxferd.transceiver.staged_rx import StagedReceive
 
 TPB = int(GEOMETRY["tokens_per_block"])
 SHORT_MS = 1500
@@ -248,23 +246,15 @@ def test_a_round_stalled_mid_message_ends_the_receive_at_its_deadline() -> None:
         bounce = BounceBuffers(1 << 20)
         transport = _StalledMidMessage()
 
-        async def connect(address: str) -> Any:
-            raise AssertionError("not dialled in this test")
-
-        rx = StagedReceiver(
-            ReceiverTimeouts(timeout_s=0.2, answer_s=1.0),
-            AdmissionWindow(None, None),
-            connect,
-            bounce=bounce,
-        )
-        rx.transport = transport  # type: ignore[assignment]
+        rx = StagedReceive(bounce)
+        rx.attach(transport)  # type: ignore[arg-type]
         leg = RxLeg("ctx", conn=cast(Any, SimpleNamespace(key="ctx/1")))
         leg.res = bounce.recv.reserve(64 * 1024)
         s = RxSession(request_id="stalled", engine=None, legs=[leg], rx_token=7)
         s.deadline = time.monotonic() + 0.2
         try:
             # Generous: without the bound the scatter would wait for `resume`, for ever.
-            await asyncio.wait_for(rx._scatter(s, leg, 0, 1, 64 * 1024), WAIT_S)
+            await asyncio.wait_for(rx.take_round(s, leg, 0, 1, 64 * 1024), WAIT_S)
             assert s.terminal is not None
             assert (s.terminal.status, s.terminal.reason) == ("timed_out", "receiver_timeout")
             # Not the session's to free any more, and still reserved: bytes may land there.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN
-from kvxferd.transceiver.staged import blocks_per_round
+from kvxferd.transceiver.staging import blocks_per_round
 
 KIB = 1024
 

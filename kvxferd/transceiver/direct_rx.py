@@ -1,0 +1,105 @@
+"""The PYTHON runtime's receive mover: the context daemon writes straight into the
+engine's blocks, or, when we offered a bounce reservation and it pays off, one write into
+that reservation that we scatter into the blocks.
+
+A receive mover is what the receive coordinator (transceiver/receiver.py) asks how a
+request's bytes arrive: what to offer with the RequestData, how to take a reported
+round into the blocks, and what a peer may still write into once a receive ended
+(transceiver/movers.py, RecvMover).
+"""
+
+from __future__ import annotations
+
+from kvxferd.backends.twosided import TwoSidedTransport
+from kvxferd.memory.layout import LayoutError
+from kvxferd.peers.channel import PeerConnection
+from kvxferd.peers.messages import Result
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads, whole_blocks_from
+from kvxferd.transceiver.sessions import RxSession, Terminal
+from kvxferd.transceiver.state import Reason, Status
+
+
+async def scatter_round(
+    bounce: BounceBuffers | None, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int
+) -> None:
+    """Move one round of a leg's bytes from its reservation into the request's logical
+    blocks [first, end) (only into the heads that leg holds); or end the request saying
+    why the round does not fit."""
+    res = leg.res
+    if bounce is None or res is None or s.pool is None:
+        raise RuntimeError("the peer bounced a request that has no reservation here")
+    try:
+        heads = rx_leg_heads(s.pool, leg)
+    except LayoutError as exc:
+        s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
+        return
+    expected = (end - first) * leg_block_bytes(s.pool.layout, heads)
+    ours = (s.block_start, s.block_start + len(s.blocks))  # the logical blocks we hold
+    if not ours[0] <= first < end <= ours[1] or nbytes != expected or nbytes > res.nbytes:
+        held = f"(we hold [{ours[0]}, {ours[1]}))" if s.block_start else f"of {len(s.blocks)}"
+        s.request_end(
+            Terminal.peer(
+                Status.FAILED,
+                Reason.TRANSFER_ERROR,
+                f"the peer reported blocks [{first}, {end}) {held} with "
+                f"{nbytes} bytes; {expected} expected, at most {res.nbytes} reserved",
+            )
+        )
+        return
+    dst = s.blocks[first - s.block_start : end - s.block_start]
+    await bounce.scatter(res, nbytes, s.pool.region.array, s.pool.layout, dst, heads)
+
+
+class DirectReceive:
+    """RecvMover of the PYTHON runtime."""
+
+    # The context daemon writes into the engine's blocks itself: an ended receive's blocks
+    # stay on loan until that writer is fenced.
+    exposes_blocks = True
+
+    def __init__(self, bounce: BounceBuffers | None, pipelined: bool) -> None:
+        self.bounce = bounce
+        self.pipelined = pipelined
+
+    def reservations_exposed(self) -> bool:
+        return True  # one-sided: the peer writes into the bounce reservation itself
+
+    def attach(self, transport: TwoSidedTransport) -> None:
+        """Never called: this runtime has no two-sided transport."""
+
+    async def make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
+        """Reserve room in the receive region when bouncing this request pays off; else
+        offer nothing (the per-block path). Never waits for room."""
+        if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
+            return
+        if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn) or not s.pool.layout.named:
+            return  # head slices move per token: the per-block path
+        layout = s.pool.layout
+        nbytes = len(s.blocks) * layout.block_bytes
+        if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
+            return
+        res = self.bounce.recv.reserve(nbytes)
+        if res is None:
+            self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
+            return
+        self.bounce.reservations_made += 1
+        s.legs[0].res = res
+        s.legs[0].offer = Reservation(res.offset, nbytes)
+
+    async def take_round(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
+        await scatter_round(self.bounce, s, leg, first, end, nbytes)
+
+    async def round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
+        """A bounce never has more than one round."""
+        raise RuntimeError("the peer sent a partial round to a receiver without rounds")
+
+    def late_round(self, conn: PeerConnection, s: RxSession, msg: Result) -> bool:
+        return False  # a late one-sided round is already written: the hold covers it
+
+    def drop_unscattered(self, s: RxSession) -> None:
+        """Rounds reported and not taken need nothing: their bytes are already in place."""
+
+    def release(self, res: Reservation) -> None:
+        if self.bounce is not None:
+            self.bounce.recv.release(res)

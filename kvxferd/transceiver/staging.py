@@ -1,0 +1,70 @@
+"""Sizing and reserving the staged runtime's staging regions, shared by its two movers
+(transceiver/staged.py sends, transceiver/staged_rx.py receives).
+
+Both regions are sized by max_tokens_in_buffer (else the engine's max_seq_len, else
+DEFAULT_STAGING_TOKENS) worth of whole blocks, so every request the admission window
+lets in fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
+
+DEFAULT_STAGING_TOKENS = 8192
+
+# Why a request ended that found no room in time (on either side).
+NO_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the staging buffer"
+
+_R = TypeVar("_R")
+
+# How often a request waiting for staging room looks again (room frees when
+# another request's round completes; the deadline bounds the wait).
+_ROOM_POLL_S = 0.001
+
+
+def staging_bytes(tokens: int, tokens_per_block: int, block_bytes: int) -> int:
+    return math.ceil(tokens / tokens_per_block) * block_bytes
+
+
+async def reserve_by(reserve: Callable[[], _R | None], deadline: float) -> _R | None:
+    """Try `reserve` until it finds room or the deadline passes."""
+    while True:
+        res = reserve()
+        if res is not None or time.monotonic() >= deadline:
+            return res
+        await asyncio.sleep(_ROOM_POLL_S)
+
+
+def reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | None:
+    """One reservation per size, all or none: a request never holds part of its room
+    while it waits for the rest (two requests could then wait on each other)."""
+    got: list[Reservation] = []
+    for nbytes in sizes:
+        res = region.reserve(nbytes)
+        if res is None:
+            for each in got:
+                region.release(each)
+            return None
+        got.append(res)
+    return got
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
+
+
+def blocks_per_round(region_bytes: int, blocks: int, leg_block_bytes: list[int]) -> int:
+    """How many blocks each leg's reservation holds so that one reservation per leg fits the
+    region together (each rounded up to the reservation alignment): every block when they
+    can, else as many as fit; 0 when not even one block of every leg fits."""
+    per_block = sum(leg_block_bytes)
+    k = min(blocks, region_bytes // per_block)
+    while k > 0 and sum(_aligned(k * b) for b in leg_block_bytes) > region_bytes:
+        k -= 1
+    return k
