@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -115,104 +116,90 @@ class DaemonMetrics:
             "kvxferd_daemon", "Identity of this daemon (value is always 1).", registry=r
         )
         self.set_info(name, role, backend, runtime, fingerprint)
-        self.requests = Counter(
+        # Every series of this daemon's registry.
+        counter = partial(Counter, registry=r)
+        histogram = partial(Histogram, registry=r)
+        self.requests = counter(
             "kvxferd_requests",
             "Requests that reached a terminal state, by side, status and reason.",
             ["side", "status", "reason"],
-            registry=r,
         )
-        self.bytes = Counter(
+        self.bytes = counter(
             "kvxferd_transferred_bytes",
             "KV bytes of requests that completed (done), by side.",
             ["side"],
-            registry=r,
         )
-        self.request_seconds = Histogram(
+        self.request_seconds = histogram(
             "kvxferd_request_duration_seconds",
             "End-to-end time of a request on this daemon, from acceptance to its outcome.",
             ["side"],
             buckets=_TIME_BUCKETS,
-            registry=r,
         )
-        self.wire_seconds = Histogram(
+        self.wire_seconds = histogram(
             "kvxferd_wire_duration_seconds",
             "Context side: time from posting a write to the backend reporting it done.",
             buckets=_TIME_BUCKETS,
-            registry=r,
         )
-        self.admission_seconds = Histogram(
+        self.admission_seconds = histogram(
             "kvxferd_admission_wait_seconds",
             "Generation side: time a receive waited for room in the admission window.",
             buckets=(0.0, *_TIME_BUCKETS),
-            registry=r,
         )
-        self.descriptors = Histogram(
+        self.descriptors = histogram(
             "kvxferd_transfer_descriptors",
             "Descriptors (contiguous runs of bytes) per posted write.",
             buckets=_DESCRIPTOR_BUCKETS,
-            registry=r,
         )
-        self.timeouts = Counter(
+        self.timeouts = counter(
             "kvxferd_timeouts",
             "Requests ended by a timeout, by phase (sender_deadline: the context side's "
             "absolute deadline; receiver_timeout: the generation side's per-task timeout).",
             ["phase"],
-            registry=r,
         )
-        self.handshakes = Counter(
-            "kvxferd_handshakes",
-            "Completed peer handshakes, by peer daemon name.",
-            ["peer"],
-            registry=r,
+        self.handshakes = counter(
+            "kvxferd_handshakes", "Completed peer handshakes, by peer daemon name.", ["peer"]
         )
-        self.handshake_failures = Counter(
+        self.handshake_failures = counter(
             "kvxferd_handshake_failures",
             "Failed peer handshakes (either direction), by reason.",
             ["reason"],
-            registry=r,
         )
-        self.connections_refused = Counter(
+        self.connections_refused = counter(
             "kvxferd_peer_connections_refused",
             "Peer connections closed before their handshake began, by reason "
             "(preauth_limit: too many unauthenticated connections in all; "
             "preauth_per_source_limit: too many from that source address).",
             ["reason"],
-            registry=r,
         )
-        self.heartbeats_missed = Counter(
+        self.heartbeats_missed = counter(
             "kvxferd_heartbeats_missed",
             "Peer connections closed because the peer was silent past heartbeat_timeout_ms.",
             ["peer"],
-            registry=r,
         )
-        self.peers_lost = Counter(
+        self.peers_lost = counter(
             "kvxferd_peer_disconnects",
             "Established peer connections that closed, by peer daemon name.",
             ["peer"],
-            registry=r,
         )
-        self.refused_requests = Counter(
+        self.refused_requests = counter(
             "kvxferd_refused_request_data",
             "Context side: receivers' RequestData refused without being served, by reason "
             "(not_your_request: the send names another generation daemon; already_served: "
             "another receive got the KV; duplicate_request, block_mismatch, shutdown, ...).",
             ["reason"],
-            registry=r,
         )
-        self.malformed = Counter(
+        self.malformed = counter(
             "kvxferd_malformed_messages",
             "Messages that did not decode, by source (peer: an established peer connection, "
             "which is then closed; engine: an engine API call, answered with an error) and "
             "reason (malformed, too_deep, oversize_frame, truncated). Before a peer is "
             "authenticated they count as handshake failures instead.",
             ["source", "reason"],
-            registry=r,
         )
-        self.reloads = Counter(
+        self.reloads = counter(
             "kvxferd_config_reloads",
             "SIGHUP reloads, by result (applied, unchanged, rejected).",
             ["result"],
-            registry=r,
         )
         # Series that exist from the start, so that rate() and alerts see a zero.
         for phase in TIMEOUT_PHASES.values():
