@@ -24,5 +24,10 @@ __version__ = "0.1.0"
 #    RequestData.block_start and Recv.block_start (b55e29c, 83d0b78; a build without them
 #    fails such a receive with block_mismatch, it never writes the wrong blocks),
 #    Send.peer (8d0a767), StartTls for mutual TLS (3ee48a8; sent only by a daemon with
-#    TLS configured, which a daemon without TLS cannot pair with anyway).
+#    TLS configured, which a daemon without TLS cannot pair with anyway); GPU pools (issue
+#    15): RegisterPool.memory/device_uuid/ipc_handle/ipc_offset, PoolHandoff.kind,
+#    PoolInfo.memory/device/writable and Info.bounce_memory/bounce_device, whose defaults
+#    describe host memory, so old peers and engines decode and mean what they meant (an
+#    old daemon refuses a device RegisterPool by its exactly-one rule, a "cuda_vmm" fd by
+#    its seal check; a vram daemon pairs only with vram daemons through the fingerprint).
 PROTOCOL_VERSION = 2

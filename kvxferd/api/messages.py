@@ -49,6 +49,14 @@ class RegisterPool(EngineCall, tag="register_pool"):
 
     The pool is either a sealed memfd handed over first (`handoff`: the token a PoolHandoff
     got) or, the legacy way, a POSIX shm object named `shm_name`; exactly one of the two.
+
+    A pool in GPU memory (`memory` "vram") lives on the GPU `device_uuid` names (a UUID, not
+    an ordinal: engine and daemon may see different CUDA_VISIBLE_DEVICES) and is shared
+    either by a CUDA IPC handle (`ipc_handle`, the 64-byte cudaIpcMemHandle_t of the
+    allocation the pool sits in, the pool starting `ipc_offset` bytes into it: allocators
+    hand out sub-allocations) or by a CUDA VMM allocation's fd handed over first
+    (`handoff`, a PoolHandoff of kind "cuda_vmm"). The new fields come last, with defaults
+    that describe a host pool, so an older engine's message still means what it meant.
     """
 
     pool_id: str
@@ -58,17 +66,26 @@ class RegisterPool(EngineCall, tag="register_pool"):
     tp_rank: int = 0
     tp_size: int = 1
     handoff: str = ""
+    memory: str = "host"  # "host" | "vram"
+    device_uuid: str = ""
+    ipc_handle: bytes = b""
+    ipc_offset: int = 0
 
 
 class PoolHandoff(EngineCall, tag="pool_handoff"):
     """The first and only frame of a short-lived second connection to the engine API: it
     carries the pool's memfd as SCM_RIGHTS ancillary data, in the same sendmsg. The daemon
     checks the seals and answers a Reply whose `result` is a one-time token for
-    RegisterPool.handoff (usable by the same process only, for a short while)."""
+    RegisterPool.handoff (usable by the same process only, for a short while).
+
+    `kind` says what the fd is: "memfd" (a host pool, seals checked) or "cuda_vmm" (a CUDA
+    VMM allocation exported as a POSIX fd, which has no seals). An older engine sends no
+    kind and means a memfd."""
 
     version: int
     pool_id: str
     nbytes: int
+    kind: str = "memfd"
 
 
 class DeregisterPool(EngineCall, tag="deregister_pool"):
@@ -167,3 +184,7 @@ class ApiError(Code):
     DRAINING = "draining"
     VERSION = "version"
     BLOCKS_ON_LOAN = "blocks_on_loan"
+    # A GPU pool where this host or daemon has no usable CUDA device (or no cupy).
+    DEVICE_UNAVAILABLE = "device_unavailable"
+    # A pool whose memory kind (host or vram) is not the one this daemon is configured for.
+    MEMORY_MISMATCH = "memory_mismatch"

@@ -19,6 +19,38 @@ import numpy.typing as npt
 Segments = npt.NDArray[np.int64]
 
 
+@dataclass(frozen=True)
+class Memory:
+    """Where a registered range lives, as NIXL names it ("DRAM" or "VRAM").
+
+    `device` is the CUDA ordinal in the registering process (0 and unused for DRAM): what
+    NIXL's descriptors carry in their device column. A peer's memory arrives by name on the
+    wire (PoolInfo.memory "host"/"vram" and .device); the mover turns it into one of these.
+    """
+
+    kind: str = "DRAM"  # "DRAM" | "VRAM"
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("DRAM", "VRAM"):
+            raise ValueError(f"memory kind must be DRAM or VRAM, got {self.kind!r}")
+        if self.device < 0:
+            raise ValueError(f"a CUDA device ordinal is never negative, got {self.device}")
+
+    @property
+    def on_device(self) -> bool:
+        return self.kind == "VRAM"
+
+
+#: Host memory: what every pool and region was before device pools, and the default.
+HOST = Memory()
+
+
+def vram(device: int) -> Memory:
+    """GPU memory on CUDA device `device` (the registering process's ordinal)."""
+    return Memory("VRAM", device)
+
+
 class XferStatus(IntEnum):
     """What a posted transfer is doing; translated from the library's own states."""
 

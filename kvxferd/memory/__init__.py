@@ -1,6 +1,13 @@
 """KV memory: pool layouts, block -> segment math, host pools (sealed memfds, or shared
-memory by name)."""
+memory by name), device pools (kvxferd.memory.device: cupy is imported only when used)."""
 
+from kvxferd.memory.device import (
+    DeviceError,
+    DevicePool,
+    DeviceProbe,
+    DeviceRegion,
+    DeviceUnavailableError,
+)
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import (
     BLOCK_MAJOR,
@@ -28,6 +35,11 @@ __all__ = [
     "LAYER_MAJOR",
     "MAJORS",
     "BlockIds",
+    "DeviceError",
+    "DevicePool",
+    "DeviceProbe",
+    "DeviceRegion",
+    "DeviceUnavailableError",
     "HostRegion",
     "KvLayout",
     "LayoutError",

@@ -66,6 +66,15 @@ class PoolInfo(msgspec.Struct):
     # defaults keep an older peer's message decodable.
     tp_rank: int = 0
     tp_size: int = 1
+    # Where the pool lives: "host" or "vram" on the registering daemon's CUDA ordinal
+    # `device` (NIXL's descriptor device column, meaningful in that daemon only).
+    # `writable` False: the pool is not registered with the backend (a device pool the
+    # daemon only copies to and from), so a peer must write through the bounce/staging
+    # reservations, never into its blocks. Defaults: an older peer's pools are host memory,
+    # registered, as they always were.
+    memory: str = "host"
+    device: int = 0
+    writable: bool = True
 
 
 class Info(_Msg, tag="info"):
@@ -91,6 +100,11 @@ class Info(_Msg, tag="info"):
     # The sender's wall clock (Unix ms) as it made this Info: the peer learns the offset
     # between the two clocks, so RequestData.expires_unix_ms survives clock skew.
     wall_ms: int = 0
+    # Where the receive bounce region lives: "host", or "vram" on CUDA ordinal
+    # `bounce_device` of the daemon that sent this Info; the memory kind a peer names when
+    # it writes into that region.
+    bounce_memory: str = "host"
+    bounce_device: int = 0
 
 
 class Ready(_Msg, tag="ready"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvxferd.backends.base import Backend
+from kvxferd.backends.base import HOST, Backend, Memory
 from kvxferd.errors import KvxferdError
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
@@ -33,7 +33,15 @@ class LocalPool:
     owner: object  # the engine link that registered it
     users: set[str] = field(default_factory=set)  # active session keys holding blocks
     tp: TpRank = field(default_factory=TpRank)  # which heads of the model it holds
-    sharing: str = "memfd"  # "memfd" (sealed, handed over) or "shm" (legacy, by name)
+    # "memfd" (sealed, handed over) or "shm" (legacy, by name); device pools: "cuda_ipc"
+    # (opened from an IPC handle) or "cuda_vmm" (an imported VMM allocation).
+    sharing: str = "memfd"
+    # Where the pool lives, in this daemon's terms (a device pool: VRAM on our ordinal).
+    memory: Memory = HOST
+    # Whether the backend can read and write the pool itself (it is registered). A device
+    # pool the daemon opened but did not register is copy-only: every byte goes through
+    # the bounce/staging regions, and peers learn it from PoolInfo.writable.
+    zero_copy: bool = True
 
     @property
     def base(self) -> int:
@@ -66,6 +74,9 @@ class LocalPool:
             nbytes=self.layout.pool_bytes,
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
+            memory="vram" if self.memory.on_device else "host",
+            device=self.memory.device,
+            writable=self.zero_copy,
         )
 
 
