@@ -1,0 +1,839 @@
+"""The GPU check of issue 15: one run on one GPU, one JSON file, one verdict.
+
+`python -m kvxferd.bench.gpucheck --out DIR [--budget-s S] [--steps a,b]`, normally through
+scripts/gpu-check.sh (which first installs the carried wheels). Steps, each in processes of
+its own (kvxferd.bench.gpu_probes) under a time cap, so that a hang costs only its step:
+
+0. setup: versions, the device, NIXL's module, CUDA IPC and VMM smoke tests;
+1. device_copy: 1 GiB device-to-device memcpy; batched gather/scatter, 4 KiB and 64 KiB rows;
+2. nixl_vram: bare NIXL VRAM->VRAM between two processes, 64 MiB and 1 GiB, bytes checked;
+3. foreign_memory: IPC-opened and VMM-imported memory copied into, registered with NIXL as
+   VRAM and written (NIXL's refusal is a finding, recorded as its text);
+4. kvxferd_bench: `kvxferd bench --memory vram` through two daemons, 8000-token requests.
+
+A global deadline skips what no longer fits instead of overrunning, and DIR/gpu-check.json is
+rewritten after every step, so a kill leaves every finished step behind. A figure that was
+not measured is null, never 0. Exit status: 0 passed, 1 measured and failed a criterion,
+2 incomplete (a step skipped or broke: always so on a host without a GPU).
+
+The pass rule (issue 15): the best kvxferd configuration at 8000 tokens moves at least 0.8x
+bare NIXL's 1 GiB VRAM write rate; every gather and scatter rate (both segment sizes, cupy's
+take / indexed assignment, which is what the daemon's device copier runs) is at least half the
+device's memcpy rate; no request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "kvxferd-gpu-check/1"
+STEPS = ("setup", "device_copy", "nixl_vram", "foreign_memory", "kvxferd_bench")
+#: Caps in seconds. Expected together: ~3-4 minutes on an H200; the caps bound a hang.
+CAPS_S = {
+    "setup": 45.0,
+    "device_copy": 60.0,
+    "nixl_vram": 90.0,
+    "foreign_memory": 80.0,  # ipc and vmm, half each
+    "kvxferd_bench": 240.0,
+}
+#: A step is not started with less time than this left.
+MIN_STEP_S = 15.0
+SEGMENTS = ("4096", "65536")
+BENCH_TOKENS = 8000
+BENCH_REQUESTS = 20
+BENCH_WARMUP = 3
+BENCH_CONFIGS = ("nixl-python-bounce", "nixl-cpp")
+ZERO_COPY_CONFIG = "nixl-python-zerocopy"
+KVXFERD_MIN_RATIO = 0.8
+GATHER_MIN_RATIO = 0.5
+
+NO_DEVICE = "skipped: no CUDA device"
+NO_MEMORY_FLAG = "skipped: kvxferd bench has no --memory vram yet"
+NOT_SELECTED = "skipped: not selected (--steps)"
+NO_TIME = "skipped: time budget"
+
+JSON_NAME = "gpu-check.json"
+LOGS_NAME = "gpu-check-logs.tar.gz"
+#: Each log file keeps its last this many bytes in the tarball (the device tool brings back
+#: files of at most 16 MiB).
+LOG_TAIL = 2 << 20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- what a step looks like before (or without) measurement ---------------------------------
+
+
+def _rate_null() -> dict[str, Any]:
+    return {"gbps": None, "p50_ms": None, "p99_ms": None, "verified": None}
+
+
+def skeleton(step: str, status: str) -> dict[str, Any]:
+    """A step's entry with every figure null: the shape readers can rely on."""
+    base: dict[str, Any] = {"ok": False, "status": status, "seconds": None}
+    if step == "setup":
+        base.update(why=None, cuda=False, ipc_smoke=None, vmm_smoke=None, nixl_vram_register=None)
+    elif step == "device_copy":
+        base["memcpy_gbps"] = None
+        for way in ("gather", "scatter"):
+            base[way] = {
+                s: {"cupy_gbps": None, "kernel_gbps": None, "verified": None} for s in SEGMENTS
+            }
+    elif step == "nixl_vram":
+        base.update(module=None, writes={"64MiB": _rate_null(), "1GiB": _rate_null()})
+    elif step == "foreign_memory":
+        for kind in ("ipc", "vmm"):
+            base[kind] = {
+                "status": status,
+                "copy_into_gbps": None,
+                "copy_from_gbps": None,
+                "gather_from_gbps": None,
+                "scatter_into_gbps": None,
+                "copy_verified": None,
+                "register": None,
+                "write_into_gbps": None,
+                "write_into_verified": None,
+                "write_from_gbps": None,
+                "write_from_verified": None,
+            }
+    elif step == "kvxferd_bench":
+        base.update(tokens=BENCH_TOKENS, request_bytes=None, command=None, configs={})
+    return base
+
+
+# -- the verdict -----------------------------------------------------------------------------
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _count(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    x, y = _num(a), _num(b)
+    if x is None or y is None or y <= 0:
+        return None
+    return x / y
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def verdict(steps: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ratios, pass) from the steps' figures. A null input fails its criterion."""
+    memcpy = _num(_get(steps, "device_copy", "memcpy_gbps"))
+    nixl_1g = _num(_get(steps, "nixl_vram", "writes", "1GiB", "gbps"))
+    configs = _get(steps, "kvxferd_bench", "configs") or {}
+    measured = {k: v for k, v in configs.items() if _num(_get(v, "gbps")) is not None}
+    best_name = max(measured, key=lambda k: float(measured[k]["gbps"])) if measured else None
+    best = measured[best_name] if best_name else None
+    best_gbps = _num(_get(best, "gbps"))
+    ratios: dict[str, Any] = {
+        "best_config": best_name,
+        "kvxferd_vs_nixl_1gib": _round(_ratio(best_gbps, nixl_1g)),
+        "kvxferd_vs_bench_raw": _round(_ratio(best_gbps, _get(best, "raw_gbps"))),
+        "kvxferd_vs_memcpy": _round(_ratio(best_gbps, memcpy)),
+        "gather_vs_memcpy": {},
+        "scatter_vs_memcpy": {},
+    }
+    copy_ratios: list[float | None] = []
+    for way in ("gather", "scatter"):
+        for seg in SEGMENTS:
+            r = _ratio(_get(steps, "device_copy", way, seg, "cupy_gbps"), memcpy)
+            ratios[f"{way}_vs_memcpy"][seg] = _round(r)
+            copy_ratios.append(r)
+    kv = _ratio(best_gbps, nixl_1g)
+    failed = [_get(v, "failed") for v in configs.values()]
+    passed = {
+        "kvxferd_ge_0_8_nixl": kv is not None and kv >= KVXFERD_MIN_RATIO,
+        "gather_scatter_ge_half_copy": all(
+            r is not None and r >= GATHER_MIN_RATIO for r in copy_ratios
+        ),
+        # Every configuration measured and none lost a request; an unknown count fails.
+        "no_failed_requests": bool(failed) and all(_count(f) == 0 for f in failed),
+    }
+    passed["all"] = all(passed.values())
+    return ratios, passed
+
+
+def exit_code(doc: dict[str, Any]) -> int:
+    """0 passed, 1 measured but failed, 2 incomplete (anything skipped, broken or unmeasured)."""
+    if doc.get("skipped") or doc.get("errors"):
+        return 2
+    ratios = doc.get("ratios") or {}
+    inputs = [
+        ratios.get("kvxferd_vs_nixl_1gib"),
+        *(ratios.get("gather_vs_memcpy") or {}).values(),
+        *(ratios.get("scatter_vs_memcpy") or {}).values(),
+    ]
+    failed = [
+        _get(c, "failed") for c in (_get(doc, "steps", "kvxferd_bench", "configs") or {}).values()
+    ]
+    if any(x is None for x in inputs) or len(inputs) < 1 + 2 * len(SEGMENTS) or not failed:
+        return 2
+    if any(_count(f) is None for f in failed):
+        return 2
+    return 0 if _get(doc, "pass", "all") else 1
+
+
+# -- running probes --------------------------------------------------------------------------
+
+
+class Terminated(Exception):
+    """SIGTERM (the outer `timeout`) arrived: stop, kill the step's processes, keep the JSON."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@dataclass
+class Run:
+    """One finished (or killed) process of a step."""
+
+    argv: list[str]
+    rc: int | None
+    seconds: float
+    timed_out: bool
+    stdout: str
+    stderr_tail: str
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def why(self) -> str:
+        """What went wrong, in one line, for the JSON."""
+        head = f"timed out after {self.seconds:.0f} s" if self.timed_out else f"exited {self.rc}"
+        err = self.result.get("error")
+        tail = [line for line in self.stderr_tail.strip().splitlines() if line.strip()]
+        detail = err or (tail[-1] if tail else "")
+        return f"{head}: {detail}"[:600] if detail else head
+
+
+def _merge_results(stdout: str) -> dict[str, Any]:
+    from kvxferd.bench.gpu_probes import RESULT
+
+    merged: dict[str, Any] = {}
+    for line in stdout.splitlines():
+        if line.startswith(RESULT):
+            try:
+                merged.update(json.loads(line[len(RESULT) :]))
+            except json.JSONDecodeError:
+                continue
+    return merged
+
+
+def run_process(argv: list[str], cap_s: float, logdir: Path, tag: str) -> Run:
+    """Run argv in a session of its own with its output in logdir; kill the whole session
+    (its helper processes too) at the cap."""
+    out_path, err_path = logdir / f"{tag}.out", logdir / f"{tag}.err"
+    t0 = time.monotonic()
+    timed_out = False
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        try:
+            rc: int | None = proc.wait(timeout=max(1.0, cap_s))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_session(proc)
+            rc = proc.returncode
+        except BaseException:
+            # The probes run in sessions of their own, which a kill of ours would not reach.
+            _kill_session(proc)
+            raise
+    seconds = time.monotonic() - t0
+    stdout = out_path.read_text(errors="replace")
+    stderr = err_path.read_text(errors="replace")
+    run = Run(argv, rc, seconds, timed_out, stdout, stderr[-4000:])
+    run.result = _merge_results(stdout)
+    return run
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            # The leader is gone; its helpers may linger in the session: one more kill.
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        return
+
+
+def probe_argv(python: str, role: str, *args: str) -> list[str]:
+    return [python, "-m", "kvxferd.bench.gpu_probes", role, *args]
+
+
+# -- the check -------------------------------------------------------------------------------
+
+
+def _git() -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    # The device machine receives a copy of the working tree, maybe without .git.
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+class Check:
+    def __init__(
+        self, out_dir: Path, budget_s: float, steps: Sequence[str], python: str, device: int
+    ) -> None:
+        self.out_dir = out_dir
+        self.python = python
+        self.device = device
+        self.selected = set(steps)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
+        self.logdir = Path(tempfile.mkdtemp(prefix="kvxferd-gpucheck-"))
+        self.doc: dict[str, Any] = {
+            "schema": SCHEMA,
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "elapsed_s": 0.0,
+            "budget_s": budget_s,
+            "git": _git(),
+            "host": {
+                "gpu": None,
+                "gpu_uuid": None,
+                "cuda_runtime": None,
+                "cuda_driver": None,
+                "cupy": None,
+                "nixl_module": None,
+                "nixl": None,
+                "python": None,
+                "ucx_env": {},
+            },
+            "steps": {s: skeleton(s, "not run") for s in STEPS},
+            "ratios": None,
+            "pass": None,
+            "skipped": {},
+            "errors": {},
+        }
+        self.doc["ratios"], self.doc["pass"] = verdict(self.doc["steps"])
+        self._seq = 0
+
+    # -- bookkeeping
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def cap(self, step: str, share: float = 1.0) -> float:
+        return min(CAPS_S[step] * share, self.left())
+
+    def tag(self, name: str) -> str:
+        self._seq += 1
+        return f"{self._seq:02d}-{name}"
+
+    def skip(self, step: str, why: str) -> None:
+        self.doc["steps"][step] = skeleton(step, why)
+        self.doc["skipped"][step] = why
+
+    def error(self, step: str, why: str) -> None:
+        self.doc["steps"][step]["status"] = "error: " + why
+        self.doc["errors"][step] = why
+
+    def write(self) -> None:
+        self.doc["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        self.doc["ratios"], self.doc["pass"] = verdict(self.doc["steps"])
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / JSON_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.doc, indent=2, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+        self._write_logs()
+
+    def _write_logs(self) -> None:
+        path = self.out_dir / LOGS_NAME
+        tmp = path.with_name(path.name + ".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in sorted(self.logdir.rglob("*")):
+                if not f.is_file():
+                    continue
+                data = f.read_bytes()[-LOG_TAIL:]
+                info = tarfile.TarInfo(str(f.relative_to(self.logdir)))
+                info.size = len(data)
+                info.mtime = int(f.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, path)
+
+    # -- the steps
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        except Terminated:
+            self.doc["errors"]["check"] = "terminated (SIGTERM, the outer timeout) before the end"
+            self.write()
+            print(summary(self.doc, 124))
+            return 124
+
+    def _run(self) -> int:
+        setup = self.step_setup()
+        gate = None if setup.get("cuda") else NO_DEVICE
+        for step in STEPS[1:]:
+            if gate:
+                self.skip(step, gate)
+            elif step not in self.selected:
+                self.skip(step, NOT_SELECTED)
+            elif self.left() < MIN_STEP_S:
+                self.skip(step, NO_TIME)
+            else:
+                t = time.monotonic()
+                try:
+                    getattr(self, f"step_{step}")(setup)
+                except Exception as exc:  # a bug in this driver must not lose the JSON
+                    self.error(step, f"the driver failed: {type(exc).__name__}: {exc}")
+                self.doc["steps"][step]["seconds"] = round(time.monotonic() - t, 1)
+            self.write()
+        self.write()
+        code = exit_code(self.doc)
+        print(summary(self.doc, code))
+        return code
+
+    def step_setup(self) -> dict[str, Any]:
+        entry = skeleton("setup", "running")
+        self.doc["steps"]["setup"] = entry
+        run = run_process(
+            probe_argv(self.python, "setup", "--device", str(self.device)),
+            self.cap("setup"),
+            self.logdir,
+            self.tag("setup"),
+        )
+        r = run.result
+        host = self.doc["host"]
+        for key in (
+            "gpu",
+            "gpu_uuid",
+            "cuda_runtime",
+            "cuda_driver",
+            "cupy",
+            "nixl_module",
+            "nixl",
+            "python",
+            "ucx_env",
+        ):
+            if key in r:
+                host[key] = r[key]
+        for key in (
+            "platform",
+            "gpu_memory_bytes",
+            "compute_capability",
+            "nvidia_smi",
+            "packages",
+            "kvxferd",
+            "cuda_visible_devices",
+        ):
+            if key in r:
+                host[key] = r[key]
+        for key in (
+            "cuda",
+            "why",
+            "ipc_smoke",
+            "vmm_smoke",
+            "nixl_vram_register",
+            "imports",
+            "nixl_error",
+            "kvxferd_device_probe",
+            "device_count",
+        ):
+            if key in r:
+                entry[key] = r[key]
+        entry["seconds"] = round(run.seconds, 1)
+        entry["cuda"] = bool(r.get("cuda"))
+        if run.rc != 0 or run.timed_out:
+            self.error("setup", run.why())
+            entry["cuda"] = False
+            entry["why"] = entry.get("why") or f"setup probe {run.why()}"
+        problems = []
+        if not entry["cuda"]:
+            problems.append(entry.get("why") or "no CUDA device")
+        if not r.get("nixl_module"):
+            problems.append(f"NIXL does not import ({r.get('nixl_error', 'not checked')})")
+        bad = {k: v for k, v in (r.get("imports") or {}).items() if v != "ok"}
+        if bad:
+            problems.append("imports failed: " + "; ".join(f"{k}: {v}" for k, v in bad.items()))
+        if entry["cuda"]:
+            for smoke in ("ipc_smoke", "vmm_smoke"):
+                if entry.get(smoke) != "ok":
+                    problems.append(f"{smoke}: {entry.get(smoke)}")
+        entry["ok"] = not problems and "setup" not in self.doc["errors"]
+        entry["why"] = "; ".join(problems) if problems else None
+        if "setup" not in self.doc["errors"]:
+            entry["status"] = "ok" if entry["ok"] else "failed"
+        entry["nixl_module"] = r.get("nixl_module")
+        self.write()
+        return entry
+
+    def step_device_copy(self, setup: dict[str, Any]) -> None:
+        entry = skeleton("device_copy", "running")
+        self.doc["steps"]["device_copy"] = entry
+        run = run_process(
+            probe_argv(self.python, "device_copy", "--device", str(self.device)),
+            self.cap("device_copy"),
+            self.logdir,
+            self.tag("device_copy"),
+        )
+        r = run.result
+        entry["memcpy"] = r.get("memcpy")
+        entry["memcpy_gbps"] = _get(r, "memcpy", "gbps")
+        verified = [_get(r, "memcpy", "verified")]
+        for way in ("gather", "scatter"):
+            for seg in SEGMENTS:
+                got = _get(r, way, seg) or {}
+                cupy, kernel = got.get("cupy"), got.get("kernel")
+                e = entry[way][seg]
+                e["segments"] = got.get("segments")
+                e["cupy"] = cupy
+                e["cupy_gbps"] = _get(cupy, "gbps")
+                e["verified"] = _get(cupy, "verified")
+                # The kernel variant is for information; an error there is its text.
+                e["kernel"] = kernel
+                e["kernel_gbps"] = _get(kernel, "gbps")
+                e["kernel_verified"] = _get(kernel, "verified")
+                verified.append(e["verified"])
+        complete = entry["memcpy_gbps"] is not None and all(v is True for v in verified)
+        if run.rc != 0 or run.timed_out:
+            self.error("device_copy", run.why())
+        elif not complete:
+            self.error("device_copy", "a copy was unmeasured or its bytes came out wrong")
+        else:
+            entry["status"] = "ok"
+        entry["ok"] = complete and "device_copy" not in self.doc["errors"]
+
+    def step_nixl_vram(self, setup: dict[str, Any]) -> None:
+        if not setup.get("nixl_module"):
+            self.skip("nixl_vram", "skipped: NIXL does not import")
+            return
+        entry = skeleton("nixl_vram", "running")
+        self.doc["steps"]["nixl_vram"] = entry
+        run = run_process(
+            probe_argv(self.python, "nixl_vram", "--device", str(self.device)),
+            self.cap("nixl_vram"),
+            self.logdir,
+            self.tag("nixl_vram"),
+        )
+        r = run.result
+        entry["module"] = r.get("module")
+        for label in ("64MiB", "1GiB"):
+            got = _get(r, "writes", label)
+            if got:
+                entry["writes"][label] = got
+        writes = entry["writes"].values()
+        complete = all(w.get("gbps") is not None and w.get("verified") is True for w in writes)
+        if run.rc != 0 or run.timed_out or r.get("error"):
+            self.error("nixl_vram", run.why())
+        elif not complete:
+            self.error("nixl_vram", "a write size was unmeasured or its bytes came out wrong")
+        else:
+            entry["status"] = "ok"
+        entry["ok"] = complete and "nixl_vram" not in self.doc["errors"]
+
+    def step_foreign_memory(self, setup: dict[str, Any]) -> None:
+        entry = skeleton("foreign_memory", "running")
+        self.doc["steps"]["foreign_memory"] = entry
+        problems = []
+        for kind in ("ipc", "vmm"):
+            sub = entry[kind]
+            if setup.get(f"{kind}_smoke") != "ok":
+                sub["status"] = (
+                    f"skipped: the {kind} smoke test failed ({setup.get(f'{kind}_smoke')})"
+                )
+                problems.append(f"{kind}: {sub['status']}")
+                continue
+            if self.left() < MIN_STEP_S:
+                sub["status"] = NO_TIME
+                problems.append(f"{kind}: {NO_TIME}")
+                continue
+            run = run_process(
+                probe_argv(self.python, "foreign", "--kind", kind, "--device", str(self.device)),
+                self.cap("foreign_memory", 0.5),
+                self.logdir,
+                self.tag(f"foreign-{kind}"),
+            )
+            for key, value in run.result.items():
+                if key != "kind":
+                    sub[key] = value
+            if run.rc != 0 or run.timed_out or run.result.get("error"):
+                sub["status"] = "error: " + run.why()
+                problems.append(f"{kind}: {run.why()}")
+            else:
+                # A refused registration is a measured answer, not a broken step.
+                sub["status"] = "ok"
+            self.write()
+        if problems:
+            self.error("foreign_memory", "; ".join(problems))
+        else:
+            entry["status"] = "ok"
+        entry["ok"] = not problems
+
+    def step_kvxferd_bench(self, setup: dict[str, Any]) -> None:
+        if not setup.get("nixl_module"):
+            self.skip("kvxferd_bench", "skipped: NIXL does not import")
+            return
+        cli = [self.python, "-m", "kvxferd.cli", "bench"]
+        try:
+            helped = subprocess.run(
+                [*cli, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+            )
+            help_text = helped.stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.doc["steps"]["kvxferd_bench"] = skeleton("kvxferd_bench", "running")
+            self.error("kvxferd_bench", f"kvxferd bench --help failed: {exc}")
+            return
+        if "--memory" not in help_text:
+            self.skip("kvxferd_bench", NO_MEMORY_FLAG)
+            return
+        entry = skeleton("kvxferd_bench", "running")
+        self.doc["steps"]["kvxferd_bench"] = entry
+        configs = [c for c in BENCH_CONFIGS if c in help_text]
+        foreign = self.doc["steps"]["foreign_memory"]
+        if ZERO_COPY_CONFIG in help_text and any(
+            _get(foreign, k, "register") == "ok" for k in ("ipc", "vmm")
+        ):
+            configs.append(ZERO_COPY_CONFIG)
+        cap = self.cap("kvxferd_bench")
+        argv = [
+            *cli,
+            "--memory",
+            "vram",
+            "--tokens",
+            str(BENCH_TOKENS),
+            "--requests",
+            str(BENCH_REQUESTS),
+            "--warmup",
+            str(BENCH_WARMUP),
+            "--json",
+            "--no-progress",
+            "--keep",
+            "--timeout",
+            str(max(30, int(cap / 2))),
+        ]
+        if configs:
+            argv += ["--configs", ",".join(configs)]
+        entry["command"] = " ".join(argv[1:])
+        run = run_process(argv, cap, self.logdir, self.tag("kvxferd_bench"))
+        report = _bench_report(run.stdout)
+        if report is not None:
+            self._keep_bench_logs(report.get("workdir"))
+            planned = int(report.get("requests", BENCH_REQUESTS))
+            for res in report.get("results", []):
+                if res.get("tokens") != BENCH_TOKENS:
+                    continue
+                entry["request_bytes"] = res.get("bytes")
+                verified = res.get("verified")
+                entry["configs"][res["config"]] = {
+                    "gbps": res.get("gbps"),
+                    "p50_ms": res.get("p50_ms"),
+                    "p99_ms": res.get("p99_ms"),
+                    "requests": res.get("requests"),
+                    "verified": verified,
+                    "failed": planned - verified if isinstance(verified, int) else None,
+                    "raw_gbps": res.get("raw_gbps"),
+                    "ratio_to_raw": res.get("ratio_to_raw"),
+                }
+            entry["memory"] = report.get("memory")
+            entry["host"] = report.get("host")
+        if run.rc != 0 or run.timed_out or report is None:
+            # The bench stops at a failed request (BenchError), so how many failed is unknown:
+            # the configurations it did not finish stay out, and the verdict fails.
+            self.error("kvxferd_bench", run.why())
+        elif not entry["configs"]:
+            self.error("kvxferd_bench", f"the bench reported no {BENCH_TOKENS}-token results")
+        else:
+            entry["status"] = "ok"
+        entry["ok"] = "kvxferd_bench" not in self.doc["errors"]
+
+    def _keep_bench_logs(self, workdir: Any) -> None:
+        if not isinstance(workdir, str) or not os.path.isdir(workdir):
+            return
+        dest = self.logdir / "bench-workdir"
+        dest.mkdir(exist_ok=True)
+        kept = 0
+        for f in sorted(Path(workdir).rglob("*")):
+            if kept >= 40:
+                break
+            if f.is_file() and f.suffix in (".log", ".err", ".out", ".txt", ".yaml", ".json"):
+                data = f.read_bytes()[-LOG_TAIL // 4 :]
+                name = str(f.relative_to(workdir)).replace("/", "__")
+                (dest / name).write_bytes(data)
+                kept += 1
+
+
+def _bench_report(stdout: str) -> dict[str, Any] | None:
+    text = stdout.strip()
+    start = text.find("{")
+    if start < 0:
+        return None
+    try:
+        report = json.loads(text[start:])
+    except json.JSONDecodeError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+# -- the summary -----------------------------------------------------------------------------
+
+
+def _f(x: Any, spec: str = ".1f") -> str:
+    n = _num(x)
+    return "-" if n is None else format(n, spec)
+
+
+def _verdict_word(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def _figures(doc: dict[str, Any]) -> dict[str, str]:
+    """One line of figures per step, for the summary table."""
+    s = doc["steps"]
+    st, dc, nv, fm, kb = (s[k] for k in STEPS)
+    setup = f"cuda {st.get('cuda')}, ipc {st.get('ipc_smoke')}, vmm {st.get('vmm_smoke')}"
+    if st.get("why"):
+        setup += f"; why: {st['why']}"
+    copies = [f"memcpy {_f(dc.get('memcpy_gbps'))} GB/s"]
+    for way in ("gather", "scatter"):
+        for seg in SEGMENTS:
+            e = _get(dc, way, seg) or {}
+            cupy, kernel = _f(e.get("cupy_gbps")), _f(e.get("kernel_gbps"))
+            copies.append(f"{way} {int(seg) // 1024}K {cupy} (kernel {kernel})")
+    writes = []
+    for k in ("64MiB", "1GiB"):
+        w = _get(nv, "writes", k) or {}
+        writes.append(
+            f"{k} {_f(w.get('gbps'))} GB/s p50 {_f(w.get('p50_ms'), '.2f')} ms "
+            f"verified {w.get('verified')}"
+        )
+    foreign = []
+    for k in ("ipc", "vmm"):
+        f = fm.get(k) or {}
+        foreign.append(
+            f"{k}: copy-in {_f(f.get('copy_into_gbps'))} GB/s, register "
+            f"{str(f.get('register'))[:40]}, nixl-in {_f(f.get('write_into_gbps'))} "
+            f"nixl-out {_f(f.get('write_from_gbps'))}"
+        )
+    bench = [
+        f"{name} {_f(c.get('gbps'))} GB/s p50 {_f(c.get('p50_ms'), '.2f')} "
+        f"p99 {_f(c.get('p99_ms'), '.2f')} ms failed {c.get('failed')}"
+        for name, c in (kb.get("configs") or {}).items()
+    ]
+    return {
+        "setup": setup,
+        "device_copy": ", ".join(copies),
+        "nixl_vram": ", ".join(writes),
+        "foreign_memory": "; ".join(foreign),
+        "kvxferd_bench": ", ".join(bench) or "-",
+    }
+
+
+def summary(doc: dict[str, Any], code: int) -> str:
+    host = doc["host"]
+    lines = [
+        "",
+        f"GPU check ({doc['schema']}), {doc['elapsed_s']} s, exit {code}",
+        f"  gpu {host.get('gpu')}, cuda runtime {host.get('cuda_runtime')} driver "
+        f"{host.get('cuda_driver')}, cupy {host.get('cupy')}, {host.get('nixl_module')} "
+        f"{host.get('nixl')}, python {host.get('python')}",
+        "",
+        f"{'step':<16}{'status':<34}figures",
+    ]
+    for step, figures in _figures(doc).items():
+        status = str(doc["steps"][step].get("status"))
+        status = status if len(status) <= 32 else status[:29] + "..."
+        lines.append(f"{step:<16}{status:<34}{figures}")
+    r, p = doc["ratios"], doc["pass"]
+    copies = ", ".join(
+        f"{w} {int(seg) // 1024}K {_f(r[f'{w}_vs_memcpy'][seg], '.3f')}"
+        for w in ("gather", "scatter")
+        for seg in SEGMENTS
+    )
+    missing = {**doc["skipped"], **doc["errors"]}
+    incomplete = ", ".join(f"{k}: {v}" for k, v in missing.items())[:400]
+    lines += [
+        "",
+        f"kvxferd / bare NIXL 1 GiB: {_f(r['kvxferd_vs_nixl_1gib'], '.3f')} "
+        f"(need >= {KVXFERD_MIN_RATIO}) -> {_verdict_word(p['kvxferd_ge_0_8_nixl'])}",
+        f"gather/scatter / memcpy: {copies} (need >= {GATHER_MIN_RATIO}) -> "
+        f"{_verdict_word(p['gather_scatter_ge_half_copy'])}",
+        f"failed requests: {'none' if p['no_failed_requests'] else 'some, or not measured'} "
+        f"-> {_verdict_word(p['no_failed_requests'])}",
+        f"all: {'PASS' if p['all'] else 'not passed'}"
+        + (f" (incomplete: {incomplete})" if code == 2 and incomplete else ""),
+    ]
+    return "\n".join(lines)
+
+
+# -- entry -----------------------------------------------------------------------------------
+
+
+def _steps(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for name in names:
+        if name not in STEPS:
+            raise argparse.ArgumentTypeError(f"unknown step {name!r}; steps: {', '.join(STEPS)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kvxferd.bench.gpucheck",
+        description="The GPU check of issue 15 (see docs/benchmarks.md, 'GPU check').",
+    )
+    p.add_argument("--out", required=True, type=Path, help="directory for gpu-check.json")
+    p.add_argument("--budget-s", type=float, default=450.0, help="whole check, seconds")
+    p.add_argument(
+        "--steps", type=_steps, default=list(STEPS), help="comma-separated; setup always runs"
+    )
+    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    p.add_argument("--python", default=sys.executable, help="the Python the probes run in")
+    args = p.parse_args(argv)
+    check = Check(args.out, args.budget_s, args.steps, args.python, args.device)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return check.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
