@@ -105,6 +105,8 @@ def strip(wheel: str, patterns: Sequence[str], out: str | None = None) -> tuple[
                     # Reusing the ZipInfo keeps each member's permission bits (executables
                     # in *.scripts/) and its time stamp.
                     zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+            # mkstemp made it 0600; keep the input's mode so the wheel reads like the others.
+            os.chmod(tmp, os.stat(wheel).st_mode & 0o777)
             os.replace(tmp, target)
         except BaseException:
             os.unlink(tmp)
