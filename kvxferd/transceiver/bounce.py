@@ -23,18 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.memory.heads import head_slice_offsets
-from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+from kvxferd.memory.layout import KvLayout
+from kvxferd.transceiver.copyplan import (
+    CopyPlan,
+    Heads,
+    check_packed,
+    check_pool,
+    copy_plan,
+    word_rows,
+)
 
 # Bounce only when the per-block path would need at least this many
 # descriptors of this average size or less. Measured here (docs/benchmarks.md,
@@ -47,9 +54,7 @@ MAX_AVG_SEGMENT_BYTES = 6 << 10
 # Every reservation is rounded up to whole pages.
 RESERVATION_ALIGN = 4096
 
-Index = npt.NDArray[np.intp]
 Bytes = npt.NDArray[np.uint8]
-Heads = tuple[int, int]  # a pool's heads [start, end), local indices
 
 # Copies this large are split over the copier's threads; below it a thread
 # hand-off (tens of microseconds) would eat the gain.
@@ -129,8 +134,8 @@ def worth_bouncing(descriptors: int, nbytes: int) -> bool:
 class Copier(Protocol):
     """Gathers blocks into, and scatters them out of, a packed buffer.
 
-    HostCopier works on host memory with numpy; a GPU pool would provide a cupy
-    implementation of the same calls.
+    HostCopier works on host memory with numpy; ArrayCopier makes the same calls over any
+    numpy-like module (cupy for device pools). Both follow kvxferd.transceiver.copyplan.
 
     `gather`/`scatter` move whole blocks, packed as (logical block, layer, K/V).
     `gather_heads`/`scatter_heads` move only the pool's heads [start, end) (local
@@ -206,80 +211,17 @@ class HostCopier:
         for f in futures:
             f.result()
 
-    @staticmethod
-    def _check_pool(pool: Bytes, layout: KvLayout) -> None:
-        if pool.ndim != 1 or pool.dtype != np.uint8 or pool.size < layout.pool_bytes:
-            raise ValueError(
-                f"pool must be a 1-D uint8 array of at least {layout.pool_bytes} bytes, "
-                f"got shape {pool.shape} of {pool.dtype}"
-            )
-
-    @staticmethod
-    def _units(layout: KvLayout, blocks: list[int]) -> tuple[np.dtype[np.void], Index, int]:
-        """The unit dtype, the pool index of each unit in packed order, and the packed bytes.
-
-        Packed order is (logical block, layer, K/V): block-major over the request's
-        blocks. A unit is a whole block (block-major pool) or one piece (layer-major),
-        and every unit sits on a multiple of its own size in the pool (a layer-major
-        region is num_blocks whole pieces), so the index is a plain division.
-        """
-        ids = layout.check_blocks(blocks)
-        nbytes = len(blocks) * layout.block_bytes
-        if layout.major == BLOCK_MAJOR:
-            # A block is contiguous in the pool and in the packed buffer alike.
-            return np.dtype(f"V{layout.block_bytes}"), ids.astype(np.intp), nbytes
-        unit = layout.piece_bytes
-        offsets = layout.piece_offsets(ids, block_first=True).ravel()
-        return np.dtype(f"V{unit}"), (offsets // unit).astype(np.intp), nbytes
-
-    @staticmethod
-    def _head_units(
-        layout: KvLayout, blocks: list[int], heads: tuple[int, int]
-    ) -> tuple[np.dtype[np.void], Index, int]:
-        """As _units, for the heads [start, end) of `blocks`.
-
-        An element is one token's run of the slice when every run starts on a multiple
-        of its length (the pool's heads divide evenly into slices of that size: the
-        usual TP case); otherwise a common divisor of the run length and every run's
-        offset (at least one head), each run then taking consecutive elements.
-        """
-        offsets = head_slice_offsets(layout, blocks, heads)
-        start, end = heads
-        head_bytes = layout.head_dim * layout.itemsize
-        run = (end - start) * head_bytes
-        # Every run offset is a sum of multiples of the token size (pieces and blocks are
-        # whole tokens) plus the skipped heads: this divides them all, and the pool size.
-        unit = math.gcd(run, layout.token_bytes, start * head_bytes)
-        index = offsets // unit
-        if unit != run:
-            index = (index[:, None] + np.arange(run // unit, dtype=np.int64)).ravel()
-        return np.dtype(f"V{unit}"), index.astype(np.intp), offsets.size * run
-
-    def _units_of(
-        self, layout: KvLayout, blocks: list[int], heads: Heads | None
-    ) -> tuple[np.dtype[np.void], Index, int]:
-        """The units of `blocks`, or of only their heads [start, end) when `heads` is given."""
-        # All heads: whole pieces pack the same bytes, with far fewer elements.
-        if heads is None or tuple(heads) == (0, layout.num_kv_heads):
-            return self._units(layout, blocks)
-        return self._head_units(layout, blocks, heads)
-
     def _copy(
-        self,
-        packed: Bytes,
-        pool: Bytes,
-        layout: KvLayout,
-        units: tuple[np.dtype[np.void], Index, int],
-        into_pool: bool,
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, plan: CopyPlan, into_pool: bool
     ) -> None:
-        """Copy between the indexed units of the pool and `packed` (in order): out of the
+        """Copy between the planned units of the pool and `packed` (in order): out of the
         pool (gather), or into it (scatter, `into_pool`)."""
-        self._check_pool(pool, layout)
-        unit, index, nbytes = units
-        if packed.size < nbytes:
-            raise ValueError(f"the packed buffer holds {packed.size} bytes, {nbytes} needed")
+        check_pool(pool, layout)
+        check_packed(packed, plan)
+        unit = np.dtype(f"V{plan.unit}")
+        index = plan.index
         pool_units = pool[: layout.pool_bytes].view(unit)
-        packed_units = packed[:nbytes].view(unit)
+        packed_units = packed[: plan.nbytes].view(unit)
 
         def copy(share: slice) -> None:
             if into_pool:
@@ -289,23 +231,92 @@ class HostCopier:
                 # copy through a temporary: check_blocks already bounded every index.
                 np.take(pool_units, index[share], out=packed_units[share], mode="clip")
 
-        self._split(copy, index.size, nbytes)
+        self._split(copy, index.size, plan.nbytes)
 
     def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
-        self._copy(out, pool, layout, self._units_of(layout, blocks, None), into_pool=False)
+        self._copy(out, pool, layout, copy_plan(layout, blocks), into_pool=False)
 
     def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
-        self._copy(packed, pool, layout, self._units_of(layout, blocks, None), into_pool=True)
+        self._copy(packed, pool, layout, copy_plan(layout, blocks), into_pool=True)
 
     def gather_heads(
         self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
     ) -> None:
-        self._copy(out, pool, layout, self._units_of(layout, blocks, heads), into_pool=False)
+        self._copy(out, pool, layout, copy_plan(layout, blocks, heads), into_pool=False)
 
     def scatter_heads(
         self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
     ) -> None:
-        self._copy(packed, pool, layout, self._units_of(layout, blocks, heads), into_pool=True)
+        self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
+
+
+class ArrayCopier:
+    """Gather/scatter over any numpy-like array module `xp` (numpy, cupy): one 2-D take
+    (gather) or one fancy-index assignment (scatter) per copy.
+
+    The pool and the packed buffer are viewed as (units, words) arrays of the widest
+    unsigned word dividing the plan's unit (copyplan.word_rows), so a copy is a single
+    indexed row copy: one kernel launch in cupy, the same form in numpy and about as fast
+    as HostCopier's void-dtype take on the host (../shared/GPU.md). Arguments are checked
+    as HostCopier checks them, with the same messages.
+
+    `run(fn)` executes each copy in the executor's context and returns only once it
+    completed (a device copier: under its device and stream, then synchronising the
+    stream): a gather's reservation is written, and a scatter's blocks are reported done,
+    only after the bytes are where they belong. By default the copy runs inline.
+    """
+
+    def __init__(
+        self,
+        xp: ModuleType = np,
+        *,
+        run: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
+        self.xp = xp
+        self._run: Callable[[Callable[[], None]], None] = run or _inline
+
+    def close(self) -> None:
+        pass
+
+    def _copy(
+        self, packed: Any, pool: Any, layout: KvLayout, plan: CopyPlan, into_pool: bool
+    ) -> None:
+        check_pool(pool, layout)
+        check_packed(packed, plan)
+        xp = self.xp
+        word, row = word_rows(plan.unit)
+
+        def copy() -> None:
+            # Every unit divides the pool size (copyplan), so both views are whole rows.
+            pool_rows = pool[: layout.pool_bytes].view(word).reshape(-1, row)
+            packed_rows = packed[: plan.nbytes].view(word).reshape(-1, row)
+            index = xp.asarray(plan.index)
+            if into_pool:
+                pool_rows[index] = packed_rows
+            else:
+                xp.take(pool_rows, index, axis=0, out=packed_rows)
+
+        self._run(copy)
+
+    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
+        self._copy(out, pool, layout, copy_plan(layout, blocks), into_pool=False)
+
+    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
+        self._copy(packed, pool, layout, copy_plan(layout, blocks), into_pool=True)
+
+    def gather_heads(
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
+    ) -> None:
+        self._copy(out, pool, layout, copy_plan(layout, blocks, heads), into_pool=False)
+
+    def scatter_heads(
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
+    ) -> None:
+        self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
+
+
+def _inline(copy: Callable[[], None]) -> None:
+    copy()
 
 
 class BounceBuffers:
