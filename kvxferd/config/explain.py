@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvxferd.config.model import KvxferdConfig
-from kvxferd.config.resolve import ResolvedSettings
+from kvxferd.config.resolve import ResolvedSettings, memory_text
 
 # What each timer bounds, in the seed's words; the second text is what null means.
 TIMEOUT_ROLES: dict[str, tuple[str, str]] = {
@@ -63,8 +63,10 @@ def explain_lines(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str]:
         f"bounce buffer:      {settings.bounce_reason}",
         f"pipelined transfer: {settings.pipelined_reason}",
         f"admission window:   {admission_text(cfg, settings)}",
+        f"KV memory:          {memory_text(settings)}",
         f"peer fingerprint:   {settings.fingerprint()} "
-        f"(backend, runtime and pipelining must match the peer's)",
+        f"(backend, runtime and pipelining must match the peer's"
+        + (", and so must kv_memory vram)" if settings.kv_memory == "vram" else ")"),
     ]
     lines += [f"note: {n}" for n in settings.notes if settings.runtime_reason not in n]
     return lines

@@ -12,7 +12,10 @@ The seed's rules, applied once at start-up (and by `kvxferd config validate`):
 * kv_cache_bounce_size_mb > 0 with the CPP runtime is unused (a note);
 * enable_pipelined_transfer needs every static requirement of the seed;
 * max_tokens_in_buffer, when set, is a positive multiple of tokens_per_block and
-  sets the admission window (in blocks).
+  sets the admission window (in blocks);
+* engine.kv_memory vram (GPU pools, kvxferd's own setting: the seed has none) needs
+  the NIXL backend and, with the PYTHON runtime, a bounce buffer and no pipelining,
+  because device pools move only through the daemon's device staging here.
 
 Every problem is collected and raised together as one ConfigError.
 """
@@ -33,6 +36,7 @@ logger = logging.getLogger("kvxferd.config")
 
 EffectiveBackend = Literal["NIXL", "UCX", "MPI", "MOONCAKE"]
 EffectiveRuntime = Literal["PYTHON", "CPP"]
+KvMemory = Literal["host", "vram"]
 
 _CTC = "cache_transceiver_config"
 PIPELINE_OK_BLOCK_REUSE = ("disabled", "all_reusable")
@@ -59,14 +63,25 @@ class ResolvedSettings:
     notes: tuple[str, ...] = ()
     """Things worth an operator's attention that are not errors (unused settings...)."""
     backend_reason: str = ""
+    # GPU pools (engine.kv_memory, engine.cuda_device, daemon.device_zero_copy). Last and
+    # defaulted: a host daemon's settings are what they were before device pools.
+    kv_memory: KvMemory = "host"
+    cuda_device: int = 0
+    device_zero_copy: bool = False
 
     def peer_compat_fields(self) -> dict[str, object]:
         """The settings both peers of a transfer must agree on."""
-        return {
+        fields: dict[str, object] = {
             "backend": self.backend,
             "runtime": self.runtime,
             "pipelined_transfer": self.pipelined_transfer,
         }
+        # Only when vram: every host daemon keeps the fingerprint it always had (older
+        # peers still pair with it), and a vram daemon pairs with vram daemons only, since
+        # a peer writes into our device staging with the memory kind it was built for.
+        if self.kv_memory == "vram":
+            fields["kv_memory"] = self.kv_memory
+        return fields
 
     def fingerprint(self) -> str:
         """Short hex digest of `peer_compat_fields()`, compared in the handshake."""
@@ -160,6 +175,50 @@ def _bounce(cfg: KvxferdConfig, runtime: EffectiveRuntime, notes: list[str]) -> 
     return 0, reason
 
 
+def _memory_problems(
+    cfg: KvxferdConfig, backend: EffectiveBackend, runtime: EffectiveRuntime, notes: list[str]
+) -> list[str]:
+    """What rules out engine.kv_memory vram with these settings (empty for host pools)."""
+    ctc, src = cfg.cache_transceiver_config, cfg.source
+    where = f"engine.kv_memory is vram ({cfg.yaml_path('engine.kv_memory')})"
+    if cfg.engine.kv_memory == "host":
+        if cfg.daemon.device_zero_copy:
+            notes.append(
+                f"{src}: {cfg.yaml_path('daemon.device_zero_copy')}: unused: it applies to "
+                "GPU pools only, and engine.kv_memory is host"
+            )
+        return []
+    problems = []
+    if backend != "NIXL":
+        problems.append(
+            f"{src}: {cfg.yaml_path(_CTC + '.backend')}: {where}, but the backend is "
+            f"{backend}: device pools move through NIXL VRAM registrations, and UCX, MPI and "
+            "MOONCAKE move host memory only here; set backend: NIXL (or DEFAULT)"
+        )
+    if runtime == "PYTHON" and ctc.kv_cache_bounce_size_mb == 0:
+        problems.append(
+            f"{src}: {cfg.yaml_path(_CTC + '.kv_cache_bounce_size_mb')}: {where} and the "
+            "runtime is PYTHON, which moves device pools only through its bounce buffer (in "
+            "device memory), and kv_cache_bounce_size_mb is 0; set it to at least the largest "
+            "request in MiB, or use transceiver_runtime: CPP"
+        )
+    if runtime == "PYTHON" and ctc.enable_pipelined_transfer:
+        problems.append(
+            f"{src}: {cfg.yaml_path(_CTC + '.enable_pipelined_transfer')}: {where}, and "
+            "the PYTHON runtime bounces a device pool's request whole, never chunk by chunk; "
+            "set enable_pipelined_transfer: false"
+        )
+    return problems
+
+
+def memory_text(settings: ResolvedSettings) -> str:
+    """Where the KV pools live, in words ("host memory", "vram on cuda:0 (zero-copy off)")."""
+    if settings.kv_memory == "host":
+        return "host memory (engine.kv_memory: host)"
+    zero_copy = "on, where NIXL registers a pool" if settings.device_zero_copy else "off"
+    return f"vram on cuda:{settings.cuda_device} (zero-copy {zero_copy})"
+
+
 def pipelined_failures(
     cfg: KvxferdConfig, backend: EffectiveBackend, runtime: EffectiveRuntime
 ) -> list[tuple[str, str]]:
@@ -243,6 +302,8 @@ def resolve(cfg: KvxferdConfig) -> ResolvedSettings:
             "per-request constraint is rejected"
         )
 
+    problems += _memory_problems(cfg, backend, runtime, notes)
+
     tokens = ctc.max_tokens_in_buffer
     per_block = cfg.engine.kv_layout.tokens_per_block
     window: int | None = None
@@ -279,4 +340,7 @@ def resolve(cfg: KvxferdConfig) -> ResolvedSettings:
         max_tokens_in_buffer=tokens,
         notes=tuple(notes),
         backend_reason=backend_reason,
+        kv_memory=cfg.engine.kv_memory,
+        cuda_device=cfg.engine.cuda_device,
+        device_zero_copy=cfg.daemon.device_zero_copy,
     )

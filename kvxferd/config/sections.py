@@ -168,6 +168,19 @@ class EngineSection(BaseModel):
     max_seq_len: int | None = Field(
         default=None, gt=0, description="Longest sequence the engine serves; null: unknown."
     )
+    kv_memory: Literal["host", "vram"] = Field(
+        default="host",
+        description="Where the engine keeps its KV pools: host (shared memory) or vram (GPU "
+        "memory, shared by CUDA IPC handle or VMM fd). One kind per daemon: a pool of the "
+        "other kind is refused at registration. vram needs the NIXL backend, a usable CUDA "
+        "device and cupy on the daemon's host, and with the PYTHON runtime a bounce buffer.",
+    )
+    cuda_device: int = Field(
+        default=0,
+        ge=0,
+        description="The daemon's CUDA device ordinal (as the daemon's own "
+        "CUDA_VISIBLE_DEVICES numbers it) for its device staging; used with kv_memory vram.",
+    )
 
     @property
     def kv_factor(self) -> int:
@@ -253,6 +266,14 @@ class DaemonSection(BaseModel):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Least severe log level emitted."
+    )
+    device_zero_copy: bool = Field(
+        default=False,
+        description="With engine.kv_memory vram: also register the engine's device pools "
+        "with NIXL so that peers write into them directly. Off (the default) every byte "
+        "goes through the daemon's own device staging, which NIXL can always register; "
+        "turn it on only where scripts/gpu-check.sh showed the registration works and is "
+        "faster. A pool whose registration fails stays copy-only.",
     )
 
     @field_validator("heartbeat_timeout_ms")
