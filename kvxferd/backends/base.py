@@ -51,6 +51,13 @@ def vram(device: int) -> Memory:
     return Memory("VRAM", device)
 
 
+def host_only(backend: str, *memories: Memory) -> str | None:
+    """Why a backend that moves host memory only refuses these memories, or None."""
+    if any(m.on_device for m in memories):
+        return f"backend {backend} moves host memory only; device pools need NIXL"
+    return None
+
+
 class XferStatus(IntEnum):
     """What a posted transfer is doing; translated from the library's own states."""
 
@@ -75,7 +82,10 @@ class Backend(Protocol):
     name: str
     agent_name: str
 
-    def register(self, address: int, nbytes: int) -> object: ...
+    def register(self, address: int, nbytes: int, memory: Memory = HOST) -> object:
+        """Register [address, +nbytes) of `memory` for one-sided writes; StartupError if
+        the backend cannot (including a memory kind it does not move)."""
+        ...
 
     def deregister(self, registration: object) -> None: ...
 
@@ -88,8 +98,18 @@ class Backend(Protocol):
     def connect(self, agent_name: str) -> None: ...
 
     def post_write(
-        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
-    ) -> tuple[XferHandle, XferStatus]: ...
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
+    ) -> tuple[XferHandle, XferStatus]:
+        """Post one WRITE of `local` (ours, in `local_memory`) into `remote` (the peer's, in
+        `remote_memory` as the peer registered it); TransferError if it cannot be posted."""
+        ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...
 

@@ -112,7 +112,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import Segments, XferHandle, XferStatus
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import shown
@@ -407,7 +407,11 @@ class MooncakeBackend:
 
     # ------------------------------------------------------------ memory
 
-    def register(self, address: int, nbytes: int) -> object:
+    def register(self, address: int, nbytes: int, memory: Memory = HOST) -> object:
+        # Mooncake's TCP transport reads and writes registered memory from the host CPU.
+        refused = host_only(self.name, memory)
+        if refused is not None:
+            raise StartupError(refused)
         if nbytes <= 0 or address <= 0:
             raise StartupError(f"MOONCAKE cannot register {nbytes} bytes at {address:#x}")
         for start, length in self._regions.items():
@@ -505,8 +509,18 @@ class MooncakeBackend:
     # ------------------------------------------------------------ writes
 
     def post_write(
-        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
     ) -> tuple[XferHandle, XferStatus]:
+        refused = host_only(self.name, local_memory, remote_memory)
+        if refused is not None:
+            raise TransferError(refused)
         if notif:
             raise TransferError(
                 "MOONCAKE writes carry no notification (kvxferd reports completion on its "

@@ -1,18 +1,26 @@
-"""NIXL adapter: the only module that imports nixl_cu12.
+"""NIXL adapter: the only module that imports nixl (nixl_cu12 or nixl_cu13).
 
 Translates NIXL's string states ("DONE"/"PROC"/"ERR") into XferStatus and its
 exception classes into kvxferd errors at this boundary. NIXL has no deadline of
 its own; callers own every deadline and use `release` to cancel.
+
+NIXL ships one wheel per CUDA generation (nixl-cu12, nixl-cu13), each its own import
+name; `nixl_module_name()` says which this process uses, and every other place that
+names the package (the backend registry's probes, the bench's host record) asks it.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import os
+import sys
 from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import Segments, XferHandle, XferStatus
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -25,9 +33,17 @@ from kvxferd.service.logs import TEXT_LIMIT, shown
 log = logging.getLogger("kvxferd.backends.nixl")
 
 _INSTALL_HINT = (
-    "install it with `pip install --no-deps 'nixl-cu12>=1.5,<2'` (scripts/install.sh does this; "
-    "--no-deps keeps nixl's declared torch dependency out)"
+    "install one with `pip install --no-deps 'nixl-cu12>=1.5,<2'` (or 'nixl-cu13>=1.5,<2' for "
+    "CUDA 13 drivers; scripts/install.sh does this; --no-deps keeps nixl's declared torch "
+    "dependency out)"
 )
+
+#: The import names of NIXL's wheels, in the order tried when nothing decides: cu12
+#: first, so a host with both (or without CUDA, like CI) behaves as before cu13 existed.
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
+
+#: Names the module to load (e.g. nixl_cu13), whatever else is installed.
+MODULE_ENV = "KVXFERD_NIXL_MODULE"
 
 _STATUS = {"DONE": XferStatus.DONE, "PROC": XferStatus.IN_PROGRESS, "ERR": XferStatus.ERROR}
 
@@ -35,15 +51,66 @@ _STATUS = {"DONE": XferStatus.DONE, "PROC": XferStatus.IN_PROGRESS, "ERR": XferS
 _PEER_LOST_ERRORS = {"nixlRemoteDisconnectError"}
 
 
-def _load() -> Any:
+def package_name(module: str) -> str:
+    """The distribution (pip) name of a NIXL import name: nixl_cu13 -> nixl-cu13."""
+    return module.replace("_", "-")
+
+
+def _installed(module: str) -> bool:
     try:
-        import nixl_cu12
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken parent package or a bad name: not usable
+        return False
+
+
+def _driver_major() -> int | None:
+    """The CUDA driver's major version if this process already knows a device, else None.
+
+    Only asked when cupy is already imported (the daemon probed for device pools): the
+    probe would otherwise import cupy and start CUDA in every host-only daemon."""
+    if "cupy" not in sys.modules:
+        return None
+    from kvxferd.memory.device import probe
+
+    found = probe()
+    if not found.available or found.driver_version <= 0:
+        return None
+    return found.driver_version // 1000
+
+
+def nixl_module_name() -> str | None:
+    """The NIXL module this process uses (imports nothing: find_spec only), or None.
+
+    KVXFERD_NIXL_MODULE decides when set (its module need not be installed: loading it
+    then fails saying so). Otherwise, with a CUDA device already known, the installed
+    wheel built for the driver's CUDA major (a cu12 build also runs on a CUDA 13 driver,
+    not the other way round, so this is a preference); else the first installed of
+    NIXL_MODULES. None: none is installed."""
+    override = os.environ.get(MODULE_ENV, "").strip()
+    if override:
+        return override
+    installed = [m for m in NIXL_MODULES if _installed(m)]
+    major = _driver_major() if len(installed) > 1 else None
+    if major is not None and f"nixl_cu{major}" in installed:
+        return f"nixl_cu{major}"
+    return installed[0] if installed else None
+
+
+def _missing() -> str:
+    return f"backend NIXL needs the {' or '.join(map(package_name, NIXL_MODULES))} package"
+
+
+def load_nixl() -> Any:
+    module = nixl_module_name()
+    if module is None:
+        raise BackendUnavailableError(f"{_missing()}, and neither is installed; " + _INSTALL_HINT)
+    try:
+        return importlib.import_module(module)
     except ImportError as exc:
+        chosen = f" ({MODULE_ENV}={module})" if os.environ.get(MODULE_ENV, "").strip() else ""
         raise BackendUnavailableError(
-            f"backend NIXL needs the nixl-cu12 package, which does not import ({exc}); "
-            + _INSTALL_HINT
+            f"{_missing()}; {module}{chosen} does not import ({exc}); " + _INSTALL_HINT
         ) from exc
-    return nixl_cu12
 
 
 # NIXL's Python API hard-codes its UCX progress thread's delay to 0, which makes
@@ -77,19 +144,42 @@ def _translate(exc: Exception, what: str) -> TransferError:
     return TransferError(f"NIXL {what} failed ({kind}: {exc})")
 
 
-def _descs(segments: Segments) -> np.ndarray[Any, np.dtype[np.uint64]]:
+def _descs(segments: Segments, device: int = 0) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """NIXL's (address, length, device) transfer descriptors; the device column is the
+    CUDA ordinal for VRAM and 0 for DRAM."""
     out = np.zeros((len(segments), 3), dtype=np.uint64)
     out[:, :2] = segments
+    out[:, 2] = device
     return out
 
 
+def _as(memory: Memory) -> str:
+    """The words naming device memory in a message; none for host memory (as before)."""
+    return f" as VRAM on device {memory.device}" if memory.on_device else ""
+
+
+def _register_failure(address: int, nbytes: int, memory: Memory, exc: Exception) -> str:
+    """Why a registration failed, NIXL's own words kept. NIXL raises only a status name
+    (NIXL_ERR_BACKEND) and logs the cause on stderr; for VRAM the usual cause is a UCX
+    without CUDA support, which then sees the address as host memory."""
+    where = f"{memory.kind} on CUDA device {memory.device}" if memory.on_device else "DRAM"
+    text = f"NIXL could not register {nbytes} bytes at {address:#x} as {where}: {exc}"
+    if memory.on_device:
+        text += (
+            " (if NIXL's log says 'VRAM memory is detected as host by UCX', the address is not "
+            "device memory UCX can see, or this NIXL/UCX build lacks CUDA support)"
+        )
+    return text
+
+
 class NixlBackend:
-    """One NIXL agent with the UCX plugin, host (DRAM) memory."""
+    """One NIXL agent with the UCX plugin, host (DRAM) and device (VRAM) memory."""
 
     name = "NIXL"
 
     def __init__(self, agent_name: str, progress_delay_us: int = PROGRESS_DELAY_US) -> None:
-        nixl = _load()
+        nixl = load_nixl()
+        self.module = nixl.__name__  # which wheel, for the logs and the status page
         self.agent_name = agent_name
         try:
             # No listener thread: metadata travels over kvxferd's own
@@ -101,16 +191,15 @@ class NixlBackend:
         if "UCX" not in self._agent.backends:
             raise StartupError(
                 f"NIXL agent {agent_name!r} has no UCX plugin (available: "
-                f"{self._agent.get_plugin_list()}); the nixl-cu12 install is incomplete"
+                f"{self._agent.get_plugin_list()}); the {package_name(self.module)} install is "
+                "incomplete"
             )
 
-    def register(self, address: int, nbytes: int) -> object:
+    def register(self, address: int, nbytes: int, memory: Memory = HOST) -> object:
         try:
-            return self._agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+            return self._agent.register_memory([(address, nbytes, memory.device, "")], memory.kind)
         except Exception as exc:
-            raise StartupError(
-                f"NIXL could not register {nbytes} bytes at {address:#x}: {exc}"
-            ) from exc
+            raise StartupError(_register_failure(address, nbytes, memory, exc)) from exc
 
     def deregister(self, registration: object) -> None:
         self._agent.deregister_memory(registration)
@@ -140,11 +229,24 @@ class NixlBackend:
             raise _translate(exc, f"connect to {agent_name}") from exc
 
     def post_write(
-        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
     ) -> tuple[XferHandle, XferStatus]:
         try:
-            ldescs = self._agent.get_xfer_descs(_descs(local), "DRAM")
-            rdescs = self._agent.get_xfer_descs(_descs(remote), "DRAM")
+            # Each side names its own memory kind and device: NIXL finds the registration
+            # by (kind, device, address range), so a wrong kind is "not registered".
+            ldescs = self._agent.get_xfer_descs(
+                _descs(local, local_memory.device), local_memory.kind
+            )
+            rdescs = self._agent.get_xfer_descs(
+                _descs(remote, remote_memory.device), remote_memory.kind
+            )
             native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, notif)
         except Exception as exc:
             if type(exc).__name__ == "nixlNotFoundError":
@@ -152,7 +254,8 @@ class NixlBackend:
                 # range in the peer's registered memory.
                 raise RemoteMemoryError(
                     f"NIXL transfer preparation: the receiver's addresses are not memory its "
-                    f"agent {shown(agent_name)} registered ({shown(exc, TEXT_LIMIT)})"
+                    f"agent {shown(agent_name)} registered{_as(remote_memory)} "
+                    f"({shown(exc, TEXT_LIMIT)})"
                 ) from exc
             raise _translate(exc, "transfer preparation") from exc
         handle = XferHandle(

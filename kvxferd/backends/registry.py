@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvxferd.backends.base import Backend
+from kvxferd.backends.nixl import NIXL_MODULES, nixl_module_name
 from kvxferd.backends.twosided import NoOneSidedBackend, TwoSidedTransport
 from kvxferd.errors import StartupError
 
@@ -71,9 +72,23 @@ TWO_SIDED: dict[str, Callable[[str, str], TwoSidedTransport]] = {
     "MPI": _mpi,
 }
 
-# The package each adapter imports, for probes that must not import it (importing
-# ucxx, say, writes UCX_* variables into os.environ): importlib.util.find_spec.
-PACKAGES = {"NIXL": "nixl_cu12", "UCX": "ucxx", "MPI": "mpi4py", "MOONCAKE": "mooncake"}
+
+def _nixl_module() -> str:
+    # Which NIXL wheel (nixl_cu12 or nixl_cu13) decides by what is installed; with neither,
+    # the name a probe reports missing is today's default.
+    return nixl_module_name() or NIXL_MODULES[0]
+
+
+def package_of(backend: str) -> str:
+    """The package `backend`'s adapter imports, for probes that must not import it
+    (importing ucxx, say, writes UCX_* variables into os.environ): find_spec it."""
+    if backend == "NIXL":
+        return _nixl_module()  # asked each time: the environment may name another
+    return PACKAGES[backend]
+
+
+# The same, as found when this module was imported (NIXL: see package_of).
+PACKAGES = {"NIXL": _nixl_module(), "UCX": "ucxx", "MPI": "mpi4py", "MOONCAKE": "mooncake"}
 
 # The one backend the PYTHON runtime runs on (the seed: "Requires Python NIXL").
 PYTHON_RUNTIME_BACKEND = "NIXL"

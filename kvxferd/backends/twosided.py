@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from kvxferd.backends.base import Segments, XferHandle, XferStatus
-from kvxferd.errors import PeerLostError, TransferError, TransferTimeoutError
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
+from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 
 class TwoSidedTransport(Protocol):
@@ -85,7 +85,12 @@ class NoOneSidedBackend:
         self.name = name
         self.agent_name = agent_name
 
-    def register(self, address: int, nbytes: int) -> object:
+    def register(self, address: int, nbytes: int, memory: Memory = HOST) -> object:
+        # Nothing to register for host memory, but UCX and MPI send staging bytes as host
+        # buffers here: a device region would be sent as if it were host memory.
+        refused = host_only(self.name, memory)
+        if refused is not None:
+            raise StartupError(refused)
         return None
 
     def deregister(self, registration: object) -> None:
@@ -104,9 +109,19 @@ class NoOneSidedBackend:
         return None
 
     def post_write(
-        self, local: Segments, remote: Segments, agent_name: str, notif: bytes = b""
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
     ) -> tuple[XferHandle, XferStatus]:
-        raise TransferError(f"backend {self.name} has no one-sided writes")
+        raise TransferError(
+            host_only(self.name, local_memory, remote_memory)
+            or f"backend {self.name} has no one-sided writes"
+        )
 
     def poll(self, handle: XferHandle) -> XferStatus:
         return XferStatus.ERROR

@@ -23,13 +23,14 @@ class BenchConfigError(KvxferdError):
 
 
 def _needs_nixl() -> str | None:
+    # The daemons' own loader, so the bench probes the wheel (nixl_cu12 or nixl_cu13) they load.
+    from kvxferd.backends.nixl import load_nixl
+    from kvxferd.errors import BackendUnavailableError
+
     try:
-        import nixl_cu12  # noqa: F401
-    except ImportError as exc:
-        return (
-            f"NIXL does not import ({exc}); install it with "
-            "`pip install --no-deps 'nixl-cu12>=1.5,<2'` (scripts/install.sh does this)"
-        )
+        load_nixl()
+    except BackendUnavailableError as exc:
+        return str(exc)
     return None
 
 
@@ -45,7 +46,7 @@ def _needs_backend(backend: str) -> Availability:
         if backend not in registry.available():
             have = ", ".join(registry.available())
             return f"this build has no {backend} adapter (available: {have})"
-        package = registry.PACKAGES[backend]
+        package = registry.package_of(backend)
         if importlib.util.find_spec(package) is None:
             return (
                 f"the {backend} backend needs the {package} package, which is not installed "

@@ -37,7 +37,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     load = h.get("loadavg_start")
     lines.append(
         f"  host      {h['cpu_count']} CPUs ({h['cpu_model'] or 'unknown'}), Python "
-        f"{h['python']}, nixl-cu12 {h['nixl_version']}"
+        f"{h['python']}, {h.get('nixl_package', 'nixl-cu12')} {h['nixl_version']}"
         + (f", load average {load[0]:.2f} at the start" if load else "")
     )
     return lines

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvxferd import __version__
+from kvxferd.backends.nixl import NIXL_MODULES, nixl_module_name, package_name
 from kvxferd.bench.baseline import memcpy_gbps
 from kvxferd.bench.configs import BenchConfig
 from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
@@ -364,6 +365,7 @@ def host_info() -> dict[str, Any]:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    nixl_package = package_name(nixl_module_name() or NIXL_MODULES[0])
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -375,7 +377,9 @@ def host_info() -> dict[str, Any]:
         "memory_gib": mem_gib,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "nixl_version": version("nixl-cu12"),
+        # Which NIXL wheel the daemons load (nixl-cu12 or nixl-cu13), and its version.
+        "nixl_package": nixl_package,
+        "nixl_version": version(nixl_package),
         "numpy_version": version("numpy"),
         "kvxferd_version": __version__,
         # Other work on the machine skews every number: the 1/5/15-minute load averages

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvxferd.backends.base import Backend, XferHandle, XferStatus
+from kvxferd.backends.base import HOST, Backend, Memory, XferHandle, XferStatus
 from kvxferd.errors import KvxferdError, PeerLostError, RemoteMemoryError, TransferError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.service.logs import TEXT_LIMIT, shown
@@ -66,9 +66,13 @@ class Writes:
         local: np.ndarray,
         remote: np.ndarray,
         conn: PeerConnection | None = None,
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
     ) -> XferStatus:
         """Post one WRITE (to `conn`'s agent, by default the first receiver's) and wait for
-        it; always returns with the write quiescent."""
+        it; always returns with the write quiescent. `local_memory`/`remote_memory`: what
+        `local` and `remote` point into (the backend names each side's memory kind)."""
         conn = conn or s.conn
         assert conn is not None
         backend = self._dp.backend
@@ -81,7 +85,13 @@ class Writes:
             posted = time.monotonic()
             try:
                 handle, status = await self._dp.call(
-                    self._post_if_wanted, s, conn, local, remote, backend
+                    self._post_if_wanted,
+                    s,
+                    conn,
+                    local,
+                    remote,
+                    backend,
+                    (local_memory, remote_memory),
                 )
             except PostRefused as exc:
                 s.request_end(exc.terminal)
@@ -110,6 +120,7 @@ class Writes:
         local: np.ndarray,
         remote: np.ndarray,
         backend: Backend,
+        memories: tuple[Memory, Memory] = (HOST, HOST),
     ) -> tuple[XferHandle, XferStatus]:
         """On the data-plane thread, right before the post: a queued post may run long
         after it was queued (the daemon was stopped, the thread was busy), so the request
@@ -117,7 +128,17 @@ class Writes:
         refused = post_refusal(s, conn)
         if refused is not None:
             raise PostRefused(refused)
-        return backend.post_write(local, remote, conn.agent_name)
+        local_memory, remote_memory = memories
+        if local_memory == HOST and remote_memory == HOST:
+            # Host to host: the call every backend took before device memory existed.
+            return backend.post_write(local, remote, conn.agent_name)
+        return backend.post_write(
+            local,
+            remote,
+            conn.agent_name,
+            local_memory=local_memory,
+            remote_memory=remote_memory,
+        )
 
     async def _wait(self, s: TxSession, status: XferStatus, conn: PeerConnection) -> XferStatus:
         """Poll until done, error, or an end requested between/inside slices."""
