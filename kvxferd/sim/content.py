@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Final
 
 import numpy as np
@@ -80,12 +81,18 @@ def request_seed(request_id: str) -> int:
 # -- pattern ---------------------------------------------------------------------------------
 
 
-def _bases(seed: int, num_logical: int, regions: int) -> U64:
-    """base(seed, block, region) for all logical blocks and regions, shape (blocks, regions)."""
+def _bases(seed: int, num_logical: int, regions: int, xp: ModuleType = np) -> U64:
+    """base(seed, block, region) for all logical blocks and regions, shape (blocks, regions).
+
+    `xp`: the array module to compute in (numpy, or cupy for a pool in device memory,
+    kvxferd.sim.device_content); only numpy-and-cupy-common operations, so both give the
+    same words."""
     _check_seed(seed)
-    j = np.arange(num_logical, dtype=np.uint64)[:, None]
-    r = np.arange(regions, dtype=np.uint64)[None, :]
-    z: U64 = np.uint64(seed) + (j + np.uint64(1)) * _MIX_BLOCK + (r + np.uint64(1)) * _MIX_REGION
+    j = xp.arange(num_logical, dtype=np.uint64)[:, None]
+    r = xp.arange(regions, dtype=np.uint64)[None, :]
+    # The array first and the seed last (the same sum mod 2**64): a numpy scalar on the left
+    # of a cupy array would leave the choice of module to numpy.
+    z: U64 = (j + np.uint64(1)) * _MIX_BLOCK + (r + np.uint64(1)) * _MIX_REGION + np.uint64(seed)
     z ^= z >> np.uint64(30)
     z *= np.uint64(0xBF58476D1CE4E5B9)
     z ^= z >> np.uint64(27)
@@ -94,15 +101,15 @@ def _bases(seed: int, num_logical: int, regions: int) -> U64:
     return z
 
 
-def _ramp(words: int) -> U64:
-    ramp: U64 = np.arange(words, dtype=np.uint64) * _RAMP
+def _ramp(words: int, xp: ModuleType = np) -> U64:
+    ramp: U64 = xp.arange(words, dtype=np.uint64) * _RAMP
     return ramp
 
 
-def _expected_bytes(bases: U64, piece_bytes: int) -> U8:
+def _expected_bytes(bases: U64, piece_bytes: int, xp: ModuleType = np) -> U8:
     """The content of pieces with the given bases (any shape), as (..., piece_bytes) uint8."""
     words = -(-piece_bytes // 8)
-    full = (bases[..., None] + _ramp(words)).astype(_U64, copy=False)
+    full = (bases[..., None] + _ramp(words, xp)).astype(_U64, copy=False)
     return full.view(np.uint8)[..., :piece_bytes]
 
 
@@ -110,17 +117,18 @@ def _sliced(tp: TpRank | None) -> bool:
     return tp is not None and tp.size > 1
 
 
-def _local_expected(bases: U64, layout: KvLayout, tp: TpRank | None) -> U8:
+def _local_expected(bases: U64, layout: KvLayout, tp: TpRank | None, xp: ModuleType = np) -> U8:
     """What a pool of `layout` held by rank `tp` stores for pieces with the given bases
     (any shape): the rank's heads of each token of the full-head piece, (..., piece_bytes)."""
     if not _sliced(tp):
-        return _expected_bytes(bases, layout.piece_bytes)
+        return _expected_bytes(bases, layout.piece_bytes, xp)
     assert tp is not None
     tpb, local = layout.tokens_per_block, layout.token_bytes
-    full = _expected_bytes(bases, layout.piece_bytes * tp.size)
+    full = _expected_bytes(bases, layout.piece_bytes * tp.size, xp)
     per_token = full.reshape(*bases.shape, tpb, local * tp.size)
     mine = per_token[..., tp.rank * local : (tp.rank + 1) * local]
-    return np.ascontiguousarray(mine).reshape(*bases.shape, layout.piece_bytes)
+    local_bytes: U8 = xp.ascontiguousarray(mine).reshape(*bases.shape, layout.piece_bytes)
+    return local_bytes
 
 
 # -- pool access -----------------------------------------------------------------------------
