@@ -58,6 +58,20 @@ MIB = 1 << 20
 GIB = 1 << 30
 #: The NIXL Python modules, preferred first: the GPU machine has CUDA 13.
 NIXL_MODULES = ("nixl_cu13", "nixl_cu12")
+#: The figures a `foreign` probe reports for one kind of foreign memory, null until measured
+#: (the driver's JSON has each of them under foreign_memory.ipc and .vmm).
+FOREIGN_FIGURES = (
+    "copy_into_gbps",
+    "copy_from_gbps",
+    "gather_from_gbps",
+    "scatter_into_gbps",
+    "copy_verified",
+    "register",
+    "write_into_gbps",
+    "write_into_verified",
+    "write_from_gbps",
+    "write_from_verified",
+)
 #: Odd, so word index -> pattern word is a bijection mod 2**64: every word of a buffer differs.
 _MULT = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -524,6 +538,55 @@ def role_export(args: argparse.Namespace) -> None:
         buf.close()
 
 
+def start_export(
+    name: str, kind: str, nbytes: int, seed: int, device: int
+) -> tuple[Child, socket.socket | None]:
+    """An `export` child that allocates nbytes, fills them with seed and shares them by kind
+    (ipc | vmm); for vmm, with our end of the Unix socket its fd comes over."""
+    extra: list[str] = []
+    fds: list[int] = []
+    parent_sock = child_sock = None
+    if kind == "vmm":
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        extra, fds = ["--sock-fd", str(child_sock.fileno())], [child_sock.fileno()]
+    args = ["--kind", kind, "--nbytes", str(nbytes), "--seed", str(seed), "--device", str(device)]
+    try:
+        child = Child.probe(name, "export", *args, *extra, pass_fds=fds)
+    except BaseException:
+        if parent_sock is not None:
+            parent_sock.close()
+        raise
+    finally:
+        if child_sock is not None:
+            # The child holds its own copy now; ours would keep the socket open past its exit.
+            child_sock.close()
+    return child, parent_sock
+
+
+def open_exported(
+    kind: str,
+    ready: dict[str, Any],
+    sock: socket.socket | None,
+    nbytes: int,
+    device: int,
+    timeout_s: float,
+) -> IpcOpened | VmmBuf | None:
+    """Open here what an export child shared (its `ready` answer in hand): by its IPC handle,
+    or by the VMM fd that comes over sock; None when no fd came."""
+    if kind == "ipc":
+        return IpcOpened(bytes.fromhex(ready["handle"]), nbytes, device, ready["offset"])
+    assert sock is not None
+    # The child sends the fd before it answers, so this does not wait; bounded all the same.
+    sock.settimeout(timeout_s)
+    _, got, _, _ = socket.recv_fds(sock, 16, 1)
+    if not got:
+        return None
+    try:
+        return VmmBuf(nbytes, device, fd=got[0])
+    finally:
+        os.close(got[0])
+
+
 # -- role: nixl-peer -------------------------------------------------------------------------
 
 
@@ -670,29 +733,14 @@ def smoke(kind: str, device: int, nbytes: int = 64 * MIB, timeout_s: float = 20.
     cp = cupy_module()
     child: Child | None = None
     opened: IpcOpened | VmmBuf | None = None
-    parent_sock = child_sock = None
+    parent_sock: socket.socket | None = None
     try:
-        extra: list[str] = []
-        fds: list[int] = []
-        if kind == "vmm":
-            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            extra = ["--sock-fd", str(child_sock.fileno())]
-            fds = [child_sock.fileno()]
-        args = ["--kind", kind, "--nbytes", str(nbytes), "--seed", "11", "--device", str(device)]
-        child = Child.probe(f"{kind}-export", "export", *args, *extra, pass_fds=fds)
-        if child_sock is not None:
-            # The child holds its own copy now; ours would keep the socket open past its exit.
-            child_sock.close()
-        ready = child.answer(timeout_s)
-        if kind == "ipc":
-            opened = IpcOpened(bytes.fromhex(ready["handle"]), nbytes, device, ready["offset"])
-        else:
-            assert parent_sock is not None
-            _, got, _, _ = socket.recv_fds(parent_sock, 16, 1)
-            if not got:
-                return "error: no file descriptor arrived over the socket"
-            opened = VmmBuf(nbytes, device, fd=got[0])
-            os.close(got[0])
+        child, parent_sock = start_export(f"{kind}-export", kind, nbytes, 11, device)
+        opened = open_exported(
+            kind, child.answer(timeout_s), parent_sock, nbytes, device, timeout_s
+        )
+        if opened is None:
+            return "error: no file descriptor arrived over the socket"
         with cp.cuda.Device(device):
             if not holds(cp, opened.arr, 11):
                 return "error: the other process's bytes read wrong here"
@@ -992,54 +1040,18 @@ def role_foreign(args: argparse.Namespace) -> None:
         "kind": kind,
         "opened": None,
         "read_ok": None,
-        "copy_into_gbps": None,
-        "copy_from_gbps": None,
-        "gather_from_gbps": None,
-        "scatter_into_gbps": None,
-        "copy_verified": None,
-        "register": None,
-        "write_into_gbps": None,
-        "write_into_verified": None,
-        "write_from_gbps": None,
-        "write_from_verified": None,
+        **dict.fromkeys(FOREIGN_FIGURES),
     }
     engine = peer = None
     foreign: IpcOpened | VmmBuf | None = None
     side: NixlSide | None = None
-    parent_sock = child_sock = None
+    parent_sock: socket.socket | None = None
     stage: Any = None
     try:
-        extra: list[str] = []
-        fds: list[int] = []
-        if kind == "vmm":
-            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            extra, fds = ["--sock-fd", str(child_sock.fileno())], [child_sock.fileno()]
-        engine = Child.probe(
-            "engine",
-            "export",
-            "--kind",
-            kind,
-            "--nbytes",
-            str(n),
-            "--seed",
-            "21",
-            "--device",
-            str(dev),
-            *extra,
-            pass_fds=fds,
-        )
-        if child_sock is not None:
-            child_sock.close()
-        ready = engine.answer(60)
-        if kind == "ipc":
-            foreign = IpcOpened(bytes.fromhex(ready["handle"]), n, dev, ready["offset"])
-        else:
-            assert parent_sock is not None
-            _, got, _, _ = socket.recv_fds(parent_sock, 16, 1)
-            if not got:
-                raise ProbeError("no file descriptor arrived from the engine")
-            foreign = VmmBuf(n, dev, fd=got[0])
-            os.close(got[0])
+        engine, parent_sock = start_export("engine", kind, n, 21, dev)
+        foreign = open_exported(kind, engine.answer(60), parent_sock, n, dev, 60)
+        if foreign is None:
+            raise ProbeError("no file descriptor arrived from the engine")
         result["opened"] = "ok"
         result["read_ok"] = holds(cp, foreign.arr, 21)
         emit(result)

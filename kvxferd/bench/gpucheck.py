@@ -36,9 +36,12 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvxferd.bench.gpu_probes import FOREIGN_FIGURES, RESULT
 
 SCHEMA = "kvxferd-gpu-check/1"
 STEPS = ("setup", "device_copy", "nixl_vram", "foreign_memory", "kvxferd_bench")
@@ -72,6 +75,40 @@ LOGS_NAME = "gpu-check-logs.tar.gz"
 #: files of at most 16 MiB).
 LOG_TAIL = 2 << 20
 ROOT = Path(__file__).resolve().parents[2]
+#: The document's "host" (null until the setup probe says), then what else setup's result
+#: adds to it, then what setup's result gives its own step.
+HOST_KEYS = (
+    "gpu",
+    "gpu_uuid",
+    "cuda_runtime",
+    "cuda_driver",
+    "cupy",
+    "nixl_module",
+    "nixl",
+    "python",
+    "ucx_env",
+)
+SETUP_HOST_KEYS = (
+    *HOST_KEYS,
+    "platform",
+    "gpu_memory_bytes",
+    "compute_capability",
+    "nvidia_smi",
+    "packages",
+    "kvxferd",
+    "cuda_visible_devices",
+)
+SETUP_STEP_KEYS = (
+    "cuda",
+    "why",
+    "ipc_smoke",
+    "vmm_smoke",
+    "nixl_vram_register",
+    "imports",
+    "nixl_error",
+    "kvxferd_device_probe",
+    "device_count",
+)
 
 
 # -- what a step looks like before (or without) measurement ---------------------------------
@@ -96,19 +133,7 @@ def skeleton(step: str, status: str) -> dict[str, Any]:
         base.update(module=None, writes={"64MiB": _rate_null(), "1GiB": _rate_null()})
     elif step == "foreign_memory":
         for kind in ("ipc", "vmm"):
-            base[kind] = {
-                "status": status,
-                "copy_into_gbps": None,
-                "copy_from_gbps": None,
-                "gather_from_gbps": None,
-                "scatter_into_gbps": None,
-                "copy_verified": None,
-                "register": None,
-                "write_into_gbps": None,
-                "write_into_verified": None,
-                "write_from_gbps": None,
-                "write_from_verified": None,
-            }
+            base[kind] = {"status": status, **dict.fromkeys(FOREIGN_FIGURES)}
     elif step == "kvxferd_bench":
         base.update(tokens=BENCH_TOKENS, request_bytes=None, command=None, configs={})
     return base
@@ -224,6 +249,16 @@ class Run:
     stderr_tail: str
     result: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def failed(self) -> bool:
+        """It exited other than 0, or was killed at its cap."""
+        return self.rc != 0 or self.timed_out
+
+    @property
+    def broken(self) -> bool:
+        """It failed, or reported an error (a probe that catches its own)."""
+        return self.failed or bool(self.result.get("error"))
+
     def why(self) -> str:
         """What went wrong, in one line, for the JSON."""
         head = f"timed out after {self.seconds:.0f} s" if self.timed_out else f"exited {self.rc}"
@@ -234,8 +269,6 @@ class Run:
 
 
 def _merge_results(stdout: str) -> dict[str, Any]:
-    from kvxferd.bench.gpu_probes import RESULT
-
     merged: dict[str, Any] = {}
     for line in stdout.splitlines():
         if line.startswith(RESULT):
@@ -263,6 +296,10 @@ def run_process(argv: list[str], cap_s: float, logdir: Path, tag: str) -> Run:
         )
         try:
             rc: int | None = proc.wait(timeout=max(1.0, cap_s))
+            # A helper the probe left behind (it crashed past its cleanup) would hold its GPU
+            # memory on, outside the outer timeout's reach: the session goes with its leader.
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_session(proc)
@@ -336,17 +373,7 @@ class Check:
             "elapsed_s": 0.0,
             "budget_s": budget_s,
             "git": _git(),
-            "host": {
-                "gpu": None,
-                "gpu_uuid": None,
-                "cuda_runtime": None,
-                "cuda_driver": None,
-                "cupy": None,
-                "nixl_module": None,
-                "nixl": None,
-                "python": None,
-                "ucx_env": {},
-            },
+            "host": {**dict.fromkeys(HOST_KEYS), "ucx_env": {}},
             "steps": {s: skeleton(s, "not run") for s in STEPS},
             "ratios": None,
             "pass": None,
@@ -375,6 +402,33 @@ class Check:
     def error(self, step: str, why: str) -> None:
         self.doc["steps"][step]["status"] = "error: " + why
         self.doc["errors"][step] = why
+
+    def start(self, step: str) -> dict[str, Any]:
+        """The step's entry, all null, in the document while it runs."""
+        entry = skeleton(step, "running")
+        self.doc["steps"][step] = entry
+        return entry
+
+    def probe(self, step: str, role: str, *args: str, share: float = 1.0, tag: str = "") -> Run:
+        """One probe process for `step` on our device, under (a share of) the step's cap."""
+        return run_process(
+            probe_argv(self.python, role, *args, "--device", str(self.device)),
+            self.cap(step, share),
+            self.logdir,
+            self.tag(tag or step),
+        )
+
+    def settle(self, step: str, run: Run, broken: bool, complete: bool, incomplete: str) -> None:
+        """A measuring step's end: an error (the run's why, or `incomplete` when a figure is
+        missing) or "ok"; ok only when complete and nothing went wrong."""
+        entry = self.doc["steps"][step]
+        if broken:
+            self.error(step, run.why())
+        elif not complete:
+            self.error(step, incomplete)
+        else:
+            entry["status"] = "ok"
+        entry["ok"] = complete and step not in self.doc["errors"]
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(time.monotonic() - self.t0, 1)
@@ -435,56 +489,14 @@ class Check:
         return code
 
     def step_setup(self) -> dict[str, Any]:
-        entry = skeleton("setup", "running")
-        self.doc["steps"]["setup"] = entry
-        run = run_process(
-            probe_argv(self.python, "setup", "--device", str(self.device)),
-            self.cap("setup"),
-            self.logdir,
-            self.tag("setup"),
-        )
+        entry = self.start("setup")
+        run = self.probe("setup", "setup")
         r = run.result
-        host = self.doc["host"]
-        for key in (
-            "gpu",
-            "gpu_uuid",
-            "cuda_runtime",
-            "cuda_driver",
-            "cupy",
-            "nixl_module",
-            "nixl",
-            "python",
-            "ucx_env",
-        ):
-            if key in r:
-                host[key] = r[key]
-        for key in (
-            "platform",
-            "gpu_memory_bytes",
-            "compute_capability",
-            "nvidia_smi",
-            "packages",
-            "kvxferd",
-            "cuda_visible_devices",
-        ):
-            if key in r:
-                host[key] = r[key]
-        for key in (
-            "cuda",
-            "why",
-            "ipc_smoke",
-            "vmm_smoke",
-            "nixl_vram_register",
-            "imports",
-            "nixl_error",
-            "kvxferd_device_probe",
-            "device_count",
-        ):
-            if key in r:
-                entry[key] = r[key]
+        for dest, keys in ((self.doc["host"], SETUP_HOST_KEYS), (entry, SETUP_STEP_KEYS)):
+            dest.update((key, r[key]) for key in keys if key in r)
         entry["seconds"] = round(run.seconds, 1)
         entry["cuda"] = bool(r.get("cuda"))
-        if run.rc != 0 or run.timed_out:
+        if run.failed:
             self.error("setup", run.why())
             entry["cuda"] = False
             entry["why"] = entry.get("why") or f"setup probe {run.why()}"
@@ -509,14 +521,8 @@ class Check:
         return entry
 
     def step_device_copy(self, setup: dict[str, Any]) -> None:
-        entry = skeleton("device_copy", "running")
-        self.doc["steps"]["device_copy"] = entry
-        run = run_process(
-            probe_argv(self.python, "device_copy", "--device", str(self.device)),
-            self.cap("device_copy"),
-            self.logdir,
-            self.tag("device_copy"),
-        )
+        entry = self.start("device_copy")
+        run = self.probe("device_copy", "device_copy")
         r = run.result
         entry["memcpy"] = r.get("memcpy")
         entry["memcpy_gbps"] = _get(r, "memcpy", "gbps")
@@ -536,26 +542,20 @@ class Check:
                 e["kernel_verified"] = _get(kernel, "verified")
                 verified.append(e["verified"])
         complete = entry["memcpy_gbps"] is not None and all(v is True for v in verified)
-        if run.rc != 0 or run.timed_out:
-            self.error("device_copy", run.why())
-        elif not complete:
-            self.error("device_copy", "a copy was unmeasured or its bytes came out wrong")
-        else:
-            entry["status"] = "ok"
-        entry["ok"] = complete and "device_copy" not in self.doc["errors"]
+        self.settle(
+            "device_copy",
+            run,
+            run.failed,
+            complete,
+            "a copy was unmeasured or its bytes came out wrong",
+        )
 
     def step_nixl_vram(self, setup: dict[str, Any]) -> None:
         if not setup.get("nixl_module"):
             self.skip("nixl_vram", "skipped: NIXL does not import")
             return
-        entry = skeleton("nixl_vram", "running")
-        self.doc["steps"]["nixl_vram"] = entry
-        run = run_process(
-            probe_argv(self.python, "nixl_vram", "--device", str(self.device)),
-            self.cap("nixl_vram"),
-            self.logdir,
-            self.tag("nixl_vram"),
-        )
+        entry = self.start("nixl_vram")
+        run = self.probe("nixl_vram", "nixl_vram")
         r = run.result
         entry["module"] = r.get("module")
         for label in ("64MiB", "1GiB"):
@@ -564,17 +564,16 @@ class Check:
                 entry["writes"][label] = got
         writes = entry["writes"].values()
         complete = all(w.get("gbps") is not None and w.get("verified") is True for w in writes)
-        if run.rc != 0 or run.timed_out or r.get("error"):
-            self.error("nixl_vram", run.why())
-        elif not complete:
-            self.error("nixl_vram", "a write size was unmeasured or its bytes came out wrong")
-        else:
-            entry["status"] = "ok"
-        entry["ok"] = complete and "nixl_vram" not in self.doc["errors"]
+        self.settle(
+            "nixl_vram",
+            run,
+            run.broken,
+            complete,
+            "a write size was unmeasured or its bytes came out wrong",
+        )
 
     def step_foreign_memory(self, setup: dict[str, Any]) -> None:
-        entry = skeleton("foreign_memory", "running")
-        self.doc["steps"]["foreign_memory"] = entry
+        entry = self.start("foreign_memory")
         problems = []
         for kind in ("ipc", "vmm"):
             sub = entry[kind]
@@ -588,16 +587,13 @@ class Check:
                 sub["status"] = NO_TIME
                 problems.append(f"{kind}: {NO_TIME}")
                 continue
-            run = run_process(
-                probe_argv(self.python, "foreign", "--kind", kind, "--device", str(self.device)),
-                self.cap("foreign_memory", 0.5),
-                self.logdir,
-                self.tag(f"foreign-{kind}"),
+            run = self.probe(
+                "foreign_memory", "foreign", "--kind", kind, share=0.5, tag=f"foreign-{kind}"
             )
             for key, value in run.result.items():
                 if key != "kind":
                     sub[key] = value
-            if run.rc != 0 or run.timed_out or run.result.get("error"):
+            if run.broken:
                 sub["status"] = "error: " + run.why()
                 problems.append(f"{kind}: {run.why()}")
             else:
@@ -616,19 +612,23 @@ class Check:
             return
         cli = [self.python, "-m", "kvxferd.cli", "bench"]
         try:
+            # Within what is left, so that a hung --help cannot run past the budget.
             helped = subprocess.run(
-                [*cli, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+                [*cli, "--help"],
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, min(60.0, self.left())),
+                cwd=ROOT,
             )
             help_text = helped.stdout
         except (OSError, subprocess.SubprocessError) as exc:
-            self.doc["steps"]["kvxferd_bench"] = skeleton("kvxferd_bench", "running")
+            self.start("kvxferd_bench")
             self.error("kvxferd_bench", f"kvxferd bench --help failed: {exc}")
             return
         if "--memory" not in help_text:
             self.skip("kvxferd_bench", NO_MEMORY_FLAG)
             return
-        entry = skeleton("kvxferd_bench", "running")
-        self.doc["steps"]["kvxferd_bench"] = entry
+        entry = self.start("kvxferd_bench")
         configs = [c for c in BENCH_CONFIGS if c in help_text]
         foreign = self.doc["steps"]["foreign_memory"]
         if ZERO_COPY_CONFIG in help_text and any(
@@ -677,15 +677,15 @@ class Check:
                 }
             entry["memory"] = report.get("memory")
             entry["host"] = report.get("host")
-        if run.rc != 0 or run.timed_out or report is None:
-            # The bench stops at a failed request (BenchError), so how many failed is unknown:
-            # the configurations it did not finish stay out, and the verdict fails.
-            self.error("kvxferd_bench", run.why())
-        elif not entry["configs"]:
-            self.error("kvxferd_bench", f"the bench reported no {BENCH_TOKENS}-token results")
-        else:
-            entry["status"] = "ok"
-        entry["ok"] = "kvxferd_bench" not in self.doc["errors"]
+        # The bench stops at a failed request (BenchError), so how many failed is unknown: the
+        # configurations it did not finish stay out, and the verdict fails.
+        self.settle(
+            "kvxferd_bench",
+            run,
+            run.failed or report is None,
+            bool(entry["configs"]),
+            f"the bench reported no {BENCH_TOKENS}-token results",
+        )
 
     def _keep_bench_logs(self, workdir: Any) -> None:
         if not isinstance(workdir, str) or not os.path.isdir(workdir):
