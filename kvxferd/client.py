@@ -43,6 +43,7 @@ from kvxferd.api.messages import (
     Send,
 )
 from kvxferd.errors import KvxferdError, ProtocolError
+from kvxferd.memory.device import DevicePool
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.peers.framing import CorkedWriter
@@ -217,7 +218,7 @@ class AsyncClient:
     async def register_pool(
         self,
         pool_id: str,
-        pool: MemfdRegion | str,
+        pool: MemfdRegion | DevicePool | str,
         layout: KvLayout,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -225,7 +226,8 @@ class AsyncClient:
         """Share a pool with the daemon, which maps and registers it.
 
         `pool`: a MemfdRegion (the safe way: its sealed memfd is handed over, see
-        register_memfd_pool), or the name of a POSIX shm object (legacy). A pool shared by
+        register_memfd_pool), a DevicePool (GPU memory, see register_device_pool), or the
+        name of a POSIX shm object (legacy). A pool shared by
         name is not protected against its engine: shrinking the object (ftruncate) while the
         daemon maps it makes the daemon's next access to it die of SIGBUS (the daemon then
         refuses new requests on a pool it sees shrunk, but cannot stop an access already
@@ -236,6 +238,9 @@ class AsyncClient:
         """
         if isinstance(pool, MemfdRegion):
             await self.register_memfd_pool(pool_id, pool.fd, layout, tp_rank, tp_size)
+            return
+        if isinstance(pool, DevicePool):
+            await self.register_device_pool(pool_id, pool, layout, tp_rank, tp_size)
             return
         await self._register(pool_id, layout, tp_rank, tp_size, shm_name=pool)
 
@@ -256,6 +261,98 @@ class AsyncClient:
         RegisterPool then names. `fd` stays open here: the engine keeps its own mapping.
         Raises CallError `unsealed_pool` for an fd that is not such a memfd.
         """
+        token = await self._hand_off(pool_id, fd, layout, timeout_s, "memfd")
+        await self._register(pool_id, layout, tp_rank, tp_size, handoff=token)
+
+    async def register_device_pool(
+        self,
+        pool_id: str,
+        pool: DevicePool,
+        layout: KvLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        """Share a pool in GPU memory (kvxferd.memory.DevicePool) with a daemon configured
+        with engine.kv_memory vram, beside the same GPU: by its VMM fd when it was created
+        with vmm=True (register_vmm_pool), else by its CUDA IPC handle (register_ipc_pool).
+
+        The engine must have finished writing (synchronised its stream) before each `send`
+        of blocks of this pool: the daemon copies them on its own stream and cannot see the
+        engine's. Needs CUDA here (the IPC handle is exported by the driver); without it,
+        raises kvxferd.memory.DeviceUnavailableError saying why."""
+        if pool.nbytes < layout.pool_bytes:
+            raise ValueError(
+                f"pool {pool_id!r}: the device pool holds {pool.nbytes} bytes, the layout "
+                f"needs {layout.pool_bytes}"
+            )
+        if pool.fd >= 0:
+            await self.register_vmm_pool(
+                pool_id, pool.fd, layout, pool.device_uuid, tp_rank, tp_size
+            )
+            return
+        handle, offset = pool.ipc()
+        await self.register_ipc_pool(
+            pool_id, handle, offset, layout, pool.device_uuid, tp_rank, tp_size
+        )
+
+    async def register_ipc_pool(
+        self,
+        pool_id: str,
+        ipc_handle: bytes,
+        ipc_offset: int,
+        layout: KvLayout,
+        device_uuid: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        """Share a GPU pool by the CUDA IPC handle of the allocation it lies in: the 64-byte
+        cudaIpcMemHandle_t, the pool starting `ipc_offset` bytes into that allocation
+        (allocators hand out sub-allocations; with torch, `storage._share_cuda_()` gives
+        both), on the GPU `device_uuid` names (nvidia-smi -L's "GPU-..."; an ordinal would
+        mean another device in the daemon if CUDA_VISIBLE_DEVICES differ). Needs nothing
+        CUDA here: the daemon opens the handle, and refuses with CallError
+        `device_unavailable` when it has no usable device."""
+        await self._register(
+            pool_id,
+            layout,
+            tp_rank,
+            tp_size,
+            memory="vram",
+            device_uuid=device_uuid,
+            ipc_handle=bytes(ipc_handle),
+            ipc_offset=ipc_offset,
+        )
+
+    async def register_vmm_pool(
+        self,
+        pool_id: str,
+        fd: int,
+        layout: KvLayout,
+        device_uuid: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Share a GPU pool that is a CUDA VMM allocation exported as a POSIX fd
+        (cuMemExportToShareableHandle; kvxferd.memory.vmm.create_exportable makes one), on
+        the GPU `device_uuid` names. The fd goes over a second connection, as a memfd does
+        (a PoolHandoff of kind cuda_vmm); the daemon imports and maps the allocation. `fd`
+        stays open here."""
+        token = await self._hand_off(pool_id, fd, layout, timeout_s, "cuda_vmm")
+        await self._register(
+            pool_id,
+            layout,
+            tp_rank,
+            tp_size,
+            memory="vram",
+            device_uuid=device_uuid,
+            handoff=token,
+        )
+
+    async def _hand_off(
+        self, pool_id: str, fd: int, layout: KvLayout, timeout_s: float, kind: str
+    ) -> str:
+        """Hand `fd` to the daemon over a second connection; the one-time token it answers."""
         try:
             os.fstat(fd)
         except OSError as exc:
@@ -263,7 +360,7 @@ class AsyncClient:
         path = self.socket_path or str(self._writer.get_extra_info("peername") or "")
         try:
             reply = await asyncio.to_thread(
-                hand_off_fd, path, fd, pool_id, layout.pool_bytes, timeout_s
+                hand_off_fd, path, fd, pool_id, layout.pool_bytes, timeout_s, kind
             )
         except (ProtocolError, OSError) as exc:
             raise DaemonGoneError(
@@ -271,7 +368,7 @@ class AsyncClient:
             ) from exc
         if not reply.ok:
             raise CallError(reply.error, reply.message)
-        await self._register(pool_id, layout, tp_rank, tp_size, handoff=reply.result)
+        return reply.result
 
     async def _register(
         self,
@@ -282,8 +379,13 @@ class AsyncClient:
         *,
         shm_name: str = "",
         handoff: str = "",
+        memory: str = "host",
+        device_uuid: str = "",
+        ipc_handle: bytes = b"",
+        ipc_offset: int = 0,
     ) -> None:
-        """RegisterPool, of a shm object by name or of a handed-over memfd by its token."""
+        """RegisterPool, of a shm object by name, of a handed-over fd by its token, or of a
+        GPU pool by IPC handle."""
         await self._ask(
             RegisterPool,
             pool_id=pool_id,
@@ -293,6 +395,10 @@ class AsyncClient:
             tp_rank=tp_rank,
             tp_size=tp_size,
             handoff=handoff,
+            memory=memory,
+            device_uuid=device_uuid,
+            ipc_handle=ipc_handle,
+            ipc_offset=ipc_offset,
         )
 
     async def deregister_pool(self, pool_id: str) -> None:
@@ -492,6 +598,9 @@ class Client:
     # The calls: AsyncClient's, with their parameters and docs, waited for on the loop thread.
     register_pool = _blocking(AsyncClient.register_pool)
     register_memfd_pool = _blocking(AsyncClient.register_memfd_pool)
+    register_device_pool = _blocking(AsyncClient.register_device_pool)
+    register_ipc_pool = _blocking(AsyncClient.register_ipc_pool)
+    register_vmm_pool = _blocking(AsyncClient.register_vmm_pool)
     deregister_pool = _blocking(AsyncClient.deregister_pool)
     recv = _blocking(AsyncClient.recv)
     send = _blocking(AsyncClient.send)

@@ -10,6 +10,11 @@ RegisterPool.handoff. A token is bound to the peer credentials (SO_PEERCRED pid,
 connection that handed the fd over and expires after HANDOFF_TTL_S; an expired token's fd is
 closed. Every fd received on an error path is closed before the error is answered.
 
+A GPU pool shared as a CUDA VMM allocation travels the same way, its PoolHandoff of kind
+"cuda_vmm": such an fd has no seals to check (the driver, not a memfd, owns the memory),
+and its token is remembered with its kind, so that it can only register a device pool
+(and a memfd's token only a host pool).
+
 Engine side: hand_off_fd (blocking; kvxferd.client runs it in a worker thread).
 """
 
@@ -44,6 +49,9 @@ MAX_FDS_RECEIVED: Final = 4
 HANDOFF_TTL_S: Final = 30.0
 #: At most this many fds held for tokens not yet used, daemon-wide.
 MAX_PENDING_HANDOFFS: Final = 64
+
+#: What a PoolHandoff's fd may be, and what each kind is called in messages.
+HANDOFF_KINDS: Final = {"memfd": "a sealed memfd", "cuda_vmm": "a CUDA VMM fd"}
 
 _HEADER: Final = struct.Struct(">I")
 _CRED: Final = struct.Struct("3i")
@@ -177,6 +185,7 @@ class _Pending:
     pool_id: str
     nbytes: int
     timer: asyncio.TimerHandle | None = None
+    kind: str = "memfd"
 
 
 class HandoffError(Exception):
@@ -196,7 +205,9 @@ class HandoffTable:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def put(self, fd: int, cred: PeerCred | None, pool_id: str, nbytes: int) -> str:
+    def put(
+        self, fd: int, cred: PeerCred | None, pool_id: str, nbytes: int, kind: str = "memfd"
+    ) -> str:
         """Take ownership of `fd` (closed on expiry or close_all) and return its token."""
         if len(self._pending) >= self.limit:
             raise HandoffError(
@@ -205,7 +216,7 @@ class HandoffTable:
                 f"(the limit); register them or let them expire ({self.ttl_s:g} s)",
             )
         token = secrets.token_urlsafe(18)
-        entry = _Pending(fd, cred, pool_id, nbytes)
+        entry = _Pending(fd, cred, pool_id, nbytes, kind=kind)
         entry.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, token)
         self._pending[token] = entry
         return token
@@ -221,9 +232,12 @@ class HandoffTable:
             )
             close_fds([entry.fd])
 
-    def take(self, token: str, cred: PeerCred | None, pool_id: str) -> tuple[int, int]:
+    def take(
+        self, token: str, cred: PeerCred | None, pool_id: str, kind: str = "memfd"
+    ) -> tuple[int, int]:
         """The fd and declared size for `token`, now the caller's to close. Refuses a token
-        that is unknown, expired or used, or one handed over by another process."""
+        that is unknown, expired or used, one handed over by another process, or one of
+        another kind than `kind` (a memfd for a device pool, a VMM fd for a host pool)."""
         entry = self._pending.get(token)
         if entry is None:
             raise HandoffError(
@@ -250,6 +264,15 @@ class HandoffTable:
             raise HandoffError(
                 "bad_request",
                 f"pool {pool_id!r}: the handoff token was issued for pool {entry.pool_id!r}",
+            )
+        if entry.kind != kind:
+            wanted = "GPU (vram)" if kind == "cuda_vmm" else "host"
+            raise HandoffError(
+                "bad_request",
+                f"pool {pool_id!r}: the handoff token was handed over as "
+                f"{HANDOFF_KINDS.get(entry.kind, entry.kind)} (kind {entry.kind}), but a "
+                f"{wanted} pool is registered with {HANDOFF_KINDS[kind]} (kind {kind}); "
+                "hand the pool over with the kind its RegisterPool.memory declares",
             )
         del self._pending[token]
         if entry.timer is not None:
@@ -280,12 +303,18 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def hand_off_fd(
-    socket_path: str, fd: int, pool_id: str, nbytes: int, timeout_s: float = 10.0
+    socket_path: str,
+    fd: int,
+    pool_id: str,
+    nbytes: int,
+    timeout_s: float = 10.0,
+    kind: str = "memfd",
 ) -> Reply:
-    """Blocking: send `fd` with a PoolHandoff on a new connection; the daemon's Reply (ok:
-    `result` is the token). Does not close `fd` (the engine keeps its own)."""
+    """Blocking: send `fd` with a PoolHandoff of `kind` ("memfd" or "cuda_vmm") on a new
+    connection; the daemon's Reply (ok: `result` is the token). Does not close `fd` (the
+    engine keeps its own)."""
     frame = ENGINE_CODEC.encode(
-        PoolHandoff(call_id=1, version=PROTOCOL_VERSION, pool_id=pool_id, nbytes=nbytes)
+        PoolHandoff(call_id=1, version=PROTOCOL_VERSION, pool_id=pool_id, nbytes=nbytes, kind=kind)
     )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)

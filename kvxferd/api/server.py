@@ -22,6 +22,7 @@ import msgspec
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.handoff import (
     FIRST_FRAME_TIMEOUT_S,
+    HANDOFF_KINDS,
     FirstFrame,
     HandoffError,
     HandoffTable,
@@ -324,13 +325,22 @@ class ApiServer:
                 raise HandoffError(
                     ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: nbytes must be positive"
                 )
-            try:
-                check_memfd(fds[0], msg.nbytes, f"pool {msg.pool_id!r}")
-            except UnsealedMemfdError as exc:
-                raise HandoffError(ApiError.UNSEALED_POOL, str(exc)) from exc
-            except MemfdError as exc:
-                raise HandoffError(ApiError.BAD_REQUEST, str(exc)) from exc
-            token = self.handoffs.put(fds[0], cred, msg.pool_id, msg.nbytes)
+            if msg.kind not in HANDOFF_KINDS:
+                raise HandoffError(
+                    ApiError.BAD_REQUEST,
+                    f"pool {msg.pool_id!r}: unknown handoff kind {shown(msg.kind, 40)} "
+                    f"(known: {', '.join(HANDOFF_KINDS)})",
+                )
+            if msg.kind == "memfd":
+                try:
+                    check_memfd(fds[0], msg.nbytes, f"pool {msg.pool_id!r}")
+                except UnsealedMemfdError as exc:
+                    raise HandoffError(ApiError.UNSEALED_POOL, str(exc)) from exc
+                except MemfdError as exc:
+                    raise HandoffError(ApiError.BAD_REQUEST, str(exc)) from exc
+            # A VMM fd has no seals and no size the kernel knows: the CUDA driver checks it
+            # when the daemon imports it at RegisterPool, where a bad one is refused.
+            token = self.handoffs.put(fds[0], cred, msg.pool_id, msg.nbytes, msg.kind)
             fds.clear()  # the table owns it now
         except HandoffError as exc:
             self.log_limiter.log(
@@ -348,18 +358,22 @@ class ApiServer:
         finally:
             close_fds(fds)
         log.info(
-            "pool %s handed over as a sealed memfd by %s (%d bytes)",
+            "pool %s handed over as %s by %s (%d bytes)",
             shown(msg.pool_id),
+            HANDOFF_KINDS[msg.kind],
             cred or "?",
             msg.nbytes,
         )
         await self._send_raw(conn, Reply(call_id=msg.call_id, ok=True, result=token))
 
-    def take_handoff(self, token: str, engine: EngineConnection, pool_id: str) -> int:
-        """The memfd handed over under `token`, now the caller's to close; RequestError if the
-        token is unknown, expired, used, for another pool, or from another process."""
+    def take_handoff(
+        self, token: str, engine: EngineConnection, pool_id: str, kind: str = "memfd"
+    ) -> int:
+        """The fd handed over under `token` as `kind`, now the caller's to close;
+        RequestError if the token is unknown, expired, used, for another pool, from another
+        process, or of another kind."""
         try:
-            fd, _ = self.handoffs.take(token, engine.peer, pool_id)
+            fd, _ = self.handoffs.take(token, engine.peer, pool_id, kind)
         except HandoffError as exc:
             raise RequestError(exc.code, str(exc)) from exc
         return fd

@@ -20,7 +20,8 @@ from kvxferd import __version__
 from kvxferd.api.server import ApiServer
 from kvxferd.backends import registry
 from kvxferd.config import KvxferdConfig, ResolvedSettings
-from kvxferd.errors import StartupError
+from kvxferd.errors import KvxferdError, StartupError
+from kvxferd.memory import device
 from kvxferd.peers import tls
 from kvxferd.peers.handshake import Identity
 from kvxferd.peers.manager import PeerManager, PeerTimings, split_hostport
@@ -55,6 +56,8 @@ def _check_startup(cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
         problem = "the PYTHON runtime needs a finite kv_transfer_timeout_ms"
     if problem is not None:
         raise StartupError(problem)
+    if settings.kv_memory == "vram":
+        _check_device(cfg, settings)
     d = cfg.daemon
     host, _ = split_hostport(d.peer_listen)
     if not d.peers_authenticated and host not in ("127.0.0.1", "localhost", "::1"):
@@ -65,11 +68,30 @@ def _check_startup(cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
         )
 
 
+def _check_device(cfg: KvxferdConfig, settings: ResolvedSettings) -> None:
+    """A vram daemon needs its CUDA device now: its staging lives there, and every pool it
+    will accept is on it. Refusing here says why at once, not at the first registration."""
+    found = device.probe()
+    where = f"engine.kv_memory is vram in {cfg.source}"
+    if not found.available:
+        raise StartupError(
+            f"{where}, but this host has no usable CUDA device: {found.why} "
+            "(docs/engine-integration.md, 'GPU pools')"
+        )
+    if settings.cuda_device >= found.count:
+        raise StartupError(
+            f"{where} with engine.cuda_device {settings.cuda_device}, but this daemon sees "
+            f"{found.count} CUDA device(s) (ordinals 0..{found.count - 1}; "
+            "CUDA_VISIBLE_DEVICES?)"
+        )
+
+
 def _transfer_buffers(
     cfg: KvxferdConfig, settings: ResolvedSettings, staged: bool
 ) -> BounceBuffers | None:
     """The staged runtime's staging buffers (every request goes through them), or the
-    PYTHON runtime's bounce buffer when configured."""
+    PYTHON runtime's bounce buffer when configured; in device memory for GPU pools."""
+    nbytes = 0
     if staged:
         layout = cfg.engine.kv_layout
         block_bytes = (
@@ -81,10 +103,56 @@ def _transfer_buffers(
             * layout.itemsize
         )
         tokens = settings.max_tokens_in_buffer or cfg.engine.max_seq_len or DEFAULT_STAGING_TOKENS
-        return BounceBuffers(staging_bytes(tokens, layout.tokens_per_block, block_bytes))
-    if settings.bounce_buffer_mb > 0:
-        return BounceBuffers(settings.bounce_buffer_mb << 20)
-    return None
+        nbytes = staging_bytes(tokens, layout.tokens_per_block, block_bytes)
+    elif settings.bounce_buffer_mb > 0:
+        nbytes = settings.bounce_buffer_mb << 20
+    if nbytes == 0:
+        return None
+    if settings.kv_memory == "vram":
+        return _device_buffers(nbytes, settings.cuda_device)
+    return BounceBuffers(nbytes)
+
+
+def _device_buffers(nbytes: int, cuda_device: int) -> BounceBuffers:
+    """Device staging for GPU pools: two regions of `nbytes` in VRAM on `cuda_device`,
+    gathered into and scattered from on the device.
+
+    THE SINGLE CALL SITE for the device BounceBuffers (issue 15, WP-B): it builds them with
+    its DeviceCopier and DeviceRegion.allocate backing, e.g. BounceBuffers(nbytes,
+    DeviceCopier(cuda_device), memory=vram(cuda_device), backing=...), and Daemon.start
+    registers each region with its memory kind. Until then a vram daemon cannot start
+    (resolution allows vram only with staging or a bounce buffer, so this is reached)."""
+    raise StartupError(
+        f"engine.kv_memory is vram, but this build has no device staging yet (the bounce "
+        f"and staging buffers for GPU pools, {nbytes} bytes on cuda:{cuda_device})"
+    )
+
+
+def _device_status(settings: ResolvedSettings) -> dict[str, object] | None:
+    """The GPU a vram daemon uses, for /v1/status and the start-up log (None: host pools)."""
+    if settings.kv_memory != "vram":
+        return None
+    found = device.probe()
+    try:
+        uuid: str | None = device.uuid_of(settings.cuda_device)
+    except device.DeviceError:
+        uuid = None  # informative only; the device itself was checked at start-up
+    try:
+        from kvxferd.backends.nixl import nixl_module_name
+
+        nixl_module = nixl_module_name()
+    except (ImportError, KvxferdError):
+        nixl_module = None
+    return {
+        "kv_memory": settings.kv_memory,
+        "cuda_device": settings.cuda_device,
+        "uuid": uuid,
+        "cuda_runtime": found.runtime_version,
+        "cuda_driver": found.driver_version,
+        "cupy": found.cupy_version,
+        "nixl_module": nixl_module,
+        "zero_copy": settings.device_zero_copy,
+    }
 
 
 class Daemon:
@@ -113,7 +181,13 @@ class Daemon:
         self.dataplane = DataPlane(
             lambda: registry.make_backend(settings.backend, self.agent_name, options)
         )
-        self.pools = PoolRegistry(self.dataplane)
+        self.pools = PoolRegistry(
+            self.dataplane,
+            cuda_device=settings.cuda_device,
+            device_zero_copy=settings.device_zero_copy,
+        )
+        # What /v1/status says of the GPU (None for a host daemon); probed once, here.
+        self.device = _device_status(settings)
         # Every background task the daemon starts; stop() ends and awaits them.
         self.tasks = TaskScope("daemon")
         self.staged = settings.runtime == "CPP"
@@ -196,6 +270,19 @@ class Daemon:
             self.settings.runtime_reason,
             self.incarnation,
         )
+        if self.device is not None:
+            dev = self.device
+            log.info(
+                "GPU pools: cuda:%s (%s), CUDA runtime %s, driver %s, cupy %s, NIXL module %s, "
+                "zero-copy %s",
+                dev["cuda_device"],
+                dev["uuid"] or "UUID unknown",
+                dev["cuda_runtime"],
+                dev["cuda_driver"],
+                dev["cupy"],
+                dev["nixl_module"] or "?",
+                "on" if dev["zero_copy"] else "off",
+            )
         if self.peers.tls is not None:
             log.info(
                 "peer channel: mutual TLS (certificate for %s, expires %s)%s",

@@ -29,6 +29,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.api.server import EngineConnection
 from kvxferd.errors import KvxferdError, RequestError
+from kvxferd.memory import device
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES
@@ -45,6 +46,9 @@ log = logging.getLogger("kvxferd.daemon")
 
 # A peer named by a send: a daemon name, as the handshake accepts one (1-128 characters).
 _DAEMON_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# cudaIpcMemHandle_t is 64 opaque bytes (CUDA_IPC_HANDLE_SIZE).
+IPC_HANDLE_BYTES = 64
+GPU_POOLS_DOC = "docs/engine-integration.md, 'GPU pools'"
 
 Handler = Callable[[EngineConnection, Any], Awaitable[str]]
 
@@ -214,25 +218,52 @@ class EngineCalls:
         return ""
 
     async def _register_pool(self, engine: EngineConnection, msg: RegisterPool) -> str:
-        if bool(msg.handoff) == bool(msg.shm_name):
-            raise RequestError(
-                ApiError.BAD_REQUEST,
-                f"pool {msg.pool_id!r}: give exactly one of handoff (a sealed memfd handed "
-                "over first) and shm_name (a POSIX shm object)",
-            )
+        _check_sharing(msg)
         if not msg.handoff:
             return await self._register_checked_pool(engine, msg, None)
         # Taken (used up) first, so that every refusal below still closes the fd.
-        fd = self._d.api.take_handoff(msg.handoff, engine, msg.pool_id)
+        kind = "cuda_vmm" if msg.memory == "vram" else "memfd"
+        fd = self._d.api.take_handoff(msg.handoff, engine, msg.pool_id, kind)
         try:
             return await self._register_checked_pool(engine, msg, fd)
         finally:
             os.close(fd)  # the daemon's mapping keeps the memory
 
+    def _check_memory(self, msg: RegisterPool) -> None:
+        """One memory kind per daemon (engine.kv_memory): a pool of the other kind is
+        refused, and a GPU pool on a daemon without a usable device says why there is none."""
+        d = self._d
+        ours = d.settings.kv_memory
+        if msg.memory == ours:
+            return
+        where = f"engine.kv_memory: {ours} in {d.cfg.source}"
+        if msg.memory == "vram":
+            found = device.probe()
+            if not found.available:
+                raise RequestError(
+                    ApiError.DEVICE_UNAVAILABLE,
+                    f"pool {msg.pool_id!r} is in GPU memory (vram), but this daemon has no "
+                    f"usable CUDA device: {found.why}; run the daemon beside the GPU, with "
+                    f"cupy installed and engine.kv_memory: vram ({GPU_POOLS_DOC})",
+                )
+            raise RequestError(
+                ApiError.MEMORY_MISMATCH,
+                f"pool {msg.pool_id!r} is in GPU memory (vram), but this daemon is "
+                f"configured for host pools ({where}); set engine.kv_memory: vram and restart "
+                f"it to serve GPU pools ({GPU_POOLS_DOC})",
+            )
+        raise RequestError(
+            ApiError.MEMORY_MISMATCH,
+            f"pool {msg.pool_id!r} is in host memory, but this daemon is configured for GPU "
+            f"pools ({where}); a daemon serves one memory kind: register the pool in VRAM "
+            f"(register_device_pool), or serve it from a daemon with engine.kv_memory: host",
+        )
+
     async def _register_checked_pool(
         self, engine: EngineConnection, msg: RegisterPool, fd: int | None
     ) -> str:
         d = self._d
+        self._check_memory(msg)
         try:
             layout = KvLayout.from_wire(msg.layout)
         except LayoutError as exc:
@@ -272,9 +303,24 @@ class EngineCalls:
                 d.cfg.engine.tensor_parallel_size,
                 d.cfg.source,
             )
-        await _pool_call(
-            d.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp, fd)
-        )
+        if msg.memory == "vram":
+            await _pool_call(
+                d.pools.register_device(
+                    msg.pool_id,
+                    msg.nbytes,
+                    layout,
+                    engine,
+                    tp,
+                    device_uuid=msg.device_uuid,
+                    ipc_handle=msg.ipc_handle,
+                    ipc_offset=msg.ipc_offset,
+                    vmm_fd=fd,
+                )
+            )
+        else:
+            await _pool_call(
+                d.pools.register(msg.pool_id, msg.shm_name, msg.nbytes, layout, engine, tp, fd)
+            )
         await self._announce()
         return ""
 
@@ -328,6 +374,62 @@ class EngineCalls:
             )
             return
         await self._announce()
+
+
+def _check_sharing(msg: RegisterPool) -> None:
+    """How the pool is shared, per memory kind: exactly one way, and nothing of the other
+    kind's (a message that mixes them is a client bug, refused before anything is opened)."""
+    pool = f"pool {msg.pool_id!r}"
+    if msg.memory not in device.POOL_MEMORY:
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool}: memory must be one of {', '.join(device.POOL_MEMORY)} "
+            f"(got {shown(msg.memory, 40)})",
+        )
+    if msg.memory == "host":
+        if msg.ipc_handle or msg.device_uuid or msg.ipc_offset:
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"{pool} is declared in host memory but carries a CUDA IPC handle, offset or "
+                "device UUID; a GPU pool is registered with memory vram",
+            )
+        if bool(msg.handoff) == bool(msg.shm_name):
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"{pool}: give exactly one of handoff (a sealed memfd handed "
+                "over first) and shm_name (a POSIX shm object)",
+            )
+        return
+    if msg.shm_name:
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool} is declared in GPU memory (vram) but names a shm object; a GPU pool is "
+            "shared by a CUDA IPC handle (ipc_handle) or a CUDA VMM fd (handoff)",
+        )
+    if bool(msg.handoff) == bool(msg.ipc_handle):
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool}: a GPU pool needs exactly one of ipc_handle (a CUDA IPC handle) and "
+            "handoff (a CUDA VMM fd handed over first, kind cuda_vmm)",
+        )
+    if msg.ipc_handle and len(msg.ipc_handle) != IPC_HANDLE_BYTES:
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool}: ipc_handle must be the {IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t "
+            f"(got {len(msg.ipc_handle)} bytes)",
+        )
+    if msg.ipc_offset < 0 or (msg.handoff and msg.ipc_offset):
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool}: ipc_offset {msg.ipc_offset} is invalid: it is the pool's non-negative "
+            "offset in the allocation an IPC handle names (0 for a VMM fd)",
+        )
+    if not msg.device_uuid:
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"{pool}: a GPU pool names its device by UUID (device_uuid, as nvidia-smi -L "
+            "prints it); ordinals differ between processes",
+        )
 
 
 def _check_request_id(request_id: str) -> None:

@@ -165,6 +165,10 @@ class PeerRoutes:
             transport_address=self.transport_address,
             bounce_base=d.bounce.recv.address if d.bounce else 0,
             bounce_nbytes=d.bounce.recv.nbytes if d.bounce else 0,
+            # A vram daemon's bounce/staging regions are its own VRAM on engine.cuda_device
+            # (it does not start without them): what a peer names when it writes there.
+            bounce_memory="vram" if d.bounce and d.settings.kv_memory == "vram" else "host",
+            bounce_device=d.settings.cuda_device if d.settings.kv_memory == "vram" else 0,
             process=process.me(),
             wall_ms=int(time.time() * 1e3),
         )
