@@ -76,6 +76,21 @@ def _security(sec: dict[str, Any]) -> str:
     return " + ".join(parts) or "not authenticated, loopback only"
 
 
+def pool_memory(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each pool's memory row; a daemon older than GPU pools lists ids only (host pools)."""
+    rows: dict[str, dict[str, Any]] = doc.get("pool_memory") or {}
+    return {pool_id: rows.get(pool_id, {"memory": "host"}) for pool_id in doc.get("pools", [])}
+
+
+def _pool_line(pool_id: str, row: dict[str, Any]) -> str:
+    """ "pool p0: vram cuda:0 (cuda_ipc, copy-only)" or "pool p0: host (memfd)"."""
+    if row.get("memory") == "vram":
+        how = "zero-copy" if row.get("zero_copy") else "copy-only"
+        return f"  pool {pool_id}: vram cuda:{row.get('device')} ({row.get('sharing')}, {how})"
+    sharing = row.get("sharing")
+    return f"  pool {pool_id}: host" + (f" ({sharing})" if sharing else "")
+
+
 def summary(doc: dict[str, Any]) -> str:
     state = "draining" if doc.get("draining") else "ready" if doc.get("ready") else "not ready"
     settings = doc.get("settings", {})
@@ -91,6 +106,15 @@ def summary(doc: dict[str, Any]) -> str:
         f"  engine API {doc.get('api_socket')} ({doc.get('engines')} engine(s)), "
         f"peers on {doc.get('peer_listen')} ({_security(doc.get('peer_security') or {})})",
     ]
+    device = doc.get("device")
+    if device:
+        lines.append(
+            f"  GPU pools: cuda:{device.get('cuda_device')} ({device.get('uuid') or 'UUID ?'}), "
+            f"CUDA runtime {device.get('cuda_runtime')}, driver {device.get('cuda_driver')}, "
+            f"cupy {device.get('cupy') or '?'}, NIXL module {device.get('nixl_module') or '?'}, "
+            f"zero-copy {'on' if device.get('zero_copy') else 'off'}"
+        )
+    lines += [_pool_line(pool_id, row) for pool_id, row in sorted(pool_memory(doc).items())]
     peers = doc.get("peers", [])
     lines.append(f"  peers: {len(peers)}")
     lines += [

@@ -42,6 +42,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
                 "tensor_parallel": {
                     p.pool_id: {"rank": p.tp_rank, "size": p.tp_size} for p in c.pools.values()
                 },
+                # Where each peer pool lives ("host" or "vram"), as its daemon announced.
+                "memory": {p.pool_id: p.memory for p in c.pools.values()},
             }
             for c in daemon.peers.connections.values()
         ],
@@ -56,6 +58,20 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
             }
             for p in daemon.pools.pools.values()
         },
+        # Where each pool lives and how the daemon reaches it (device pools: copy-only
+        # unless the backend registered them, zero_copy).
+        "pool_memory": {
+            p.pool_id: {
+                "memory": "vram" if p.memory.on_device else "host",
+                "device": p.memory.device if p.memory.on_device else None,
+                "device_uuid": p.device_uuid or None,
+                "sharing": p.sharing,
+                "zero_copy": p.zero_copy,
+            }
+            for p in daemon.pools.pools.values()
+        },
+        # The GPU of a daemon with engine.kv_memory vram; null for host pools.
+        "device": daemon.device,
         "sessions": {
             "send": _count_states(daemon.sender.sessions.values()),
             "recv": _count_states(daemon.receiver.sessions.values()),
@@ -82,8 +98,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
             "notify": daemon.notifier.enabled,
             "watchdog_s": daemon.notifier.watchdog_s,
         },
-        "bounce": daemon.bounce.status() if daemon.bounce and not daemon.staged else None,
-        "staging": daemon.bounce.status() if daemon.bounce and daemon.staged else None,
+        "bounce": _buffers(daemon) if not daemon.staged else None,
+        "staging": _buffers(daemon) if daemon.staged else None,
         "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
         "open_transfer_handles": daemon.sender.writes.open_handles,
@@ -92,6 +108,14 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
         "handshake_failures": dict(daemon.peers.handshake_failures),
     }
+
+
+def _buffers(daemon: DaemonView) -> dict[str, object] | None:
+    """The bounce or staging regions' counters, and the memory they are in (the regions'
+    own word when they say it, else the daemon's kv_memory, which they are built for)."""
+    if daemon.bounce is None:
+        return None
+    return {"memory": daemon.settings.kv_memory, **daemon.bounce.status()}
 
 
 def _peer_security(daemon: DaemonView) -> dict[str, object]:

@@ -30,6 +30,7 @@ from daemon_harness import (
 from kvxferd.api.handoff import hand_off_fd
 from kvxferd.api.messages import RegisterPool, Reply
 from kvxferd.client import AsyncClient, CallError
+from kvxferd.commands.status_cmd import summary
 from kvxferd.memory import MemfdRegion, device
 from kvxferd.service.engine_calls import EngineCalls
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
@@ -233,6 +234,67 @@ def test_handoff_kinds_register_their_own_memory_only(
 
     asyncio.run(main())
     assert healthy(gen) and status(gen)["pools"] == []
+
+
+def test_status_names_each_pools_memory(pair: Pair) -> None:
+    ctx, gen = pair
+
+    async def main() -> None:
+        async with opened(ctx, pool_id="shown") as c, opened(gen, pool_id="shown") as g:
+            await transfer_one(ctx, c, g, "status-memory", 64)
+            doc = status(gen)
+            assert doc["pool_memory"] == {
+                "shown": {
+                    "memory": "host",
+                    "device": None,
+                    "device_uuid": None,
+                    "sharing": "shm",
+                    "zero_copy": True,
+                }
+            }
+            assert doc["device"] is None  # a host daemon has no GPU block
+            (peer,) = doc["peers"]
+            assert peer["memory"] == {"shown": "host"}
+            text = summary(doc)
+            assert "  pool shown: host (shm)" in text.splitlines()
+            assert "GPU pools" not in text
+
+    asyncio.run(main())
+    assert_clean(ctx, gen)
+
+
+def test_the_status_summary_of_a_gpu_daemon() -> None:
+    # The CLI's lines for a vram daemon's document (its fields as daemon_status writes
+    # them; no daemon with a GPU runs here).
+    doc = {
+        "pools": ["p0", "old"],
+        "pool_memory": {
+            "p0": {
+                "memory": "vram",
+                "device": 0,
+                "device_uuid": UUID,
+                "sharing": "cuda_ipc",
+                "zero_copy": False,
+            }
+        },
+        "device": {
+            "kv_memory": "vram",
+            "cuda_device": 0,
+            "uuid": UUID,
+            "cuda_runtime": 13000,
+            "cuda_driver": 13000,
+            "cupy": "14.2.0",
+            "nixl_module": "nixl_cu13",
+            "zero_copy": False,
+        },
+    }
+    lines = summary(doc).splitlines()
+    assert "  pool p0: vram cuda:0 (cuda_ipc, copy-only)" in lines
+    assert "  pool old: host" in lines  # a row missing (an older daemon's): host
+    assert (
+        f"  GPU pools: cuda:0 ({UUID}), CUDA runtime 13000, driver 13000, cupy 14.2.0, "
+        "NIXL module nixl_cu13, zero-copy off"
+    ) in lines
 
 
 # ------------------------------------------ the memory-kind decision, in-process
