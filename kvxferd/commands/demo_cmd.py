@@ -4,6 +4,10 @@ One daemon per engine rank: `--ctx-tp N --gen-tp M` starts N context and M
 generation daemons, and each engine process drives all ranks of its instance
 (the model's `--kv-heads` split over the ranks); KV heads are split or merged
 between the two sides and every byte of every rank's pool is verified.
+
+`--memory vram` keeps every engine's pools in GPU memory (filled and verified on the
+device) and runs the daemons with engine.kv_memory: vram; it needs cupy and a CUDA device
+here, and says so at once when there is none.
 """
 
 from __future__ import annotations
@@ -70,6 +74,20 @@ def add_parser(sub: Any) -> None:
         "multiple of 4 both sizes divide)",
     )
     p.add_argument(
+        "--memory",
+        choices=["host", "vram"],
+        default="host",
+        help="where the engines keep their KV pools: host (shared memory) or vram (GPU "
+        "memory, needs cupy and a CUDA device; runtime auto then means CPP, whose staging "
+        "is always there, and PYTHON gets a bounce buffer sized for the requests in flight)",
+    )
+    p.add_argument(
+        "--vram-share",
+        choices=["ipc", "vmm"],
+        default="ipc",
+        help="--memory vram: share each pool with its daemon as a CUDA IPC handle or VMM fd",
+    )
+    p.add_argument(
         "--tls",
         action="store_true",
         help="mutual TLS between the daemons (a test CA and a certificate per daemon, made "
@@ -97,6 +115,43 @@ def _tp_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _vram_problem(args: argparse.Namespace) -> str | None:
+    """Why --memory vram cannot run (None: it can, or host memory was asked for)."""
+    if args.memory != "vram":
+        return None
+    if args.backend not in ("DEFAULT", "NIXL"):
+        return (
+            f"--memory vram moves device pools through NIXL only; --backend {args.backend} "
+            "moves host memory (use --backend NIXL)"
+        )
+    from kvxferd.sim.device_content import vram_problem
+
+    return vram_problem()
+
+
+def _vram_transceiver(args: argparse.Namespace, geometry: dict[str, Any]) -> dict[str, Any]:
+    """The transceiver settings device pools need: the PYTHON runtime moves them only
+    through its bounce buffer, here sized for every request in flight at its longest."""
+    if args.runtime == "auto":
+        return {"transceiver_runtime": "CPP"}
+    if args.runtime != "PYTHON":
+        return {}
+    from kvxferd.memory.layout import KvLayout
+
+    layout = KvLayout(
+        num_layers=geometry["num_layers"],
+        kv_factor=2,
+        num_kv_heads=args.kv_heads // min(args.ctx_tp, args.gen_tp),
+        head_dim=geometry["head_dim"],
+        tokens_per_block=geometry["tokens_per_block"],
+        dtype=geometry["dtype"],
+        major=geometry["layout"],
+        num_blocks=1,
+    )
+    blocks = -(-args.max_tokens // layout.tokens_per_block)
+    return {"kv_cache_bounce_size_mb": -(-blocks * layout.block_bytes * args.in_flight // 2**20)}
+
+
 def _names(prefix: str, size: int) -> list[str]:
     # One rank keeps the plain name (demo-ctx, demo-gen).
     return [prefix] if size == 1 else [f"{prefix}{r}" for r in range(size)]
@@ -106,7 +161,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvxferd.bench.fragmented import daemon_status
     from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir, summarise
 
-    problem = _tp_problem(args)
+    problem = _tp_problem(args) or _vram_problem(args)
     if problem is not None:
         print(f"kvxferd demo: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -128,6 +183,10 @@ def _demo(args: argparse.Namespace) -> int:
                 "transceiver_runtime": args.runtime,
                 "max_tokens_in_buffer": args.max_tokens_in_buffer,
             }
+            if args.memory == "vram":
+                cluster.kv_memory, cluster.vram_share = "vram", args.vram_share
+                cluster.transceiver.update(_vram_transceiver(args, cluster.geometry))
+                say(f"kvxferd demo: KV pools in GPU memory (shared by {args.vram_share})")
             tp = args.ctx_tp, args.gen_tp
             if tp == (1, 1):
                 say(
@@ -189,6 +248,8 @@ def _demo(args: argparse.Namespace) -> int:
             summary["daemon_exit_codes"] = codes
             summary["ctx_tp"], summary["gen_tp"] = tp
             summary["kv_heads"] = args.kv_heads
+            if args.memory == "vram":
+                summary["memory"] = "vram"
             ok = (
                 summary["failed"] == 0
                 and summary["verified"] == summary["requests"]
@@ -216,6 +277,8 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"  parallel   context TP {s['ctx_tp']} -> generation TP {s['gen_tp']} "
             f"({s['kv_heads']} KV heads)"
         )
+    if s.get("memory") == "vram":
+        print("  memory     vram (pools filled and verified on the device)")
     print(f"  bytes      {s['bytes']:,}")
     print(f"  peers      {', '.join(s['peer_channel']) or '-'}")
     print(f"  bandwidth  {s['gbps']:.2f} GB/s over {s['seconds']:.2f} s")

@@ -129,6 +129,11 @@ class LocalCluster:
     # Mutual TLS on the peer channel: each daemon gets a certificate from one test CA
     # under workdir/tls (kvxferd.peers.testca).
     tls: bool = False
+    # GPU pools: "vram" gives every daemon engine.kv_memory: vram and every reference
+    # engine --memory vram (its pools shared by `vram_share`); "host" writes neither, so
+    # a host cluster's configs and commands are what they always were.
+    kv_memory: str = "host"
+    vram_share: str = "ipc"
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +171,8 @@ class LocalCluster:
         daemon_section.update(self.daemon_defaults)
         daemon_section.update(daemon or {})
         engine_section: dict[str, Any] = {"role": role, "kv_layout": dict(self.geometry)}
+        if self.kv_memory != "host":
+            engine_section["kv_memory"] = self.kv_memory
         engine_section.update(engine or {})
         ctc: dict[str, Any] = {"backend": "NIXL", "transceiver_runtime": "PYTHON"}
         ctc.update(self.transceiver)
@@ -229,6 +236,8 @@ class LocalCluster:
         for each in daemons:
             cmd += ["--socket", each.api_socket]
         geometry = {flag: self.geometry[key] for flag, key in GEOMETRY_FLAGS.items()}
+        if self.kv_memory != "host":
+            geometry.update(memory=self.kv_memory, vram_share=self.vram_share)
         for key, value in {**geometry, **opts}.items():
             if value is None or value is False:
                 continue

@@ -13,6 +13,13 @@ model's KV heads). The generation engine gets every context daemon as `--peer`
 (rank order) and names, for each of its ranks, the context ranks that hold its
 heads: one (head-split or equal sizes) or several (head-merge).
 
+GPU pools (`--memory vram`): each rank's pool is a DevicePool in device memory, shared
+with its daemon by CUDA IPC handle (`--vram-share ipc`) or VMM fd (`vmm`); its content is
+made and verified on the device (kvxferd.sim.device_content), and the engine synchronises
+the device before every send and recv, the ordering contract of device pools: the daemon
+copies from and into the pool on its own streams, in its own process, and sees only what
+the device has finished. Without a usable CUDA device it exits at once with the reason.
+
 Run as `python -m kvxferd.sim.engine --role context|generation ...`; it prints
 one JSON object with per-request records on stdout.
 """
@@ -29,18 +36,31 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank, overlapping_ranks
-from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.layout import BlockIds, KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
-from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
+from kvxferd.sim.content import (
+    VerifyResult,
+    clear_blocks,
+    fill_blocks,
+    request_seed,
+    verify_blocks,
+)
 from kvxferd.sim.workload import BlockAllocator, Item, fixed_workload, make_workload
 from kvxferd.transceiver.state import Outcome, Status
 
+if TYPE_CHECKING:
+    from kvxferd.memory.device import DevicePool
+
 T = TypeVar("T")
+
+#: Where the reference engine keeps its pools (--memory) and how a device pool is shared.
+MEMORY = ("host", "vram")
+VRAM_SHARE = ("ipc", "vmm")
 
 
 log = logging.getLogger("kvxferd.sim")
@@ -74,7 +94,8 @@ class Rank:
 
     client: AsyncClient
     tp: TpRank
-    region: HostRegion | None = None  # a sealed memfd, or (shm_names=True) a POSIX shm object
+    # A sealed memfd, (shm_names=True) a POSIX shm object, or (vram) a device pool.
+    region: HostRegion | DevicePool | None = None
     peers: str | list[str] = ""  # generation: the context daemon(s) holding its heads
 
 
@@ -92,18 +113,75 @@ def context_peers_for(
     return names[0] if len(names) == 1 else names
 
 
+class HostContent:
+    """The reference content of host pools (kvxferd.sim.content), behind the same four
+    calls as kvxferd.sim.device_content.DeviceContent; nothing to synchronise."""
+
+    @staticmethod
+    def fill(
+        pool: Any, layout: KvLayout, blocks: BlockIds, seed: int, *, tp: TpRank | None = None
+    ) -> None:
+        fill_blocks(pool, layout, blocks, seed, tp=tp)
+
+    @staticmethod
+    def clear(pool: Any, layout: KvLayout, blocks: BlockIds) -> None:
+        clear_blocks(pool, layout, blocks)
+
+    @staticmethod
+    def verify(
+        pool: Any,
+        layout: KvLayout,
+        blocks: BlockIds,
+        seed: int,
+        num_tokens: int,
+        *,
+        tp: TpRank | None = None,
+    ) -> VerifyResult:
+        return verify_blocks(pool, layout, blocks, seed, num_tokens, tp=tp)
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+async def register_device_pool(
+    client: AsyncClient, pool_id: str, pool: DevicePool, layout: KvLayout, tp: TpRank
+) -> None:
+    """Register a device pool with its daemon: by its VMM fd when it was created with
+    vmm=True, else by its CUDA IPC handle (the client chooses by the pool)."""
+    await client.register_device_pool(pool_id, pool, layout, tp.rank, tp.size)
+
+
 class ReferenceEngine:
     """`client`: one daemon link, or one per tensor-parallel rank (rank order); `layout` is
-    each rank's pool (num_kv_heads: the heads one rank holds)."""
+    each rank's pool (num_kv_heads: the heads one rank holds). `memory` "vram": every rank's
+    pool is on CUDA device `cuda_device`, shared by `vram_share` (see the module doc)."""
 
     def __init__(
-        self, client: AsyncClient | Sequence[AsyncClient], layout: KvLayout, pool_id: str
+        self,
+        client: AsyncClient | Sequence[AsyncClient],
+        layout: KvLayout,
+        pool_id: str,
+        *,
+        memory: str = "host",
+        vram_share: str = "ipc",
+        cuda_device: int = 0,
     ) -> None:
+        if memory not in MEMORY or vram_share not in VRAM_SHARE:
+            raise ValueError(f"memory {memory!r} / vram_share {vram_share!r}: unknown")
         clients = [client] if isinstance(client, AsyncClient) else list(client)
         self.ranks = [Rank(c, TpRank(i, len(clients))) for i, c in enumerate(clients)]
         self.client = clients[0]
         self.layout = layout
         self.pool_id = pool_id
+        self.memory = memory
+        self.vram_share = vram_share
+        self.cuda_device = cuda_device
+        self.content: Any = HostContent()
+        if memory == "vram":
+            from kvxferd.sim.device_content import DeviceContent
+
+            self.content = DeviceContent(cuda_device)
         self.alloc = BlockAllocator(layout.num_blocks)
         self._returning: set[asyncio.Task[None]] = set()  # held blocks waiting for release
         # Generation-first coordination between the two engines of a run: the
@@ -113,7 +191,7 @@ class ReferenceEngine:
         self.posted: dict[str, asyncio.Event] | None = None
 
     @property
-    def region(self) -> HostRegion | None:
+    def region(self) -> HostRegion | DevicePool | None:
         """Rank 0's pool (the only one without tensor parallelism)."""
         return self.ranks[0].region
 
@@ -126,7 +204,11 @@ class ReferenceEngine:
     async def open(self, shm_names: bool = False) -> None:
         """Create and register each rank's pool: a sealed memfd handed to the daemon (so
         nothing here can shrink it under the daemon), or with `shm_names` the legacy POSIX
-        shm object shared by name (kept for the compatibility tests)."""
+        shm object shared by name (kept for the compatibility tests). With vram, a device
+        pool per rank instead."""
+        if self.memory == "vram":
+            await self._open_device()
+            return
         for rank in self.ranks:
             name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}-{rank.tp.rank}"
             if not shm_names:
@@ -150,6 +232,20 @@ class ReferenceEngine:
                 # Both mappings stay valid; the name is not needed any more and
                 # unlinking now means a crash leaves nothing behind in /dev/shm.
                 shm.unlink()
+
+    async def _open_device(self) -> None:
+        from kvxferd.memory.device import DevicePool
+
+        for rank in self.ranks:
+            pool = DevicePool.create(
+                self.layout.pool_bytes, self.cuda_device, vmm=self.vram_share == "vmm"
+            )
+            try:
+                await register_device_pool(rank.client, self.pool_id, pool, self.layout, rank.tp)
+            except BaseException:
+                pool.close()  # not registered: nothing for the daemon to let go of
+                raise
+            rank.region = pool
 
     async def close(self) -> None:
         for rank in self.ranks:
@@ -189,7 +285,9 @@ class ReferenceEngine:
         try:
             for rank in self.ranks:
                 assert rank.region is not None
-                fill_blocks(rank.region.array, self.layout, blocks, seed, tp=rank.tp)
+                self.content.fill(rank.region.array, self.layout, blocks, seed, tp=rank.tp)
+            # Device pools: the KV must be on the device before the daemon reads it.
+            self.content.synchronize()
             rec.t_start_ns = time.monotonic_ns()
 
             async def send(rank: Rank) -> Outcome:
@@ -210,7 +308,9 @@ class ReferenceEngine:
         try:
             for rank in self.ranks:
                 assert rank.region is not None
-                clear_blocks(rank.region.array, self.layout, blocks)
+                self.content.clear(rank.region.array, self.layout, blocks)
+            # Device pools: the zeros must land before the daemon's writes, not after them.
+            self.content.synchronize()
             rec.t_start_ns = time.monotonic_ns()
             for rank in self.ranks:
                 peers = peer if peer and len(self.ranks) == 1 else rank.peers
@@ -232,7 +332,7 @@ class ReferenceEngine:
                 rec.verified = True
                 for rank in self.ranks:
                     assert rank.region is not None
-                    result = verify_blocks(
+                    result = self.content.verify(
                         rank.region.array, self.layout, blocks, seed, item.num_tokens, tp=rank.tp
                     )
                     if not result.ok:
@@ -315,6 +415,25 @@ def layout_from_args(args: argparse.Namespace, ranks: int = 1) -> KvLayout:
     )
 
 
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--memory",
+        choices=MEMORY,
+        default="host",
+        help="where each rank's KV pool lives: host (shared memory) or vram (GPU memory; "
+        "needs cupy and a CUDA device, and daemons with engine.kv_memory: vram)",
+    )
+    p.add_argument(
+        "--vram-share",
+        choices=VRAM_SHARE,
+        default="ipc",
+        help="vram: hand the pool to the daemon as a CUDA IPC handle or a VMM fd",
+    )
+    p.add_argument(
+        "--cuda-device", type=int, default=0, help="vram: this process's CUDA device ordinal"
+    )
+
+
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument(
@@ -333,7 +452,14 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         await AsyncClient.connect(path, engine=f"sim-{args.role}-{i}")
         for i, path in enumerate(sockets)
     ]
-    engine = ReferenceEngine(clients, layout, args.pool_id)
+    engine = ReferenceEngine(
+        clients,
+        layout,
+        args.pool_id,
+        memory=args.memory,
+        vram_share=args.vram_share,
+        cuda_device=args.cuda_device,
+    )
     peer: str | None = None
     if args.role == "generation":
         peers = args.peer or []
@@ -408,8 +534,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", action="store_true")
     p.add_argument("--notify-fd", type=int, help="generation: announce posted receives here")
     p.add_argument("--wait-fd", type=int, help="context: send only announced requests")
+    add_memory_args(p)
     add_geometry_args(p)
     args = p.parse_args(argv)
+    if args.memory == "vram":
+        from kvxferd.sim.device_content import vram_problem
+
+        problem = vram_problem()
+        if problem is not None:
+            # Before any daemon is asked for anything: one line, no traceback.
+            print(f"{p.prog}: error: {problem}", file=sys.stderr)
+            return 2
     report = asyncio.run(_main(args))
     json.dump(asdict(report), sys.stdout)
     sys.stdout.write("\n")
