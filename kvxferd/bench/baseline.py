@@ -1,4 +1,5 @@
-"""The memcpy ceiling: one single-threaded copy of a request's bytes."""
+"""The copy ceiling: one single-threaded memcpy of a request's bytes, or (GPU pools) one
+device-to-device copy."""
 
 from __future__ import annotations
 
@@ -20,3 +21,26 @@ def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter_ns() - t0)
     return nbytes / best if best > 0 else 0.0  # bytes per ns == GB/s
+
+
+def device_copy_gbps(nbytes: int, repeats: int = 3, device: int = 0) -> float:
+    """GB/s of one device-to-device copy of `nbytes` on CUDA device `device` (cupy), timed by
+    CUDA events, best of `repeats`: the ceiling of a run whose pools are in device memory."""
+    if nbytes <= 0:
+        return 0.0
+    import cupy
+
+    with cupy.cuda.Device(device):
+        src = cupy.ones(nbytes, dtype=cupy.uint8)
+        dst = cupy.zeros(nbytes, dtype=cupy.uint8)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        best = float("inf")
+        for _ in range(repeats):
+            start.record()
+            cupy.copyto(dst, src)
+            end.record()
+            end.synchronize()
+            best = min(best, cupy.cuda.get_elapsed_time(start, end) * 1e6)  # ms to ns
+        del src, dst
+        cupy.get_default_memory_pool().free_all_blocks()  # leave the device to the daemons
+    return nbytes / best if best > 0 else 0.0

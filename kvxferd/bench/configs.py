@@ -58,6 +58,8 @@ def _needs_backend(backend: str) -> Availability:
 
 
 BACKENDS = ("DEFAULT", "NIXL", "UCX", "MPI", "MOONCAKE")
+#: The transceiver key of a PYTHON configuration's bounce buffer (MiB per region).
+BOUNCE_KEY = "kv_cache_bounce_size_mb"
 RUNTIMES = ("PYTHON", "CPP", "auto")
 
 
@@ -176,6 +178,48 @@ def from_flags(backend: str, runtime: str) -> BenchConfig:
             f"--backend {backend} --runtime {runtime} cannot run in this build: {why}"
         )
     return config
+
+
+#: What `--memory vram` runs when no configuration is named: the NIXL configurations that
+#: can move device pools (their device staging is always there).
+VRAM_DEFAULT = ("nixl-python-bounce", "nixl-cpp")
+
+
+def vram_refusal(config: BenchConfig) -> str | None:
+    """Why `config` cannot move device pools (None: it can), by the same rules the daemons'
+    configuration applies to engine.kv_memory vram (kvxferd.config.resolve)."""
+    t = config.transceiver
+    backend = "NIXL" if t.get("backend", "DEFAULT") == "DEFAULT" else t["backend"]
+    runtime = t.get("transceiver_runtime", "auto")
+    runtime = ("PYTHON" if backend == "NIXL" else "CPP") if runtime == "auto" else runtime
+    ok = ", ".join(VRAM_DEFAULT)
+    if backend != "NIXL":
+        return (
+            f"configuration {config.name!r} runs over {backend}, which moves host memory only "
+            f"here; --memory vram measures NIXL configurations ({ok})"
+        )
+    if runtime == "PYTHON" and not t.get(BOUNCE_KEY, 0):
+        return (
+            f"configuration {config.name!r} has no bounce buffer, and the PYTHON runtime moves "
+            f"device pools only through it; --memory vram measures {ok}"
+        )
+    if runtime == "PYTHON" and t.get("enable_pipelined_transfer"):
+        return (
+            f"configuration {config.name!r} pipelines, and the PYTHON runtime bounces device "
+            f"pools whole; --memory vram measures {ok}"
+        )
+    return None
+
+
+def for_memory(configs: list[BenchConfig], memory: str) -> list[BenchConfig]:
+    """`configs`, checked for `memory` (host: all of them). Raises BenchConfigError for the
+    first one that cannot move device pools."""
+    if memory == "vram":
+        for config in configs:
+            why = vram_refusal(config)
+            if why is not None:
+                raise BenchConfigError(why)
+    return configs
 
 
 def known_names() -> list[str]:

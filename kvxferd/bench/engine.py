@@ -12,6 +12,11 @@ blocks (not timed), records t_send just before `send`, and the generation engine
 records t_done when the outcome arrives. Latency = t_done - t_send (time.monotonic_ns is one
 clock for every process of the machine). Every byte is verified after t_done, not timed.
 
+With `--memory vram` the pool is a DevicePool on the GPU, registered with
+register_device_pool; it is filled, zeroed and verified on the device
+(kvxferd.sim.device_content), and the device is synchronised before each send and recv
+(untimed), as device pools require of an engine.
+
 "When the outcome arrives" is the moment the client's reader decodes the outcome message,
 not when the waiting coroutine next runs: with many requests in flight the engine may be busy
 verifying earlier ones, and that queueing is the bench engine's, not the daemon's.
@@ -28,15 +33,20 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxferd.bench.plan import Item, Plan
 from kvxferd.client import AsyncClient
+from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.service.runner import run_event_loop
-from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
+from kvxferd.sim.content import request_seed
+from kvxferd.sim.engine import HostContent, add_memory_args, register_device_pool
 from kvxferd.transceiver.state import Outcome, Status
+
+if TYPE_CHECKING:
+    from kvxferd.memory.device import DevicePool
 
 _END = "end"
 # Test hook: when set to "1" in the context engine's environment, the first timed request is
@@ -95,13 +105,21 @@ class _Side:
 
     client: StampingClient
     plan: Plan
-    region: ShmRegion
+    region: ShmRegion | DevicePool
     pool_id: str
     layout: KvLayout = field(init=False)
     error: str = field(default="", init=False)
+    # The reference content of the pool's memory: host, or made and checked on the device.
+    content: Any = field(init=False)
 
     def __post_init__(self) -> None:
         self.layout = self.plan.layout()
+        if isinstance(self.region, ShmRegion):
+            self.content = HostContent()
+        else:
+            from kvxferd.sim.device_content import DeviceContent
+
+            self.content = DeviceContent(self.region.device)
 
     def fail(self, message: str) -> None:
         if not self.error:
@@ -160,7 +178,8 @@ class GenerationSide(_Side):
         blocks = self.plan.dst_for(item)
         rec = GenRecord(item.request_id, item.slot, item.tokens, item.timed)
         self.records.append(rec)
-        clear_blocks(pool, self.layout, blocks)
+        self.content.clear(pool, self.layout, blocks)
+        self.content.synchronize()  # device pools: zeros first, then the daemon's writes
         rec.t_post_ns = time.monotonic_ns()
         await self.client.recv(item.request_id, self.pool_id, blocks, self.peer, item.tokens)
         self._notify(f"{item.slot} {item.request_id}")
@@ -169,7 +188,7 @@ class GenerationSide(_Side):
         rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
         rec.nbytes = outcome.nbytes
         if outcome.status == Status.DONE:
-            result = verify_blocks(
+            result = self.content.verify(
                 pool, self.layout, blocks, request_seed(item.request_id), item.tokens
             )
             rec.verified = result.ok
@@ -257,7 +276,7 @@ class ContextSide(_Side):
 
     def _fill(self, blocks: list[int], seed: int) -> None:
         """Write a request's KV before its send (a subclass may write it chunk by chunk)."""
-        fill_blocks(self.region.array, self.layout, blocks, seed)
+        self.content.fill(self.region.array, self.layout, blocks, seed)
 
     async def _slot(self, slot: int) -> None:
         corrupt = os.environ.get(CORRUPT_ENV) == "1"
@@ -281,6 +300,7 @@ class ContextSide(_Side):
                 # (this 2-core VM: ~10 ms per 4 MiB after 0.2 s), and the raw pair fills
                 # right before its post too.
                 self._fill(blocks, seed)
+                self.content.synchronize()  # device pools: the KV is there before the send
                 rec = CtxRecord(item.request_id)
                 self.records.append(rec)
                 self.sending.add(item.request_id)
@@ -308,14 +328,25 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"role": args.role, "pool_bytes": layout.pool_bytes, "error": ""}
     client = await StampingClient.connect(args.socket, engine=f"bench-{args.role}")
     assert isinstance(client, StampingClient)
-    name = f"kvxferd-bench-{args.role}-{os.getpid()}"
-    region = ShmRegion.create(name, layout.pool_bytes)
+    region: ShmRegion | DevicePool
+    if args.memory == "vram":
+        from kvxferd.memory.device import DevicePool
+
+        region = DevicePool.create(
+            layout.pool_bytes, args.cuda_device, vmm=args.vram_share == "vmm"
+        )
+    else:
+        name = f"kvxferd-bench-{args.role}-{os.getpid()}"
+        region = ShmRegion.create(name, layout.pool_bytes)
     side: GenerationSide | ContextSide | None = None
     try:
-        try:
-            await client.register_pool(args.pool_id, name, layout)
-        finally:
-            region.unlink()  # the mappings stay; a crash leaves nothing in /dev/shm
+        if isinstance(region, ShmRegion):
+            try:
+                await client.register_pool(args.pool_id, name, layout)
+            finally:
+                region.unlink()  # the mappings stay; a crash leaves nothing in /dev/shm
+        else:
+            await register_device_pool(client, args.pool_id, region, layout, TpRank())
         if args.role == "generation":
             side = GenerationSide(
                 client,
@@ -379,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         help="context: compute and send each request in prefill chunks of this many tokens",
     )
     p.add_argument("--compute-ms", type=float, default=0.0, help="context: compute per chunk")
+    add_memory_args(p)
     args = p.parse_args(argv)
     if args.progress_fd is not None:
         os.set_blocking(args.progress_fd, False)

@@ -28,10 +28,9 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from kvxferd.bench.configs import BenchConfig
+from kvxferd.bench.configs import BOUNCE_KEY, BenchConfig
 from kvxferd.bench.plan import Geometry
 
-BOUNCE_KEY = "kv_cache_bounce_size_mb"
 PER_BLOCK = "nixl-python"
 BOUNCE = "nixl-python-bounce"
 

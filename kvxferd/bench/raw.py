@@ -17,6 +17,13 @@ Content: with one request in flight (sweep mode), every request's source is fill
 destination zeroed and, after DONE, verified through the target's shared memory, all untimed.
 With several in flight (or in small mode) that would stall the other transfers of this single
 thread, so each slot is filled and zeroed once per group and verified at the group's end.
+
+With `--memory vram` both pools are DevicePools on CUDA device 0, registered with NIXL as
+VRAM, and the writes name VRAM on both sides. The initiator fills its own pool on the device
+(and synchronises before each post); the target's pool can be opened only by the target (a
+second mapping of it in the initiator would collide with UCX's own CUDA IPC mapping), so the
+target zeroes and verifies its blocks on the device when the initiator asks, over a Unix
+socket named in the info file (one JSON line per request and per answer, all untimed).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import base64
 import contextlib
 import json
 import os
+import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -35,11 +44,15 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import XferHandle, XferStatus
+from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
 from kvxferd.bench.plan import SWEEP, Group, Item, Plan
 from kvxferd.memory.layout import KvLayout, pair_segments
 from kvxferd.memory.shm import ShmRegion
-from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed, verify_blocks
+from kvxferd.sim.content import VerifyResult, request_seed
+from kvxferd.sim.engine import HostContent, add_memory_args
+
+#: The CUDA device both pools of a vram run are on (the bench runs on one GPU).
+_DEVICE = 0
 
 
 @dataclass
@@ -60,10 +73,84 @@ def _backend(role: str) -> Any:
     return NixlBackend(f"bench-raw-{role}-{os.getpid()}")
 
 
+def _device_pool(layout: KvLayout) -> Any:
+    from kvxferd.memory.device import DevicePool
+
+    return DevicePool.create(layout.pool_bytes, _DEVICE)
+
+
+def _device_content() -> Any:
+    from kvxferd.sim.device_content import DeviceContent
+
+    return DeviceContent(_DEVICE)
+
+
+def _serve_blocks(server: socket.socket, pool: Any, layout: KvLayout) -> None:
+    """The vram target's side of the initiator's clear and verify requests, one
+    connection, one JSON line each way per request, until the initiator hangs up."""
+    content = _device_content()
+    conn, _ = server.accept()
+    with conn, conn.makefile("rwb") as f:
+        for line in f:
+            ask = json.loads(line)
+            answer: dict[str, Any] = {"ok": True, "error": ""}
+            try:
+                if ask["op"] == "clear":
+                    content.clear(pool.array, layout, ask["blocks"])
+                    content.synchronize()  # zeroed before the initiator's next write
+                else:
+                    result = content.verify(
+                        pool.array, layout, ask["blocks"], ask["seed"], ask["tokens"]
+                    )
+                    answer = {"ok": result.ok, "error": result.first_mismatch or ""}
+            except Exception as exc:  # said to the initiator, which fails the run with it
+                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            f.write((json.dumps(answer) + "\n").encode())
+            f.flush()
+
+
+def _device_target(args: argparse.Namespace, plan: Plan, backend: Any) -> None:
+    layout = plan.layout()
+    pool = _device_pool(layout)
+    control = args.info_out + ".sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(control)
+        server.listen(1)
+        reg = backend.register(pool.address, layout.pool_bytes, vram(_DEVICE))
+        serving = threading.Thread(target=_serve_blocks, args=(server, pool, layout), daemon=True)
+        serving.start()
+        info = {
+            "agent_name": backend.agent_name,
+            "metadata": base64.b64encode(backend.metadata()).decode(),
+            "base": pool.address,
+            "memory": "vram",
+            "device": _DEVICE,
+            "control": control,
+            "nbytes": layout.pool_bytes,
+        }
+        tmp = Path(args.info_out + ".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.rename(args.info_out)
+        sys.stdin.read()  # until the driver closes our stdin
+        backend.deregister(reg)
+    finally:
+        server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(control)
+        pool.close()
+
+
 def target(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     layout = plan.layout()
     backend = _backend("target")
+    if args.memory == "vram":
+        try:
+            _device_target(args, plan, backend)
+        finally:
+            backend.close()
+        return 0
     name = f"kvxferd-bench-raw-target-{os.getpid()}"
     region = ShmRegion.create(name, layout.pool_bytes)
     try:
@@ -87,21 +174,92 @@ def target(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HostDst:
+    """The target's pool, mapped here from its shared memory: cleared and verified here."""
+
+    def __init__(self, layout: KvLayout, shm_name: str, nbytes: int) -> None:
+        self.layout = layout
+        self.region = ShmRegion.attach(shm_name, nbytes)
+
+    def clear(self, blocks: list[int]) -> None:
+        HostContent.clear(self.region.array, self.layout, blocks)
+
+    def verify(self, blocks: list[int], seed: int, tokens: int) -> VerifyResult:
+        return HostContent.verify(self.region.array, self.layout, blocks, seed, tokens)
+
+    def close(self) -> None:
+        self.region.close()
+
+
+class _DeviceDst:
+    """The target's pool in its own device memory: cleared and verified by the target,
+    on the device, over its control socket."""
+
+    def __init__(self, control: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(control)
+        self.file = self.sock.makefile("rwb")
+
+    def _ask(self, **ask: Any) -> dict[str, Any]:
+        self.file.write((json.dumps(ask) + "\n").encode())
+        self.file.flush()
+        line = self.file.readline()
+        if not line:
+            raise RuntimeError("the raw NIXL target closed its control socket")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def clear(self, blocks: list[int]) -> None:
+        answer = self._ask(op="clear", blocks=blocks)
+        if not answer["ok"]:
+            raise RuntimeError(f"the raw NIXL target could not zero its blocks: {answer['error']}")
+
+    def verify(self, blocks: list[int], seed: int, tokens: int) -> VerifyResult:
+        answer = self._ask(op="verify", blocks=blocks, seed=seed, tokens=tokens)
+        return VerifyResult(answer["ok"], 0, answer["error"] or None)
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
 class Initiator:
-    def __init__(self, plan: Plan, target_info: dict[str, Any], progress_fd: int | None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        target_info: dict[str, Any],
+        progress_fd: int | None,
+        memory: str = "host",
+    ) -> None:
         self.plan = plan
         self.layout: KvLayout = plan.layout()
         self.progress_fd = progress_fd
         self.backend = _backend("initiator")
-        self.region = ShmRegion.create(
-            f"kvxferd-bench-raw-initiator-{os.getpid()}", self.layout.pool_bytes
+        self.local_memory: Memory = HOST
+        self.remote_memory: Memory = HOST
+        self.content: Any = HostContent()
+        self.region: Any
+        if memory == "vram":
+            self.region = _device_pool(self.layout)
+            self.content = _device_content()
+            self.local_memory = vram(_DEVICE)
+            self.remote_memory = vram(int(target_info["device"]))
+        else:
+            self.region = ShmRegion.create(
+                f"kvxferd-bench-raw-initiator-{os.getpid()}", self.layout.pool_bytes
+            )
+            self.region.unlink()
+        self.reg = self.backend.register(
+            self.region.address, self.layout.pool_bytes, self.local_memory
         )
-        self.region.unlink()
-        self.reg = self.backend.register(self.region.address, self.layout.pool_bytes)
         self.peer = self.backend.add_peer(base64.b64decode(target_info["metadata"]))
         self.backend.connect(self.peer)
         self.remote_base = int(target_info["base"])
-        self.dst = ShmRegion.attach(target_info["shm_name"], int(target_info["nbytes"]))
+        self.dst: _HostDst | _DeviceDst
+        if memory == "vram":
+            self.dst = _DeviceDst(target_info["control"])
+        else:
+            self.dst = _HostDst(self.layout, target_info["shm_name"], int(target_info["nbytes"]))
         self.records: list[RawRecord] = []
         self.verified = 0
         self.timed_start_ns = 0
@@ -127,9 +285,7 @@ class Initiator:
         return src, dst
 
     def _verify(self, item: Item, seed: int) -> None:
-        result = verify_blocks(
-            self.dst.array, self.layout, self.plan.dst_for(item), seed, item.tokens
-        )
+        result = self.dst.verify(self.plan.dst_for(item), seed, item.tokens)
         if not result.ok:
             raise RuntimeError(
                 f"raw NIXL request {item.request_id}: verification failed: {result.first_mismatch}"
@@ -149,8 +305,11 @@ class Initiator:
         if not self.refresh:
             for s in range(n):
                 probe = Item(f"{group.key}-slot{s}", group.tokens, group.blocks, s, group.timed)
-                fill_blocks(self.region.array, self.layout, self.plan.src_for(probe), slot_seed[s])
-                clear_blocks(self.dst.array, self.layout, self.plan.dst_for(probe))
+                self.content.fill(
+                    self.region.array, self.layout, self.plan.src_for(probe), slot_seed[s]
+                )
+                self.dst.clear(self.plan.dst_for(probe))
+            self.content.synchronize()  # device pools: the sources are there before a post
         active: dict[int, tuple[Item, XferHandle, int, RawRecord]] = {}
 
         def launch(slot: int) -> None:
@@ -162,12 +321,19 @@ class Initiator:
                     return
                 if self.refresh:
                     seed = request_seed(item.request_id)
-                    fill_blocks(self.region.array, self.layout, self.plan.src_for(item), seed)
-                    clear_blocks(self.dst.array, self.layout, self.plan.dst_for(item))
+                    self.content.fill(self.region.array, self.layout, self.plan.src_for(item), seed)
+                    self.dst.clear(self.plan.dst_for(item))
+                    self.content.synchronize()
                 local, remote = self._segments(item)
                 rec = RawRecord(item.request_id, slot, item.tokens, item.timed)
                 rec.t_start_ns = time.monotonic_ns()
-                handle, status = self.backend.post_write(local, remote, self.peer)
+                handle, status = self.backend.post_write(
+                    local,
+                    remote,
+                    self.peer,
+                    local_memory=self.local_memory,
+                    remote_memory=self.remote_memory,
+                )
                 if status is XferStatus.IN_PROGRESS:
                     active[slot] = (item, handle, rec.t_start_ns, rec)
                     return
@@ -211,7 +377,7 @@ def initiator(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"error": ""}
     init: Initiator | None = None
     try:
-        init = Initiator(plan, info, args.progress_fd)
+        init = Initiator(plan, info, args.progress_fd, args.memory)
         init.run()
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -234,11 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("target")
     t.add_argument("--plan", required=True)
     t.add_argument("--info-out", required=True)
+    add_memory_args(t)
     t.set_defaults(fn=target)
     i = sub.add_parser("initiator")
     i.add_argument("--plan", required=True)
     i.add_argument("--target-info", required=True)
     i.add_argument("--progress-fd", type=int, default=None)
+    add_memory_args(i)
     i.set_defaults(fn=initiator)
     args = p.parse_args(argv)
     return int(args.fn(args))

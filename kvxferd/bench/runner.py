@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from kvxferd import __version__
 from kvxferd.backends.nixl import NIXL_MODULES, nixl_module_name, package_name
-from kvxferd.bench.baseline import memcpy_gbps
+from kvxferd.bench.baseline import device_copy_gbps, memcpy_gbps
 from kvxferd.bench.configs import BenchConfig
 from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
 from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
@@ -59,6 +59,10 @@ class Options:
     timeout_s: float = 900.0
     keep: bool = False
     command: str = ""
+    # Where both engines' pools (and the raw pair's) live: "host" or "vram" (GPU memory,
+    # shared with the daemons by `vram_share`).
+    memory: str = "host"
+    vram_share: str = "ipc"
 
     @property
     def mode(self) -> str:
@@ -170,16 +174,30 @@ def _check_report(what: str, report: dict[str, Any], logs: str = "") -> None:
         raise BenchError(f"{what}: {report['error']}" + (f"\n{detail}" if detail else "") + logs)
 
 
+def _memory_args(memory: str, vram_share: str | None = None) -> list[str]:
+    """The child processes' memory options: none for host pools (their command lines are
+    what they always were)."""
+    if memory == "host":
+        return []
+    return ["--memory", memory] + ([] if vram_share is None else ["--vram-share", vram_share])
+
+
 def _raw_run(
-    plan_path: Path, plan: Plan, workdir: Path, prog: Progress, timeout_s: float
+    plan_path: Path,
+    plan: Plan,
+    workdir: Path,
+    prog: Progress,
+    timeout_s: float,
+    memory: str = "host",
 ) -> dict[str, Any]:
     info = workdir / "raw-target.json"
     target = _spawn(
         workdir,
         "raw-target",
-        ["-m", "kvxferd.bench.raw", "target", "--plan", str(plan_path), "--info-out", str(info)],
+        ["-m", "kvxferd.bench.raw", "target", "--plan", str(plan_path), "--info-out", str(info),
+         *_memory_args(memory)],
         stdin=subprocess.PIPE,
-    )
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not info.exists():
@@ -206,6 +224,7 @@ def _raw_run(
                     str(info),
                     "--progress-fd",
                     str(prog_w),
+                    *_memory_args(memory),
                 ],
                 pass_fds=(prog_w,),
             )
@@ -238,10 +257,13 @@ def _daemon_run(
     prog: Progress,
     timeout_s: float,
     ctx_args: Sequence[str] = (),
+    memory: str = "host",
+    vram_share: str = "ipc",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One configuration's run: (generation report, context report). `ctx_args`: extra
     options of the context engine. The generation report also holds `daemon_status`, each
-    daemon's bounce counters read from /v1/status once the engines finished."""
+    daemon's bounce counters read from /v1/status once the engines finished. `memory`
+    vram: the daemons run with engine.kv_memory vram and the engines' pools are on the GPU."""
     from kvxferd.sim.cluster import LocalCluster
 
     cdir = workdir / config.name
@@ -250,6 +272,8 @@ def _daemon_run(
         geometry=plan.geometry.cluster_geometry(),
         transceiver=dict(config.transceiver),
         tls=config.tls,
+        kv_memory=memory,
+        vram_share=vram_share,
     ) as cluster:
         ctx = cluster.start_daemon("bench-ctx", "context", engine=dict(config.engine))
         gen = cluster.start_daemon("bench-gen", "generation", engine=dict(config.engine))
@@ -261,7 +285,8 @@ def _daemon_run(
 
         notify_r, notify_w = os.pipe()
         prog_r, prog_w = os.pipe()
-        common = ["-m", "kvxferd.bench.engine", "--plan", str(plan_path)]
+        common = ["-m", "kvxferd.bench.engine", "--plan", str(plan_path),
+                  *_memory_args(memory, vram_share)]  # fmt: skip
         try:
             ctx_engine = _spawn(
                 cdir,
@@ -347,7 +372,27 @@ def _descriptors(raw: dict[str, Any], tokens: int) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
-def host_info() -> dict[str, Any]:
+def gpu_info() -> dict[str, Any]:
+    """The CUDA device 0 a vram run used, and the cupy and CUDA versions it ran with."""
+    from kvxferd.memory.device import probe
+
+    found = probe()
+    info: dict[str, Any] = {
+        "devices": found.count,
+        "cupy_version": found.cupy_version,
+        "cuda_runtime": found.runtime_version,
+        "cuda_driver": found.driver_version,
+        "name": "",
+    }
+    with contextlib.suppress(Exception):  # a name is informative; the run has happened
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        info["name"] = name.decode() if isinstance(name, bytes) else str(name)
+    return info
+
+
+def host_info(memory: str = "host") -> dict[str, Any]:
     def version(dist: str) -> str:
         try:
             return importlib.metadata.version(dist)
@@ -385,11 +430,14 @@ def host_info() -> dict[str, Any]:
         # Other work on the machine skews every number: the 1/5/15-minute load averages
         # when the run started (and, in the report, when it ended).
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    } | ({"gpu": gpu_info()} if memory == "vram" else {})
 
 
-def check_memory(plan: Plan) -> None:
-    """Fail early, with numbers, when two pools (plus a memcpy pair) cannot fit."""
+def check_memory(plan: Plan, memory: str = "host") -> None:
+    """Fail early, with numbers, when two pools (plus a memcpy pair) cannot fit. (Device
+    pools: the device says so itself when they do not, at the first allocation.)"""
+    if memory != "host":
+        return
     pool = plan.layout().pool_bytes
     need = 2 * pool
     st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
@@ -446,7 +494,7 @@ def workspace(
 
     Removed afterwards unless --keep; kept, and named in the error, when it failed.
     """
-    check_memory(plan)
+    check_memory(plan, opts.memory)
     workdir = _workdir()
     plan_path = workdir / "plan.json"
     plan.save(plan_path)
@@ -504,7 +552,9 @@ def _header(opts: Options, plan: Plan) -> dict[str, Any]:
         "block_order": "shuffled" if opts.shuffle else "sequential",
         "pool_blocks": plan.pool_blocks,
         "configs": [c.name for c in opts.configs],
-        "host": host_info(),
+        # host or vram: where every pool of the run (the raw pair's too) lived.
+        "memory": opts.memory,
+        "host": host_info(opts.memory),
     }
 
 
@@ -513,14 +563,16 @@ def _run_sweep(
     report: dict[str, Any],
 ) -> None:  # fmt: skip
     g = plan.geometry
-    memcpy = {t: memcpy_gbps(g.request_bytes(t)) for t in plan.lengths}
+    # The ceiling of the memory the pools are in: a host memcpy, or a device-to-device copy.
+    copy_gbps = device_copy_gbps if opts.memory == "vram" else memcpy_gbps
+    memcpy = {t: copy_gbps(g.request_bytes(t)) for t in plan.lengths}
     report["memcpy"] = [
         {"tokens": t, "bytes": g.request_bytes(t), "gbps": _sig(v)} for t, v in memcpy.items()
     ]
 
     units = len(plan.lengths) * (plan.warmup + plan.requests)
     prog.start_phase("raw NIXL", units)
-    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s)
+    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
     raw_t: dict[int, Timing] = {}
     report["raw"] = []
     for t in plan.lengths:
@@ -543,7 +595,10 @@ def _run_sweep(
     report["results"] = results
     for config in opts.configs:
         prog.start_phase(config.name, units)
-        gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
+        gen, ctx = _daemon_run(
+            config, plan_path, plan, workdir, prog, opts.timeout_s,
+            memory=opts.memory, vram_share=opts.vram_share,
+        )  # fmt: skip
         report.setdefault("daemon_status", {})[config.name] = gen.pop("daemon_status", {})
         summary = []
         for t in plan.lengths:
@@ -589,7 +644,7 @@ def _run_small(
     g = plan.geometry
     nbytes = g.block_bytes
     prog.start_phase("raw NIXL, one-block requests", None, seconds=plan.seconds + _STARTUP_S)
-    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s)
+    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
     raw_iv = _raw_intervals(raw, None)
     raw_timing = Timing.of(raw_iv, nbytes * len(raw_iv))
     raw_elapsed = _elapsed(raw_iv, int(raw.get("timed_start_ns", 0)))
@@ -610,7 +665,10 @@ def _run_small(
         prog.start_phase(
             f"{config.name}, one-block requests", None, seconds=plan.seconds + _STARTUP_S
         )
-        gen, ctx = _daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s)
+        gen, ctx = _daemon_run(
+            config, plan_path, plan, workdir, prog, opts.timeout_s,
+            memory=opts.memory, vram_share=opts.vram_share,
+        )  # fmt: skip
         intervals = _daemon_intervals(gen, ctx, None, nbytes, config.name)
         if not intervals:
             raise BenchError(f"{config.name}: no timed request finished")

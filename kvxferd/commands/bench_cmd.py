@@ -42,6 +42,21 @@ def add_parser(sub: Any) -> None:
         "--layout", choices=["block-major", "layer-major"], default="block-major",
         help="block-major: a block is one contiguous run; layer-major: one run per layer",
     )  # fmt: skip
+    m = p.add_argument_group("KV memory")
+    m.add_argument(
+        "--memory",
+        choices=["host", "vram"],
+        default="host",
+        help="where both engines' pools live: host (shared memory) or vram (GPU memory, filled "
+        "and verified on the device; needs cupy and a CUDA device; NIXL configurations only, "
+        "default nixl-python-bounce,nixl-cpp, and the raw pair moves VRAM to VRAM)",
+    )
+    m.add_argument(
+        "--vram-share",
+        choices=["ipc", "vmm"],
+        default="ipc",
+        help="--memory vram: share each pool with its daemon as a CUDA IPC handle or VMM fd",
+    )
     r = p.add_argument_group("requests")
     r.add_argument(
         "--tokens", default="100,1000,8000", help="request lengths in tokens, comma-separated"
@@ -52,7 +67,8 @@ def add_parser(sub: Any) -> None:
     r.add_argument(
         "--configs",
         default=None,
-        help="configurations to compare, comma-separated (see the list below); default nixl-python",
+        help="configurations to compare, comma-separated (see the list below); default "
+        "nixl-python (with --memory vram: nixl-python-bounce,nixl-cpp)",
     )
     r.add_argument(
         "--backend",
@@ -139,6 +155,7 @@ def _configs_epilog() -> str:
         "      --configs nixl-python,nixl-python-bounce   # bounce vs per-block, 4 KiB segments",
         "  kvxferd bench --pipeline-compare --tokens 8000 --chunk-tokens 512 --compute-ms 50",
         "  kvxferd bench --backend UCX --runtime CPP --tokens 1000,8000",
+        "  kvxferd bench --memory vram --tokens 8000     # GPU pools, NIXL VRAM (needs a GPU)",
     ]
     return "\n".join(lines)
 
@@ -177,13 +194,25 @@ def _lengths(text: str) -> list[int]:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from kvxferd.bench.configs import resolve
+    from kvxferd.bench.configs import VRAM_DEFAULT, for_memory, resolve
     from kvxferd.bench.plan import Geometry
     from kvxferd.bench.runner import Options
     from kvxferd.memory.layout import LayoutError
 
     for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "requests", "in_flight"):
         _positive_int(name.replace("_", "-"), getattr(args, name))
+    if args.memory == "vram":
+        from kvxferd.sim.device_content import vram_problem
+
+        # First: without a device nothing else about the run matters.
+        problem = vram_problem()
+        if problem is not None:
+            raise _UsageError(problem)
+        if args.pipeline_compare:
+            raise _UsageError(
+                "--pipeline-compare measures the PYTHON runtime's pipelined writes, which "
+                "device pools do not take (--memory vram bounces whole requests)"
+            )
     _positive_int("warmup", args.warmup, 0)
     if not args.seconds > 0:
         raise _UsageError(f"--seconds must be positive, got {args.seconds}")
@@ -223,7 +252,9 @@ def _options(args: argparse.Namespace) -> Any:
             )
         configs = [from_flags(args.backend or "DEFAULT", args.runtime or "auto")]
     else:
-        configs = resolve((args.configs or "nixl-python").split(","))
+        default = ",".join(VRAM_DEFAULT) if args.memory == "vram" else "nixl-python"
+        configs = resolve((args.configs or default).split(","))
+    configs = for_memory(configs, args.memory)
     if not args.small:
         from kvxferd.bench.fragmented import fit_bounce
 
@@ -241,6 +272,8 @@ def _options(args: argparse.Namespace) -> Any:
         seed=args.seed,
         timeout_s=args.timeout,
         keep=args.keep,
+        memory=args.memory,
+        vram_share=args.vram_share,
         command="kvxferd " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )
 
