@@ -40,6 +40,14 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         f"{h['python']}, {h.get('nixl_package', 'nixl-cu12')} {h['nixl_version']}"
         + (f", load average {load[0]:.2f} at the start" if load else "")
     )
+    gpu = h.get("gpu")
+    if report.get("memory") == "vram" and gpu:
+        # Device pools: the memcpy column is then a device-to-device copy.
+        lines.append(
+            f"  memory    vram on {gpu.get('name') or 'CUDA device 0'} (cupy "
+            f"{gpu.get('cupy_version')}, CUDA runtime {gpu.get('cuda_runtime')}, driver "
+            f"{gpu.get('cuda_driver')}); memcpy = device-to-device copy"
+        )
     return lines
 
 

@@ -107,3 +107,20 @@ def _fake(cluster: LocalCluster) -> object:
         api_socket = str(cluster.workdir / "d.sock")
 
     return D()
+
+
+def test_the_bench_table_says_when_pools_were_in_vram() -> None:
+    from kvxferd.bench.report import header_lines
+
+    report = {
+        "mode": "sweep", "date": "d", "block_order": "shuffled", "requests": 1, "warmup": 0,
+        "in_flight": 1, "memory": "vram",
+        "geometry": {"layers": 1, "kv_heads": 1, "head_dim": 1, "tokens_per_block": 1,
+                     "dtype": "float16", "layout": "block-major", "block_bytes": 4},
+        "host": {"cpu_count": 1, "cpu_model": "", "python": "3", "nixl_version": "1",
+                 "gpu": {"name": "NVIDIA H200", "cupy_version": "14.2.0",
+                         "cuda_runtime": 13000, "cuda_driver": 13000}},
+    }  # fmt: skip
+    assert any("vram on NVIDIA H200" in line for line in header_lines(report))
+    report["memory"] = "host"
+    assert not any("vram" in line for line in header_lines(report))
