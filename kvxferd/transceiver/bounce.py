@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.backends.base import HOST, Memory
 from kvxferd.memory.layout import KvLayout
 from kvxferd.transceiver.copyplan import (
     CopyPlan,
@@ -67,17 +68,57 @@ class Reservation:
     nbytes: int
 
 
-class BounceRegion:
-    """A page-aligned host region with a first-fit allocator of reservations."""
+class RegionBacking(Protocol):
+    """Memory a BounceRegion can sit on instead of its own host mapping: the daemon's
+    device staging (kvxferd.memory.device.DeviceRegion.allocate) has this shape."""
 
-    def __init__(self, nbytes: int, label: str) -> None:
+    nbytes: int
+    address: int
+
+    @property
+    def array(self) -> Any:
+        """The memory as a 1-D uint8 array of its own array module (cupy for VRAM)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+#: Makes the backing of one region: (nbytes, label "send"/"recv") -> backing.
+Backing = Callable[[int, str], RegionBacking]
+
+
+class BounceRegion:
+    """A page-aligned region with a first-fit allocator of reservations: a host mapping of
+    its own, or, given a `backing`, that memory (device staging) in `memory`."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        label: str,
+        backing: RegionBacking | None = None,
+        memory: Memory = HOST,
+    ) -> None:
         self.label = label
         self.nbytes = nbytes
-        # Populated up front: the first touch of a fresh page costs more than the copy.
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(-1, nbytes, flags=flags)
-        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8)
-        self.address = int(self.array.ctypes.data)
+        # What the backend registers the region as, and what peers name when they write
+        # into it (Info.bounce_memory).
+        self.memory = memory
+        self._backing = backing
+        self._map: mmap.mmap | None = None
+        if backing is not None:
+            if backing.nbytes < nbytes:
+                backing.close()  # ours once handed over: device memory must not linger
+                raise ValueError(
+                    f"the {label} region's backing holds {backing.nbytes} bytes, {nbytes} needed"
+                )
+            self.array: npt.NDArray[np.uint8] = backing.array
+            self.address = int(backing.address)
+        else:
+            # Populated up front: the first touch of a fresh page costs more than the copy.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(-1, nbytes, flags=flags)
+            self.array = np.frombuffer(self._map, dtype=np.uint8)
+            self.address = int(self.array.ctypes.data)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, length)
         self.in_use_bytes = 0
         self.reservations = 0
@@ -124,7 +165,10 @@ class BounceRegion:
 
     def close(self) -> None:
         del self.array
-        self._map.close()
+        if self._backing is not None:
+            self._backing.close()
+        if self._map is not None:
+            self._map.close()
 
 
 def worth_bouncing(descriptors: int, nbytes: int) -> bool:
@@ -319,12 +363,32 @@ def _inline(copy: Callable[[], None]) -> None:
     copy()
 
 
-class BounceBuffers:
-    """A daemon's two regions (send and receive), their copier and counters."""
+def _backed(backing: Backing | None, nbytes: int, label: str) -> RegionBacking | None:
+    return None if backing is None else backing(nbytes, label)
 
-    def __init__(self, nbytes: int, copier: Copier | None = None) -> None:
-        self.send = BounceRegion(nbytes, "send")
-        self.recv = BounceRegion(nbytes, "recv")
+
+class BounceBuffers:
+    """A daemon's two regions (send and receive), their copier and counters.
+
+    By default both regions are host mappings copied by HostCopier. Device staging passes
+    `memory` (VRAM on its device), a `backing` that allocates each region there and a
+    copier that runs on the device (transceiver/device_copy.py: device_buffers)."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        copier: Copier | None = None,
+        *,
+        memory: Memory = HOST,
+        backing: Backing | None = None,
+    ) -> None:
+        self.memory = memory
+        self.send = BounceRegion(nbytes, "send", _backed(backing, nbytes, "send"), memory)
+        try:
+            self.recv = BounceRegion(nbytes, "recv", _backed(backing, nbytes, "recv"), memory)
+        except BaseException:
+            self.send.close()  # device memory is not reclaimed by the garbage collector soon
+            raise
         self.copier: Copier = copier or HostCopier()
         # Copies run off the event loop (and off the data-plane thread, so
         # transfers of other requests keep moving while one request is gathered).
@@ -374,6 +438,7 @@ class BounceBuffers:
     def status(self) -> dict[str, object]:
         return {
             "region_bytes": self.send.nbytes,
+            "memory": "vram" if self.memory.on_device else "host",
             "send_in_use_bytes": self.send.in_use_bytes,
             "recv_in_use_bytes": self.recv.in_use_bytes,
             "send_reservations": self.send.reservations,

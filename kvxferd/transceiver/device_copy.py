@@ -1,0 +1,106 @@
+"""Gather and scatter in GPU memory, and the daemon's device staging: a thin executor.
+
+The arithmetic (which bytes go where, per round, with head slices) is the host path's
+(transceiver/copyplan.py, run by bounce.ArrayCopier, tested exhaustively on the host);
+this module only runs it with cupy on the daemon's own stream: one `take` (gather) or one
+indexed assignment (scatter) per round, i.e. one kernel launch over word rows, never a
+memcpy per segment.
+
+Ordering: the engine synchronises before `send` (docs/engine-integration.md), so a
+gather reads finished KV. Each copy synchronises its stream before it returns: a gather's
+reservation is complete before NIXL writes it out, and a scatter's blocks are on the
+device before the receive is reported `done` (BounceBuffers awaits the copy; the receive
+coordinator reports only after that).
+
+cupy is imported only when a DeviceCopier is made, never at module import: a host
+without a GPU imports this module and gets DeviceUnavailableError (with the probe's
+reason) only if it asks for device staging.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from kvxferd.backends.base import vram
+from kvxferd.memory.device import DeviceRegion, DeviceUnavailableError, probe
+from kvxferd.transceiver.bounce import ArrayCopier, BounceBuffers
+
+
+def _cupy_for(device: int) -> ModuleType:
+    """cupy, once the probe found a usable device `device`; else why not."""
+    found = probe()
+    if not found.available:
+        raise DeviceUnavailableError(found.why)
+    if not 0 <= device < found.count:
+        raise DeviceUnavailableError(
+            f"CUDA device {device} does not exist here: this process sees {found.count} "
+            f"(ordinals 0..{found.count - 1}; CUDA_VISIBLE_DEVICES?)"
+        )
+    import cupy
+
+    module: ModuleType = cupy
+    return module
+
+
+class DeviceCopier(ArrayCopier):
+    """A Copier (transceiver/bounce.py) over device memory on CUDA device `device`.
+
+    `xp` is the array module, cupy by default (imported here, lazily). Passing another
+    module with cupy's surface (`take`, `asarray`, `cuda.Device`, `cuda.Stream`) is for
+    tests only: it lets the host check the executor's protocol with a stand-in."""
+
+    def __init__(self, device: int, *, xp: ModuleType | None = None) -> None:
+        module = xp if xp is not None else _cupy_for(device)
+        super().__init__(module, run=self._on_stream)
+        self.device = device
+        # One stream per copying thread (BounceBuffers copies on one thread), made there
+        # under the device on first use: a stream belongs to the device current when it
+        # is created, and the copy thread is not the one that built the copier.
+        self._local = threading.local()
+        self._streams: list[Any] = []
+        self._lock = threading.Lock()
+
+    def _stream(self) -> Any:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            # Non-blocking: our copies never wait for (nor hold up) the legacy default
+            # stream another library in this process may use.
+            stream = self.xp.cuda.Stream(non_blocking=True)
+            self._local.stream = stream
+            with self._lock:
+                self._streams.append(stream)
+        return stream
+
+    def _on_stream(self, copy: Callable[[], None]) -> None:
+        """Run one copy on our stream on our device; return once the device finished it."""
+        with self.xp.cuda.Device(self.device):
+            stream = self._stream()
+            with stream:
+                copy()
+            # The caller's next step (a NIXL write of the reservation, or `done`) must see
+            # the bytes in place: wait for the copy here, in the copy thread.
+            stream.synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, []
+        for stream in streams:
+            synchronize = getattr(stream, "synchronize", None)
+            if callable(synchronize):
+                synchronize()  # nothing of ours may still run when the regions are freed
+
+
+def device_buffers(nbytes: int, device: int) -> BounceBuffers:
+    """The daemon's send and receive staging in VRAM on `device` (its own ordinal), each
+    `nbytes`, copied by a DeviceCopier; registered by the daemon as VRAM on that device
+    and announced to peers as such (Info.bounce_memory "vram", bounce_device)."""
+    copier = DeviceCopier(device)  # raises DeviceUnavailableError first, with the reason
+    return BounceBuffers(
+        nbytes,
+        copier,
+        memory=vram(device),
+        backing=lambda n, label: DeviceRegion.allocate(n, device, f"bounce {label}"),
+    )
