@@ -1,6 +1,9 @@
 """The direct mover: the PYTHON runtime's one-sided writes from the engine's blocks into
 the receiver's, one descriptor per contiguous run, or through the bounce buffer (one
-contiguous write) when the receiver offered a reservation and it pays off.
+contiguous write) when the receiver offered a reservation and it pays off, and always when
+either pool is copy-only (device memory the backend has not registered: must_bounce).
+Every post names each side's memory kind (the pools' for per-block writes, the bounce
+regions' for a bounce).
 
 A mover is what a send coordinator (transceiver/sender.py) hands each due slice of a
 request to: `write_slice(session, start, end, last)` writes blocks [start, end) to every
@@ -10,25 +13,55 @@ nothing of how requests are matched with receivers.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxferd.backends.base import XferStatus
+from kvxferd.backends.base import HOST, Memory, XferStatus, vram
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.direct_rx import NO_BOUNCE_ROOM
 from kvxferd.transceiver.legs import TxLeg, split_problem, whole_blocks
 from kvxferd.transceiver.plan import plan_write
 from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.staging import reserve_by
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import Writes
 
 if TYPE_CHECKING:
+    from kvxferd.service.pools import LocalPool
     from kvxferd.transceiver.movers import Route
+
+
+def peer_memory(kind: str, device: int) -> Memory | None:
+    """A peer's memory as it announced it ("host", or "vram" on its CUDA `device`), in the
+    backend's terms; None for a kind this build does not know."""
+    if kind == "host":
+        return HOST
+    if kind == "vram" and device >= 0:
+        return vram(device)
+    return None
+
+
+def must_bounce(pool: LocalPool, info: PoolInfo) -> bool:
+    """Whether a write from `pool` into the peer's pool `info` can only go through the
+    bounce buffer: one side is copy-only (device memory the backend has not registered:
+    the daemon copies to and from it on the device, NIXL never touches it)."""
+    return not pool.zero_copy or not info.writable
+
+
+def _unknown_memory(what: str, kind: str) -> Terminal:
+    return Terminal.peer(
+        Status.FAILED,
+        Reason.BLOCK_MISMATCH,
+        f"the receiver announced its {what} in memory {kind!r}, which this build does not "
+        "know (host or vram)",
+    )
 
 
 def leg_target(
@@ -120,13 +153,22 @@ class DirectMover:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
     async def _bounce_plan(
-        self, s: TxSession, local: np.ndarray, remote: np.ndarray, blocks: list[int]
-    ) -> tuple[np.ndarray, np.ndarray, Reservation | None]:
+        self,
+        s: TxSession,
+        local: np.ndarray,
+        remote: np.ndarray,
+        blocks: list[int],
+        copy_only: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, Reservation | None] | Terminal:
         """Gather `blocks` (what the receiver takes of ours) into a send reservation when
-        the receiver offered one and it pays off."""
+        the receiver offered one and it pays off. `copy_only` (must_bounce): the bounce is
+        the only way, so it is taken whatever it costs, waiting for room up to the
+        deadline, and a request it cannot carry ends saying why."""
         req, bounce, conn = s.request, self.bounce, s.conn
         assert req is not None and conn is not None and s.pool is not None
         nbytes = int(local[:, 1].sum())
+        if copy_only:
+            return await self._copy_only_plan(s, nbytes, blocks)
         if (
             bounce is None
             or len(s.legs) > 1
@@ -141,11 +183,76 @@ class DirectMover:
         if res is None:
             bounce.fallbacks += 1  # never wait for room: take the per-block path now
             return local, remote, None
+        return await self._gathered(s, blocks, res, nbytes)
+
+    async def _gathered(
+        self, s: TxSession, blocks: list[int], res: Reservation, nbytes: int
+    ) -> tuple[np.ndarray, np.ndarray, Reservation]:
+        """Gather into the reservation `res`; the one-descriptor write that carries it."""
+        req, bounce, conn = s.request, self.bounce, s.conn
+        assert req is not None and conn is not None and s.pool is not None and bounce is not None
         bounce.reservations_made += 1
         await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes)
         one_local = np.array([[bounce.send.address + res.offset, nbytes]], dtype=np.int64)
         one_remote = np.array([[conn.info.bounce_base + req.bounce_offset, nbytes]], dtype=np.int64)
         return one_local, one_remote, res
+
+    async def _copy_only_plan(
+        self, s: TxSession, nbytes: int, blocks: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, Reservation] | Terminal:
+        """The bounce of a request that cannot be written per block, or why it cannot go."""
+        req, bounce, conn = s.request, self.bounce, s.conn
+        assert req is not None and conn is not None and s.pool is not None
+        what = (
+            f"pool {s.pool.pool_id!r} here is copy-only"
+            if not s.pool.zero_copy
+            else f"the receiver's pool {req.pool_id!r} is copy-only"
+        )
+        why = (
+            f"{what} (device memory the backend does not read or write itself), so the "
+            f"request's {nbytes} bytes can only move through the bounce buffer, but "
+        )
+        problem = None
+        if bounce is None:
+            problem = "this daemon has none (set kv_cache_bounce_size_mb)"
+        elif len(s.legs) > 1 or (s.legs and not whole_blocks(s.pool, s.legs[0])):
+            problem = (
+                "the pools' tensor-parallel heads differ (a head-split or head-merge moves per "
+                "token); use transceiver_runtime CPP"
+            )
+        elif not s.pool.layout.named:
+            problem = "the pool's layout has no named order (the copier packs its pieces)"
+        elif nbytes > bounce.send.nbytes:
+            problem = (
+                f"this daemon's region holds {bounce.send.nbytes} bytes (raise "
+                "kv_cache_bounce_size_mb, or use transceiver_runtime CPP, which moves rounds)"
+            )
+        elif conn.info.bounce_nbytes == 0 or req.bounce_nbytes < nbytes:
+            problem = (
+                f"the receiver offered a reservation of {req.bounce_nbytes} bytes "
+                f"(kv_cache_bounce_size_mb {conn.info.bounce_nbytes >> 20} on the receiver)"
+            )
+        if problem is not None:
+            return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, why + problem)
+        assert bounce is not None
+        deadline = s.deadline if s.deadline is not None else math.inf
+        res = await reserve_by(lambda: bounce.send.reserve(nbytes), deadline)
+        if res is None:
+            return Terminal.timed_out(Reason.SENDER_DEADLINE, NO_BOUNCE_ROOM)
+        if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
+            bounce.send.release(res)
+            return s.terminal  # ending it again changes nothing: the first end stands
+        return await self._gathered(s, blocks, res, nbytes)
+
+    def _memories(self, s: TxSession, leg: TxLeg) -> tuple[bool, Memory, Memory] | Terminal:
+        """(must the leg bounce, our pool's memory, the receiver pool's memory) for a
+        per-block write; the leg's pool was checked known by its plan."""
+        assert s.pool is not None
+        info = leg.conn.pools[leg.request.pool_id]
+        remote = peer_memory(info.memory, info.device)
+        if remote is None:
+            return _unknown_memory(f"pool {info.pool_id!r}", info.memory)
+        return must_bounce(s.pool, info), s.pool.memory, remote
 
     async def write_slice(self, s: TxSession, start: int, end: int, last: bool) -> None:
         """Write blocks [start, end) to every receiver (one, or each rank of a head-split)."""
@@ -178,12 +285,52 @@ class DirectMover:
                 s.request_end(plan)
                 return
             local, remote = plan
+            memories = self._memories(s, leg)
+            if isinstance(memories, Terminal):
+                s.request_end(memories)
+                return
+            copy_only, local_memory, remote_memory = memories
             reservation = None
             if start == 0 and last:  # the whole request in one write
                 blocks = s.blocks[first:end]
-                local, remote, reservation = await self._bounce_plan(s, local, remote, blocks)
+                bounced_plan = await self._bounce_plan(s, local, remote, blocks, copy_only)
+                if isinstance(bounced_plan, Terminal):
+                    s.request_end(bounced_plan)
+                    return
+                local, remote, reservation = bounced_plan
+            elif copy_only:
+                # Only a whole request bounces; config resolution refuses pipelining with
+                # device pools, and this guard keeps a slice off the copy-only blocks.
+                s.request_end(
+                    Terminal.local(
+                        Status.FAILED,
+                        Reason.BLOCK_MISMATCH,
+                        f"blocks [{start}, {end}) of a request into or out of a copy-only "
+                        "pool cannot be written on their own (only a whole request "
+                        "bounces); turn enable_pipelined_transfer off",
+                    )
+                )
+                return
+            if reservation is not None:
+                assert self.bounce is not None
+                local_memory = self.bounce.send.memory
+                bounce_memory = peer_memory(
+                    leg.conn.info.bounce_memory, leg.conn.info.bounce_device
+                )
+                if bounce_memory is None:
+                    self.bounce.send.release(reservation)
+                    s.request_end(_unknown_memory("bounce region", leg.conn.info.bounce_memory))
+                    return
+                remote_memory = bounce_memory
             try:
-                status = await self.writes.post_and_wait(s, local, remote, leg.conn)
+                status = await self.writes.post_and_wait(
+                    s,
+                    local,
+                    remote,
+                    leg.conn,
+                    local_memory=local_memory,
+                    remote_memory=remote_memory,
+                )
             finally:
                 if reservation is not None and self.bounce is not None:
                     self.bounce.send.release(reservation)  # the write is quiescent now

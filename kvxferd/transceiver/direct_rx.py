@@ -1,6 +1,8 @@
 """The PYTHON runtime's receive mover: the context daemon writes straight into the
 engine's blocks, or, when we offered a bounce reservation and it pays off, one write into
-that reservation that we scatter into the blocks.
+that reservation that we scatter into the blocks. A copy-only receive (our pool, or the
+peer's, is device memory the backend has not registered) always gets a reservation,
+waiting for room up to its deadline: it can arrive no other way.
 
 A receive mover is what the receive coordinator (transceiver/receiver.py) asks how a
 request's bytes arrive: what to offer with the RequestData, how to take a reported
@@ -10,6 +12,8 @@ round into the blocks, and what a peer may still write into once a receive ended
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
@@ -17,7 +21,22 @@ from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads, whole_blocks_from
 from kvxferd.transceiver.sessions import RxSession, Terminal
+from kvxferd.transceiver.staging import reserve_by
 from kvxferd.transceiver.state import Reason, Status
+
+if TYPE_CHECKING:
+    from kvxferd.service.pools import LocalPool
+
+# Why a copy-only receive ended that found no room in the bounce region in time.
+NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce buffer"
+
+
+def copy_only(pool: LocalPool, conn: PeerConnection) -> bool:
+    """Whether a receive into `pool` from `conn` can only arrive through the bounce buffer:
+    our pool is copy-only (the peer may not write into it), or the peer's are (it cannot
+    write out of them per block). A daemon's pools share one memory kind, so any of the
+    peer's copy-only pools speaks for the one it will send from."""
+    return not pool.zero_copy or any(not info.writable for info in conn.pools.values())
 
 
 async def scatter_round(
@@ -70,7 +89,11 @@ class DirectReceive:
 
     async def make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
         """Reserve room in the receive region when bouncing this request pays off; else
-        offer nothing (the per-block path). Never waits for room."""
+        offer nothing (the per-block path). Never waits for room, except for a copy-only
+        request (copy_only_offer), which can arrive no other way."""
+        if s.pool is not None and copy_only(s.pool, conn):
+            await self._copy_only_offer(s, conn, deadline)
+            return
         if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
             return
         if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn) or not s.pool.layout.named:
@@ -82,6 +105,56 @@ class DirectReceive:
         res = self.bounce.recv.reserve(nbytes)
         if res is None:
             self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
+            return
+        self.bounce.reservations_made += 1
+        s.legs[0].res = res
+        s.legs[0].offer = Reservation(res.offset, nbytes)
+
+    async def _copy_only_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
+        """Reserve the whole request in the receive region, waiting for room up to the
+        receive's deadline; or end the request saying why it cannot bounce."""
+        assert s.pool is not None
+        layout = s.pool.layout
+        nbytes = len(s.blocks) * layout.block_bytes
+        what = (
+            f"pool {s.pool.pool_id!r} here is copy-only"
+            if not s.pool.zero_copy
+            else f"context daemon {conn.peer.name} has copy-only pools"
+        )
+        why = (
+            f"{what} (device memory the backend does not read or write itself), so the "
+            f"request's {nbytes} bytes can only arrive through the bounce buffer, but "
+        )
+        problem = None
+        if self.bounce is None:
+            problem = "this daemon has none (set kv_cache_bounce_size_mb)"
+        elif self.pipelined:
+            problem = "pipelined transfers write per block; turn enable_pipelined_transfer off"
+        elif conn.info.bounce_nbytes == 0:
+            problem = f"context daemon {conn.peer.name} has no bounce buffer"
+        elif len(s.legs) > 1 or not whole_blocks_from(s.pool, conn):
+            problem = (
+                "the pools' tensor-parallel heads differ (a head-split or head-merge moves per "
+                "token); use transceiver_runtime CPP"
+            )
+        elif not layout.named:
+            problem = "the pool's layout has no named order (the copier packs its pieces)"
+        elif nbytes > self.bounce.recv.nbytes:
+            problem = (
+                f"it exceeds the bounce region ({self.bounce.recv.nbytes} bytes); raise "
+                "kv_cache_bounce_size_mb or use transceiver_runtime CPP, which moves rounds"
+            )
+        if problem is not None:
+            s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, why + problem))
+            return
+        assert self.bounce is not None
+        region = self.bounce.recv
+        res = await reserve_by(lambda: region.reserve(nbytes), deadline)
+        if res is None:
+            s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_BOUNCE_ROOM))
+            return
+        if s.terminal is not None:  # ended while it waited: nothing was offered
+            region.release(res)
             return
         self.bounce.reservations_made += 1
         s.legs[0].res = res

@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxferd.backends.base import XferStatus
+from kvxferd.backends.base import XferStatus, host_only
 from kvxferd.backends.twosided import TwoSidedTransport, round_tag
-from kvxferd.errors import PeerLostError, TransferError
+from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.memory.heads import mapping_problems
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result, RoundAck
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation
-from kvxferd.transceiver.direct import leg_target
+from kvxferd.transceiver.direct import leg_target, peer_memory
 from kvxferd.transceiver.legs import TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
@@ -56,6 +56,16 @@ from kvxferd.transceiver.writes import Writes
 
 if TYPE_CHECKING:
     from kvxferd.transceiver.movers import Match, Route
+
+
+def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) -> None:
+    """Two-sided transports (UCX, MPI) send and receive the staging regions as host
+    buffers: with device staging they would read and write the wrong memory. Config
+    resolution refuses the combination first; this keeps the movers from running it."""
+    if staging.memory.on_device:
+        name = getattr(transport, "name", type(transport).__name__)
+        raise StartupError(host_only(name, staging.memory) or "")
+
 
 # Opening the UCX endpoint to a peer the handshake already vouched for.
 _CONNECT_TIMEOUT_S = 10.0
@@ -83,6 +93,7 @@ class StagedMover:
         return {RoundAck: self.on_round_ack}
 
     def attach(self, transport: TwoSidedTransport) -> None:
+        refuse_device_staging(transport, self.bounce)
         self.transport = transport
 
     def peer_gone(self, peer_key: str) -> None:
@@ -193,12 +204,32 @@ class StagedMover:
                 if not await self._send_two_sided(s, leg, res, result, deadline):
                     return False
             else:
+                info = leg.conn.info
+                remote_memory = peer_memory(info.bounce_memory, info.bounce_device)
+                if remote_memory is None:
+                    s.request_end(
+                        Terminal.peer(
+                            Status.FAILED,
+                            Reason.BLOCK_MISMATCH,
+                            f"the receiver announced its staging in memory "
+                            f"{info.bounce_memory!r}, which this build does not know "
+                            "(host or vram)",
+                        )
+                    )
+                    return False
                 local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
                 remote = np.array(
-                    [[leg.conn.info.bounce_base + leg.request.bounce_offset, nbytes]],
+                    [[info.bounce_base + leg.request.bounce_offset, nbytes]],
                     dtype=np.int64,
                 )
-                status = await self.writes.post_and_wait(s, local, remote, leg.conn)
+                status = await self.writes.post_and_wait(
+                    s,
+                    local,
+                    remote,
+                    leg.conn,
+                    local_memory=staging.send.memory,
+                    remote_memory=remote_memory,
+                )
                 if status is not XferStatus.DONE or s.terminal is not None:
                     return False
         finally:

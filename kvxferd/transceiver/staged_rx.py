@@ -24,6 +24,7 @@ from kvxferd.transceiver.bounce import BounceBuffers, Reservation
 from kvxferd.transceiver.direct_rx import scatter_round
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
+from kvxferd.transceiver.staged import refuse_device_staging
 from kvxferd.transceiver.staging import NO_ROOM, blocks_per_round, reserve_all, reserve_by
 from kvxferd.transceiver.state import Reason, Status
 
@@ -41,6 +42,7 @@ class StagedReceive:
         self._drops: set[asyncio.Task[None]] = set()
 
     def attach(self, transport: TwoSidedTransport) -> None:
+        refuse_device_staging(transport, self.bounce)
         self.transport = transport
 
     def reservations_exposed(self) -> bool:

@@ -1,0 +1,705 @@
+"""The device data path as far as a host without a GPU can check it honestly.
+
+* DeviceCopier refuses to exist without a usable device, saying why (the probe's reason).
+* With a host stand-in for cupy (numpy arrays, and a `cuda` namespace that records
+  devices, streams and synchronisations) it gives HostCopier's bytes, runs each copy under
+  its device and its own stream made in the copy thread, and returns only after the
+  stream synchronised: so a scatter's return (and the receive's `done`) means the bytes
+  are in place.
+* BounceBuffers on a backing (the device staging's shape) report and carry their memory.
+* The movers pass memory kinds on every post, write a copy-only pool only through the
+  bounce buffer, refuse clearly when it cannot, and a receiver always reserves for one.
+
+The posts go to a recording fake backend: which memory kinds NIXL is asked for is an
+inspection a real NIXL on a host without CUDA cannot show. Nothing here claims a GPU ran:
+scripts/gpu-check.sh measures that on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+import time
+from types import ModuleType, SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_harness import MAJORS, draw_blocks, geometries
+
+from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
+from kvxferd.errors import StartupError
+from kvxferd.memory import device as device_mod
+from kvxferd.memory.device import DeviceUnavailableError
+from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
+from kvxferd.peers.messages import PoolInfo, RequestData
+from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
+from kvxferd.transceiver.dataplane import DataPlane
+from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
+from kvxferd.transceiver.direct import DirectMover, must_bounce, peer_memory
+from kvxferd.transceiver.direct_rx import DirectReceive, copy_only
+from kvxferd.transceiver.legs import RxLeg, TxLeg
+from kvxferd.transceiver.sessions import RxSession, TxSession
+from kvxferd.transceiver.staged import StagedMover
+from kvxferd.transceiver.staged_rx import StagedReceive
+from kvxferd.transceiver.writes import Writes
+
+# ------------------------------------------------------------------ the host stand-in
+
+
+class _FakeCuda:
+    """cupy.cuda's surface DeviceCopier uses, recording what happens in `events`."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.stream_threads: list[int] = []
+        outer = self
+
+        class Device:
+            def __init__(self, device: int) -> None:
+                self.device = device
+
+            def __enter__(self) -> Device:
+                outer.events.append(f"device {self.device}")
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                outer.events.append("device exit")
+
+        class Stream:
+            def __init__(self, non_blocking: bool = False) -> None:
+                assert non_blocking, "the daemon's stream must not sync with the default stream"
+                outer.stream_threads.append(threading.get_ident())
+                outer.events.append("stream made")
+
+            def __enter__(self) -> Stream:
+                outer.events.append("stream")
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                outer.events.append("stream exit")
+
+            def synchronize(self) -> None:
+                outer.events.append("synchronize")
+
+        self.Device = Device
+        self.Stream = Stream
+
+
+def host_stand_in() -> tuple[ModuleType, list[str], _FakeCuda]:
+    """A module with cupy's calls DeviceCopier makes (`take`, `asarray`, `cuda`) over
+    numpy; `asarray` (called inside every copy) records "copy"."""
+    events: list[str] = []
+    xp = ModuleType("cupy_host_stand_in")
+    cuda = _FakeCuda(events)
+
+    def asarray(a: Any) -> Any:
+        events.append("copy")
+        return np.asarray(a)
+
+    xp.asarray = asarray  # type: ignore[attr-defined]
+    xp.take = np.take  # type: ignore[attr-defined]
+    xp.cuda = cuda  # type: ignore[attr-defined]
+    return xp, events, cuda
+
+
+class HostStandInBacking:
+    """A region backing (RegionBacking) of host memory standing in for device staging:
+    defined here only; nothing in kvxferd can select it."""
+
+    def __init__(self, nbytes: int, label: str) -> None:
+        self.label = label
+        self.nbytes = nbytes
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.address = int(self.array.ctypes.data)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ------------------------------------------------------------------ the copier
+
+
+def test_device_copier_without_a_device_says_why() -> None:
+    found = device_mod.probe()
+    if found.available:
+        pytest.skip("this host has a usable CUDA device; the refusal cannot be shown here")
+    with pytest.raises(DeviceUnavailableError) as info:
+        DeviceCopier(0)
+    assert str(info.value) == found.why and found.why
+    with pytest.raises(DeviceUnavailableError, match=found.why[:20]):
+        device_buffers(1 << 20, 0)  # the copier first: no region is allocated
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[KvLayout, list[int], tuple[int, int] | None]:
+    geo = draw(geometries(layers=3, heads=4, dtypes=("int8", "float16", "float32")))
+    layout = KvLayout(
+        **geo, major=draw(st.sampled_from(MAJORS)), num_blocks=draw(st.integers(1, 5))
+    )
+    blocks = draw_blocks(draw, layout, draw(st.integers(1, layout.num_blocks)))
+    if draw(st.booleans()):
+        return layout, blocks, None
+    start = draw(st.integers(0, layout.num_kv_heads - 1))
+    return layout, blocks, (start, draw(st.integers(start + 1, layout.num_kv_heads)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.integers(0, 2**32 - 1))
+def test_device_copier_with_a_host_stand_in_gives_host_copiers_bytes(
+    case: tuple[KvLayout, list[int], tuple[int, int] | None], seed: int
+) -> None:
+    layout, blocks, heads = case
+    xp, _, _ = host_stand_in()
+    dev, host = DeviceCopier(1, xp=xp), HostCopier(threads=1)
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    n = len(blocks) * (
+        layout.block_bytes
+        if heads is None
+        else layout.block_bytes // layout.num_kv_heads * (heads[1] - heads[0])
+    )
+    got, want = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    if heads is None:
+        dev.gather(pool, layout, blocks, got)
+        host.gather(pool, layout, blocks, want)
+    else:
+        dev.gather_heads(pool, layout, blocks, heads, got)
+        host.gather_heads(pool, layout, blocks, heads, want)
+    assert np.array_equal(got, want)
+    packed = rng.integers(0, 256, n, dtype=np.uint8)
+    into_dev, into_host = pool.copy(), pool.copy()
+    if heads is None:
+        dev.scatter(packed, into_dev, layout, blocks)
+        host.scatter(packed, into_host, layout, blocks)
+    else:
+        dev.scatter_heads(packed, into_dev, layout, blocks, heads)
+        host.scatter_heads(packed, into_host, layout, blocks, heads)
+    assert np.array_equal(into_dev, into_host)
+    host.close()
+
+
+def _layout(num_blocks: int = 4) -> KvLayout:
+    # 2 layers x K/V x 4 tokens x 2 heads x 4 dims x fp16: 64-byte pieces, 256-byte blocks.
+    return KvLayout(
+        num_layers=2,
+        kv_factor=2,
+        num_kv_heads=2,
+        head_dim=4,
+        tokens_per_block=4,
+        dtype="float16",
+        major=LAYER_MAJOR,
+        num_blocks=num_blocks,
+    )
+
+
+def test_each_copy_runs_on_its_device_and_stream_and_returns_synchronised() -> None:
+    xp, events, cuda = host_stand_in()
+    copier = DeviceCopier(3, xp=xp)
+    layout = _layout()
+    pool = np.arange(layout.pool_bytes, dtype=np.uint64).astype(np.uint8)
+    out = np.zeros(2 * layout.block_bytes, np.uint8)
+
+    def two_copies() -> None:
+        copier.gather(pool, layout, [2, 0], out)
+        copier.scatter(out, pool, layout, [1, 3])
+
+    worker = threading.Thread(target=two_copies)
+    worker.start()
+    worker.join()
+    one = ["device 3", "stream", "copy", "stream exit", "synchronize", "device exit"]
+    # The stream is made once, lazily, in the copying thread, under the device.
+    assert events == ["device 3", "stream made", *one[1:], *one]
+    assert cuda.stream_threads == [worker.ident]
+    copier.close()
+    assert events[-1] == "synchronize"  # nothing of ours still runs once closed
+
+
+# ------------------------------------------------------------------ device staging
+
+
+def test_bounce_buffers_on_a_backing_carry_their_memory_and_scatter_returns_synchronised() -> None:
+    xp, events, _ = host_stand_in()
+    backings: list[HostStandInBacking] = []
+
+    def backing(nbytes: int, label: str) -> HostStandInBacking:
+        backings.append(HostStandInBacking(nbytes, label))
+        return backings[-1]
+
+    bounce = BounceBuffers(1 << 16, DeviceCopier(2, xp=xp), memory=vram(2), backing=backing)
+    assert [b.label for b in backings] == ["send", "recv"]
+    assert bounce.send.memory == bounce.recv.memory == vram(2)
+    assert bounce.send.address == backings[0].address and bounce.send.array is backings[0].array
+    assert bounce.status()["memory"] == "vram"
+    layout = _layout()
+    src = np.random.default_rng(5).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    nbytes = 3 * layout.block_bytes
+
+    async def round_trip() -> None:
+        tx, rx = bounce.send.reserve(nbytes), bounce.recv.reserve(nbytes)
+        assert tx is not None and rx is not None
+        await bounce.gather(src, layout, [3, 1, 0], tx, nbytes)
+        # The one NIXL write, region to region.
+        bounce.recv.view(rx, nbytes)[:] = bounce.send.view(tx, nbytes)
+        events.clear()
+        await bounce.scatter(rx, nbytes, dst, layout, [0, 2, 1])
+        assert events[-2:] == ["synchronize", "device exit"]  # done only after the device
+
+    try:
+        asyncio.run(round_trip())
+    finally:
+        bounce.close()
+    for ours, theirs in ((3, 0), (1, 2), (0, 1)):
+        a, b = layout.block_segments([ours]), layout.block_segments([theirs])
+        for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
+            assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
+    assert all(b.closed for b in backings)
+
+
+def test_host_bounce_buffers_are_as_before() -> None:
+    bounce = BounceBuffers(1 << 16)
+    try:
+        assert bounce.memory == bounce.send.memory == HOST
+        assert bounce.status()["memory"] == "host"
+        assert isinstance(bounce.copier, HostCopier)
+    finally:
+        bounce.close()
+
+
+# ------------------------------------------------------------------ movers
+
+
+class RecordingBackend:
+    """A one-sided backend that records each post's memory kinds and copies the bytes
+    (host memory stands in for both sides), completing every write inline."""
+
+    name = "NIXL"
+    agent_name = "ctx"
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+
+    def post_write(
+        self, local: Any, remote: Any, agent_name: str, notif: bytes = b"", **kinds: Memory
+    ) -> tuple[XferHandle, XferStatus]:
+        self.posts.append({"descriptors": len(local), "kinds": kinds})
+        for (laddr, n), (raddr, _) in zip(local.tolist(), remote.tolist(), strict=True):
+            ctypes.memmove(raddr, laddr, n)
+        handle = XferHandle(object(), agent_name, int(local[:, 1].sum()), len(local))
+        return handle, XferStatus.DONE
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        return XferStatus.DONE
+
+    def release(self, handle: XferHandle) -> None:
+        handle.released = True
+
+    def close(self) -> None:
+        pass
+
+
+def _region(array: np.ndarray) -> Any:
+    return SimpleNamespace(array=array, address=int(array.ctypes.data))
+
+
+def _pool(
+    layout: KvLayout, array: np.ndarray, memory: Memory = HOST, zero_copy: bool = True
+) -> LocalPool:
+    return LocalPool("p0", layout, _region(array), None, None, memory=memory, zero_copy=zero_copy)
+
+
+def _conn(
+    layout: KvLayout,
+    dst: np.ndarray,
+    *,
+    memory: str = "host",
+    device: int = 0,
+    writable: bool = True,
+    bounce: np.ndarray | None = None,
+    bounce_memory: str = "host",
+    bounce_device: int = 0,
+) -> Any:
+    info = PoolInfo(
+        "p0", {}, int(dst.ctypes.data), dst.nbytes, memory=memory, device=device, writable=writable
+    )
+    sent: list[Any] = []
+
+    async def send(msg: Any) -> bool:
+        sent.append(msg)
+        return True
+
+    async def fresh() -> None:
+        return None
+
+    return SimpleNamespace(
+        pools={"p0": info},
+        layouts={"p0": layout},
+        info=SimpleNamespace(
+            bounce_base=0 if bounce is None else int(bounce.ctypes.data),
+            bounce_nbytes=0 if bounce is None else bounce.nbytes,
+            bounce_memory=bounce_memory,
+            bounce_device=bounce_device,
+            transport_address="",
+        ),
+        agent_name="gen",
+        closed=asyncio.Event(),
+        close_reason="",
+        clock_offset_ms=0,
+        stale=False,
+        peer=SimpleNamespace(name="gen"),
+        key="gen/1",
+        send=send,
+        fresh=fresh,
+        sent=sent,
+    )
+
+
+def _session(
+    pool: LocalPool, conn: Any, blocks: list[int], dst_blocks: list[int], **req: Any
+) -> TxSession:
+    request = RequestData(request_id="r1", rx_token=1, pool_id="p0", blocks=dst_blocks, **req)
+    s = TxSession(request_id="r1", engine=None)
+    s.pool, s.blocks, s.last_seen = pool, blocks, True
+    s.request, s.conn = request, conn
+    s.legs = [TxLeg(conn, request)]
+    s.deadline = time.monotonic() + 5.0
+    return s
+
+
+def _gathered(pool: np.ndarray, layout: KvLayout, blocks: list[int]) -> np.ndarray:
+    """What the host path packs for `blocks`: the bytes a bounce write must carry."""
+    out = np.zeros(len(blocks) * layout.block_bytes, np.uint8)
+    copier = HostCopier(threads=1)
+    copier.gather(pool, layout, blocks, out)
+    copier.close()
+    return out
+
+
+def _run(coro_fn: Any) -> None:
+    asyncio.run(coro_fn())
+
+
+def test_memory_helpers() -> None:
+    assert peer_memory("host", 0) == HOST
+    assert peer_memory("vram", 3) == vram(3)
+    assert peer_memory("hbm", 0) is None
+    layout = _layout()
+    host = _pool(layout, np.zeros(layout.pool_bytes, np.uint8))
+    copy_only_pool = _pool(layout, np.zeros(layout.pool_bytes, np.uint8), vram(0), False)
+    info = PoolInfo("p0", {}, 0, 0)
+    assert not must_bounce(host, info)
+    assert must_bounce(copy_only_pool, info)
+    assert must_bounce(host, PoolInfo("p0", {}, 0, 0, memory="vram", writable=False))
+
+
+async def _direct(
+    pool: LocalPool, conn: Any, bounce: BounceBuffers | None, blocks: list[int], **req: Any
+) -> tuple[TxSession, RecordingBackend]:
+    backend = RecordingBackend()
+    dp = DataPlane(lambda: cast(Any, backend))
+    await dp.start()
+    try:
+        mover = DirectMover(Writes(dp, lambda: 1.0), bounce, pipelined=False)
+        s = _session(pool, conn, blocks, blocks, **req)
+        await mover.write_slice(s, 0, len(blocks), True)
+        return s, backend
+    finally:
+        await dp.close()
+
+
+def test_host_to_host_per_block_writes_are_posted_as_before() -> None:
+    layout = _layout()
+    src = np.random.default_rng(1).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    conn = _conn(layout, dst)
+
+    async def go() -> None:
+        s, backend = await _direct(_pool(layout, src), conn, None, [0, 2])
+        assert s.terminal is None and s.written == 2
+        # No memory keywords at all: the exact call every backend took before.
+        assert [p["kinds"] for p in backend.posts] == [{}]
+
+    _run(go)
+    assert np.array_equal(dst, np.where(np.isin(np.arange(dst.size) // 64 % 4, [0, 2]), src, 0))
+
+
+def test_device_pools_per_block_name_both_sides_memory() -> None:
+    layout = _layout()
+    src = np.random.default_rng(2).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    conn = _conn(layout, dst, memory="vram", device=3)
+
+    async def go() -> None:
+        pool = _pool(layout, src, vram(1), zero_copy=True)  # registered: per block is fine
+        s, backend = await _direct(pool, conn, None, [1])
+        assert s.terminal is None
+        assert [p["kinds"] for p in backend.posts] == [
+            {"local_memory": vram(1), "remote_memory": vram(3)}
+        ]
+
+    _run(go)
+
+
+def test_direct_mover_refuses_a_per_block_write_into_a_copy_only_pool() -> None:
+    layout = _layout()
+    src = np.ones(layout.pool_bytes, np.uint8)
+    dst = np.zeros_like(src)
+    conn = _conn(layout, dst, memory="vram", writable=False)  # no bounce buffer offered
+
+    async def go() -> None:
+        s, backend = await _direct(_pool(layout, src, vram(0)), conn, None, [0, 1])
+        assert backend.posts == []  # not one byte written into the pool's blocks
+        assert s.terminal is not None and s.terminal.reason == "block_mismatch"
+        assert "copy-only" in s.terminal.message and "bounce buffer" in s.terminal.message
+
+    _run(go)
+    assert not dst.any()
+
+
+def test_direct_mover_refuses_a_copy_only_request_its_receiver_offered_too_little() -> None:
+    layout = _layout()
+    src = np.ones(layout.pool_bytes, np.uint8)
+    dst, peer_bounce = np.zeros_like(src), np.zeros(1 << 16, np.uint8)
+    conn = _conn(layout, dst, memory="vram", writable=False, bounce=peer_bounce)
+    bounce = BounceBuffers(1 << 16)
+
+    async def go() -> None:
+        s, backend = await _direct(
+            _pool(layout, src), conn, bounce, [0, 1], bounce_offset=0, bounce_nbytes=256
+        )
+        assert backend.posts == []
+        assert s.terminal is not None and s.terminal.reason == "block_mismatch"
+        assert "offered a reservation of 256 bytes" in s.terminal.message
+
+    try:
+        _run(go)
+    finally:
+        bounce.close()
+
+
+def test_copy_only_pools_move_through_the_bounce_with_its_memory_kinds() -> None:
+    layout = _layout()
+    src = np.random.default_rng(3).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst, peer_bounce = np.zeros_like(src), np.zeros(1 << 16, np.uint8)
+    conn = _conn(
+        layout,
+        dst,
+        memory="vram",
+        writable=False,
+        bounce=peer_bounce,
+        bounce_memory="vram",
+        bounce_device=2,
+    )
+    xp, _, _ = host_stand_in()
+    bounce = BounceBuffers(
+        1 << 16, DeviceCopier(0, xp=xp), memory=vram(0), backing=HostStandInBacking
+    )
+    nbytes = layout.block_bytes  # one contiguous block: never "worth bouncing" on its own
+
+    async def go() -> None:
+        pool = _pool(layout, src, vram(0), zero_copy=False)
+        s, backend = await _direct(pool, conn, bounce, [2], bounce_offset=0, bounce_nbytes=nbytes)
+        assert s.terminal is None and s.written == 1
+        assert backend.posts == [
+            {"descriptors": 1, "kinds": {"local_memory": vram(0), "remote_memory": vram(2)}}
+        ]
+        assert conn.sent[-1].bounced is True and conn.sent[-1].nbytes == nbytes
+        assert bounce.send.in_use_bytes == 0  # released once the write was quiescent
+
+    try:
+        _run(go)
+    finally:
+        bounce.close()
+    assert np.array_equal(peer_bounce[:nbytes], _gathered(src, layout, [2]))
+    assert not dst.any()  # the receiver's blocks are its own scatter's to fill
+
+
+def test_a_pipelined_slice_of_a_copy_only_request_is_refused() -> None:
+    layout = _layout()
+    src = np.ones(layout.pool_bytes, np.uint8)
+    dst = np.zeros_like(src)
+    conn = _conn(layout, dst, writable=False)
+
+    async def go() -> None:
+        backend = RecordingBackend()
+        dp = DataPlane(lambda: cast(Any, backend))
+        await dp.start()
+        try:
+            mover = DirectMover(Writes(dp, lambda: 1.0), None, pipelined=True)
+            s = _session(_pool(layout, src), conn, [0, 1], [0, 1])
+            s.last_seen = False
+            await mover.write_slice(s, 0, 1, False)
+            assert backend.posts == []
+            assert s.terminal is not None and "enable_pipelined_transfer" in s.terminal.message
+        finally:
+            await dp.close()
+
+    _run(go)
+
+
+def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
+    layout = _layout()
+    src = np.random.default_rng(4).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst, peer_staging = np.zeros_like(src), np.zeros(1 << 16, np.uint8)
+    conn = _conn(layout, dst, bounce=peer_staging, bounce_memory="vram", bounce_device=1)
+    xp, _, _ = host_stand_in()
+    staging = BounceBuffers(
+        1 << 16, DeviceCopier(0, xp=xp), memory=vram(0), backing=HostStandInBacking
+    )
+
+    async def go() -> None:
+        backend = RecordingBackend()
+        dp = DataPlane(lambda: cast(Any, backend))
+        await dp.start()
+        try:
+            mover = StagedMover(Writes(dp, lambda: 1.0), staging, False, lambda *a: None)
+            s = _session(
+                _pool(layout, src, vram(0), zero_copy=False),
+                conn,
+                [0, 3],
+                [0, 3],
+                bounce_offset=0,
+                bounce_nbytes=1 << 16,
+            )
+            await mover.write_slice(s, 0, 2, True)
+            assert s.terminal is None
+            assert [p["kinds"] for p in backend.posts] == [
+                {"local_memory": vram(0), "remote_memory": vram(1)}
+            ]
+        finally:
+            await dp.close()
+
+    try:
+        _run(go)
+    finally:
+        staging.close()
+    assert np.array_equal(peer_staging[: 2 * layout.block_bytes], _gathered(src, layout, [0, 3]))
+
+
+def test_two_sided_transports_refuse_device_staging() -> None:
+    staging = BounceBuffers(1 << 16, memory=vram(0), backing=HostStandInBacking)
+    try:
+        transport = cast(Any, SimpleNamespace(name="UCX"))
+        with pytest.raises(StartupError, match="backend UCX moves host memory only"):
+            StagedMover(cast(Any, None), staging, False, lambda *a: None).attach(transport)
+        with pytest.raises(StartupError, match="device pools need NIXL"):
+            StagedReceive(staging).attach(transport)
+    finally:
+        staging.close()
+    host = BounceBuffers(1 << 16)
+    try:
+        StagedReceive(host).attach(cast(Any, SimpleNamespace(name="UCX")))  # as before
+    finally:
+        host.close()
+
+
+# ------------------------------------------------------------------ the receiver's offer
+
+
+def _rx(pool: LocalPool, conn: Any, blocks: list[int]) -> RxSession:
+    s = RxSession(request_id="r1", engine=None, legs=[RxLeg("ctx", conn=conn)], rx_token=1)
+    s.pool, s.blocks = pool, blocks
+    return s
+
+
+def _rx_conn(bounce_nbytes: int = 1 << 16, writable: bool = True) -> Any:
+    pools = {} if writable else {"c0": PoolInfo("c0", {}, 0, 0, memory="vram", writable=False)}
+    return SimpleNamespace(
+        pools=pools,
+        layouts={},
+        info=SimpleNamespace(bounce_nbytes=bounce_nbytes),
+        peer=SimpleNamespace(name="ctx"),
+    )
+
+
+def test_direct_receive_always_offers_a_reservation_for_a_copy_only_pool() -> None:
+    layout = _layout()
+    bounce = BounceBuffers(1 << 16)
+    rx = DirectReceive(bounce, pipelined=False)
+    array = np.zeros(layout.pool_bytes, np.uint8)
+
+    async def go() -> None:
+        # A host pool: one contiguous block is not worth bouncing (unchanged).
+        s = _rx(_pool(layout, array), _rx_conn(), [1])
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 1)
+        assert s.terminal is None and s.legs[0].offer is None
+        # The same request into a copy-only pool, and from a peer with copy-only pools.
+        for pool, conn in (
+            (_pool(layout, array, vram(0), zero_copy=False), _rx_conn()),
+            (_pool(layout, array), _rx_conn(writable=False)),
+        ):
+            assert copy_only(pool, conn)
+            s = _rx(pool, conn, [1])
+            await rx.make_offer(s, conn, time.monotonic() + 1)
+            assert s.terminal is None and s.legs[0].offer is not None
+            assert s.legs[0].offer.nbytes == layout.block_bytes
+            assert s.legs[0].res is not None
+            rx.release(s.legs[0].res)
+
+    try:
+        _run(go)
+    finally:
+        bounce.close()
+
+
+def test_a_copy_only_offer_waits_for_room_up_to_the_deadline() -> None:
+    layout = _layout()
+    bounce = BounceBuffers(1 << 16)
+    rx = DirectReceive(bounce, pipelined=False)
+    pool = _pool(layout, np.zeros(layout.pool_bytes, np.uint8), vram(0), zero_copy=False)
+
+    async def go() -> None:
+        full = bounce.recv.reserve(1 << 16)
+        assert full is not None
+        s = _rx(pool, _rx_conn(), [0])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, bounce.recv.release, full)
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 2)
+        assert s.terminal is None and s.legs[0].res is not None
+        # Full again, and nothing frees: the receive ends timed out at its deadline.
+        rx.release(s.legs[0].res)
+        full = bounce.recv.reserve(1 << 16)
+        s = _rx(pool, _rx_conn(), [0])
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 0.05)
+        assert s.terminal is not None and s.terminal.reason == "receiver_timeout"
+        assert "bounce buffer" in s.terminal.message
+
+    try:
+        _run(go)
+    finally:
+        bounce.close()
+
+
+@pytest.mark.parametrize(
+    ("bounce_bytes", "peer_bounce", "blocks", "words"),
+    [
+        (0, 1 << 16, [0], "has none"),
+        (1 << 16, 0, [0], "has no bounce buffer"),
+        (4096, 1 << 16, list(range(32)), "exceeds the bounce region"),
+    ],
+)
+def test_a_copy_only_receive_that_cannot_bounce_ends_saying_why(
+    bounce_bytes: int, peer_bounce: int, blocks: list[int], words: str
+) -> None:
+    layout = _layout(num_blocks=32)
+    bounce = BounceBuffers(bounce_bytes) if bounce_bytes else None
+    rx = DirectReceive(bounce, pipelined=False)
+    pool = _pool(layout, np.zeros(layout.pool_bytes, np.uint8), vram(0), zero_copy=False)
+
+    async def go() -> None:
+        s = _rx(pool, _rx_conn(peer_bounce), blocks)
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 1)
+        assert s.terminal is not None and s.terminal.reason == "block_mismatch"
+        assert "copy-only" in s.terminal.message and words in s.terminal.message
+
+    try:
+        _run(go)
+    finally:
+        if bounce is not None:
+            bounce.close()
