@@ -115,17 +115,12 @@ def _transfer_buffers(
 
 def _device_buffers(nbytes: int, cuda_device: int) -> BounceBuffers:
     """Device staging for GPU pools: two regions of `nbytes` in VRAM on `cuda_device`,
-    gathered into and scattered from on the device.
+    gathered into and scattered from on the device (Daemon.start registers them as VRAM)."""
+    # Imported here: the device copier imports cupy when it is made, and host daemons never
+    # make one.
+    from kvxferd.transceiver.device_copy import device_buffers
 
-    THE SINGLE CALL SITE for the device BounceBuffers (issue 15, WP-B): it builds them with
-    its DeviceCopier and DeviceRegion.allocate backing, e.g. BounceBuffers(nbytes,
-    DeviceCopier(cuda_device), memory=vram(cuda_device), backing=...), and Daemon.start
-    registers each region with its memory kind. Until then a vram daemon cannot start
-    (resolution allows vram only with staging or a bounce buffer, so this is reached)."""
-    raise StartupError(
-        f"engine.kv_memory is vram, but this build has no device staging yet (the bounce "
-        f"and staging buffers for GPU pools, {nbytes} bytes on cuda:{cuda_device})"
-    )
+    return device_buffers(nbytes, cuda_device)
 
 
 def _device_status(settings: ResolvedSettings) -> dict[str, object] | None:
@@ -303,7 +298,7 @@ class Daemon:
         if self.bounce is not None:
             for region in (self.bounce.send, self.bounce.recv):
                 region.registration = await self.dataplane.call(
-                    self.dataplane.backend.register, region.address, region.nbytes
+                    self.dataplane.backend.register, region.address, region.nbytes, region.memory
                 )
             log.info(
                 "%s: two regions of %.1f MiB registered",
