@@ -115,6 +115,27 @@ def tp_transfers(
     )
 
 
+Heads = tuple[int, int] | None  # None: whole blocks
+
+
+@st.composite
+def sliced_blocks(
+    draw: st.DrawFn, *, layers: int, heads: int, max_blocks: int, min_count: int = 0
+) -> tuple[KvLayout, list[int], Heads]:
+    """A layout of geometry `geometries(layers, heads)` (int8, fp16 or fp32), either order,
+    1 to `max_blocks` blocks; `min_count` up to all of its block ids in any order; and None
+    (whole blocks) or a head slice (start, end) of at least one head."""
+    geo = draw(geometries(layers=layers, heads=heads, dtypes=("int8", "float16", "float32")))
+    layout = KvLayout(
+        **geo, major=draw(st.sampled_from(MAJORS)), num_blocks=draw(st.integers(1, max_blocks))
+    )
+    blocks = draw_blocks(draw, layout, draw(st.integers(min_count, layout.num_blocks)))
+    if draw(st.booleans()):
+        return layout, blocks, None
+    start = draw(st.integers(0, layout.num_kv_heads - 1))
+    return layout, blocks, (start, draw(st.integers(start + 1, layout.num_kv_heads)))
+
+
 def block_id_lists(
     max_blocks: int, spill: int, max_size: int
 ) -> st.SearchStrategy[tuple[int, list[int]]]:

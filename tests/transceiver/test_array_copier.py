@@ -12,26 +12,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import MAJORS, draw_blocks, geometries
+from layout_harness import Heads, sliced_blocks, tiny_layout
 
 from kvxferd.memory.heads import slice_block_bytes
-from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
 from kvxferd.transceiver.bounce import ArrayCopier, Copier, HostCopier
 
-Heads = tuple[int, int] | None  # None: whole blocks
 
-
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[KvLayout, list[int], Heads]:
-    geo = draw(geometries(layers=4, heads=6, dtypes=("int8", "float16", "float32")))
-    layout = KvLayout(
-        **geo, major=draw(st.sampled_from(MAJORS)), num_blocks=draw(st.integers(1, 6))
-    )
-    blocks = draw_blocks(draw, layout, draw(st.integers(0, layout.num_blocks)))
-    if draw(st.booleans()):
-        return layout, blocks, None
-    start = draw(st.integers(0, layout.num_kv_heads - 1))
-    return layout, blocks, (start, draw(st.integers(start + 1, layout.num_kv_heads)))
+def cases() -> st.SearchStrategy[tuple[KvLayout, list[int], Heads]]:
+    return sliced_blocks(layers=4, heads=6, max_blocks=6)
 
 
 def _gather(
@@ -93,16 +82,7 @@ def test_array_copier_moves_exactly_host_copiers_bytes(
 
 
 def test_heads_outside_a_slice_are_untouched() -> None:
-    layout = KvLayout(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=5,
-        head_dim=4,
-        tokens_per_block=3,
-        dtype="float16",
-        major=BLOCK_MAJOR,
-        num_blocks=4,
-    )
+    layout = tiny_layout(num_kv_heads=5, head_dim=4, tokens_per_block=3)
     heads = (1, 3)
     blocks = [2, 0]
     pool = np.zeros(layout.pool_bytes, dtype=np.uint8)
@@ -123,16 +103,7 @@ def test_each_copy_runs_once_through_the_hook_and_returns_after_it() -> None:
         copy()
         events.append("done")  # a device copier synchronises its stream here
 
-    layout = KvLayout(
-        num_layers=1,
-        kv_factor=2,
-        num_kv_heads=2,
-        head_dim=2,
-        tokens_per_block=2,
-        dtype="float16",
-        major="layer-major",
-        num_blocks=3,
-    )
+    layout = tiny_layout(num_layers=1, num_kv_heads=2, major=LAYER_MAJOR, num_blocks=3)
     copier = ArrayCopier(np, run=run)
     pool = np.arange(layout.pool_bytes, dtype=np.uint8)
     out = np.zeros(2 * layout.block_bytes, dtype=np.uint8)
@@ -150,16 +121,7 @@ def test_each_copy_runs_once_through_the_hook_and_returns_after_it() -> None:
 
 
 def test_bad_arguments_are_refused_with_host_copiers_messages() -> None:
-    layout = KvLayout(
-        num_layers=1,
-        kv_factor=2,
-        num_kv_heads=1,
-        head_dim=4,
-        tokens_per_block=2,
-        dtype="float16",
-        major=BLOCK_MAJOR,
-        num_blocks=4,
-    )
+    layout = tiny_layout(num_layers=1, head_dim=4)
     calls: list[Callable[[], None]] = []
     ran: list[int] = []
     array = ArrayCopier(np, run=lambda copy: ran.append(1))

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import MAJORS, draw_blocks, geometries
+from layout_harness import Heads, sliced_blocks, tiny_layout
 
 from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
 from kvxferd.errors import StartupError
@@ -136,23 +136,14 @@ def test_device_copier_without_a_device_says_why() -> None:
         device_buffers(1 << 20, 0)  # the copier first: no region is allocated
 
 
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[KvLayout, list[int], tuple[int, int] | None]:
-    geo = draw(geometries(layers=3, heads=4, dtypes=("int8", "float16", "float32")))
-    layout = KvLayout(
-        **geo, major=draw(st.sampled_from(MAJORS)), num_blocks=draw(st.integers(1, 5))
-    )
-    blocks = draw_blocks(draw, layout, draw(st.integers(1, layout.num_blocks)))
-    if draw(st.booleans()):
-        return layout, blocks, None
-    start = draw(st.integers(0, layout.num_kv_heads - 1))
-    return layout, blocks, (start, draw(st.integers(start + 1, layout.num_kv_heads)))
+def cases() -> st.SearchStrategy[tuple[KvLayout, list[int], Heads]]:
+    return sliced_blocks(layers=3, heads=4, max_blocks=5, min_count=1)
 
 
 @settings(max_examples=60, deadline=None)
 @given(cases(), st.integers(0, 2**32 - 1))
 def test_device_copier_with_a_host_stand_in_gives_host_copiers_bytes(
-    case: tuple[KvLayout, list[int], tuple[int, int] | None], seed: int
+    case: tuple[KvLayout, list[int], Heads], seed: int
 ) -> None:
     layout, blocks, heads = case
     xp, _, _ = host_stand_in()
@@ -186,15 +177,8 @@ def test_device_copier_with_a_host_stand_in_gives_host_copiers_bytes(
 
 def _layout(num_blocks: int = 4) -> KvLayout:
     # 2 layers x K/V x 4 tokens x 2 heads x 4 dims x fp16: 64-byte pieces, 256-byte blocks.
-    return KvLayout(
-        num_layers=2,
-        kv_factor=2,
-        num_kv_heads=2,
-        head_dim=4,
-        tokens_per_block=4,
-        dtype="float16",
-        major=LAYER_MAJOR,
-        num_blocks=num_blocks,
+    return tiny_layout(
+        num_kv_heads=2, head_dim=4, tokens_per_block=4, major=LAYER_MAJOR, num_blocks=num_blocks
     )
 
 
