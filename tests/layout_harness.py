@@ -8,13 +8,14 @@ no __init__.py and holds the suite's conftest.py, so pytest puts it on sys.path.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hypothesis import strategies as st
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout
+from kvxferd.transceiver.bounce import Copier
 
 # 2 layers, K and V, 1 head of 2 fp16, 2 tokens per block, 4 blocks: token 4 bytes,
 # piece 8 bytes, block 32 bytes, pool 128 bytes.
@@ -134,6 +135,18 @@ def sliced_blocks(
         return layout, blocks, None
     start = draw(st.integers(0, layout.num_kv_heads - 1))
     return layout, blocks, (start, draw(st.integers(start + 1, layout.num_kv_heads)))
+
+
+def copies(c: Copier, heads: Heads) -> tuple[Callable[..., None], Callable[..., None]]:
+    """`c`'s gather and scatter for whole blocks (`heads` None) or for the head slice
+    `heads`, called as gather(pool, layout, blocks, out) and scatter(packed, pool, layout,
+    blocks)."""
+    if heads is None:
+        return c.gather, c.scatter
+    return (
+        lambda pool, layout, blocks, out: c.gather_heads(pool, layout, blocks, heads, out),
+        lambda packed, pool, layout, blocks: c.scatter_heads(packed, pool, layout, blocks, heads),
+    )
 
 
 def block_id_lists(

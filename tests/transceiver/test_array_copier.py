@@ -12,38 +12,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import Heads, sliced_blocks, tiny_layout
+from layout_harness import Heads, copies, sliced_blocks, tiny_layout
 
 from kvxferd.memory.heads import slice_block_bytes
 from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
-from kvxferd.transceiver.bounce import ArrayCopier, Copier, HostCopier
+from kvxferd.transceiver.bounce import ArrayCopier, HostCopier
 
 
 def cases() -> st.SearchStrategy[tuple[KvLayout, list[int], Heads]]:
     return sliced_blocks(layers=4, heads=6, max_blocks=6)
-
-
-def _gather(
-    c: Copier, pool: np.ndarray, layout: KvLayout, blocks: list[int], heads: Heads, out: np.ndarray
-) -> None:
-    if heads is None:
-        c.gather(pool, layout, blocks, out)
-    else:
-        c.gather_heads(pool, layout, blocks, heads, out)
-
-
-def _scatter(
-    c: Copier,
-    packed: np.ndarray,
-    pool: np.ndarray,
-    layout: KvLayout,
-    blocks: list[int],
-    heads: Heads,
-) -> None:
-    if heads is None:
-        c.scatter(packed, pool, layout, blocks)
-    else:
-        c.scatter_heads(packed, pool, layout, blocks, heads)
 
 
 @settings(max_examples=200, deadline=None)
@@ -63,16 +40,18 @@ def test_array_copier_moves_exactly_host_copiers_bytes(
         want = np.full(nbytes + 5, 0xEE, dtype=np.uint8)
         backing = np.full(offset + nbytes + 5, 0xEE, dtype=np.uint8)
         got = backing[offset:]
-        _gather(host, pool, layout, blocks, heads, want)
-        _gather(array, pool, layout, blocks, heads, got)
+        host_gather, host_scatter = copies(host, heads)
+        array_gather, array_scatter = copies(array, heads)
+        host_gather(pool, layout, blocks, want)
+        array_gather(pool, layout, blocks, got)
         assert np.array_equal(got, want)
         assert (backing[:offset] == 0xEE).all() and (got[nbytes:] == 0xEE).all()
 
         packed = rng.integers(0, 256, nbytes, dtype=np.uint8)
         into_host = rng.integers(0, 256, pool.size, dtype=np.uint8)
         into_array = into_host.copy()
-        _scatter(host, packed, into_host, layout, blocks, heads)
-        _scatter(array, packed, into_array, layout, blocks, heads)
+        host_scatter(packed, into_host, layout, blocks)
+        array_scatter(packed, into_array, layout, blocks)
         # The same bytes written, and every other byte (heads outside the slice, other
         # blocks, the pool's tail) left as it was.
         assert np.array_equal(into_array, into_host)

@@ -18,9 +18,11 @@ scripts/gpu-check.sh measures that on one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import threading
 import time
+from collections.abc import AsyncIterator
 from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
@@ -28,7 +30,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import Heads, sliced_blocks, tiny_layout
+from layout_harness import Heads, copies, sliced_blocks, tiny_layout
 
 from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
 from kvxferd.errors import StartupError
@@ -156,21 +158,14 @@ def test_device_copier_with_a_host_stand_in_gives_host_copiers_bytes(
         else layout.block_bytes // layout.num_kv_heads * (heads[1] - heads[0])
     )
     got, want = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
-    if heads is None:
-        dev.gather(pool, layout, blocks, got)
-        host.gather(pool, layout, blocks, want)
-    else:
-        dev.gather_heads(pool, layout, blocks, heads, got)
-        host.gather_heads(pool, layout, blocks, heads, want)
+    (dev_gather, dev_scatter), (host_gather, host_scatter) = copies(dev, heads), copies(host, heads)
+    dev_gather(pool, layout, blocks, got)
+    host_gather(pool, layout, blocks, want)
     assert np.array_equal(got, want)
     packed = rng.integers(0, 256, n, dtype=np.uint8)
     into_dev, into_host = pool.copy(), pool.copy()
-    if heads is None:
-        dev.scatter(packed, into_dev, layout, blocks)
-        host.scatter(packed, into_host, layout, blocks)
-    else:
-        dev.scatter_heads(packed, into_dev, layout, blocks, heads)
-        host.scatter_heads(packed, into_host, layout, blocks, heads)
+    dev_scatter(packed, into_dev, layout, blocks)
+    host_scatter(packed, into_host, layout, blocks)
     assert np.array_equal(into_dev, into_host)
     host.close()
 
@@ -365,8 +360,14 @@ def _gathered(pool: np.ndarray, layout: KvLayout, blocks: list[int]) -> np.ndarr
     return out
 
 
-def _run(coro_fn: Any) -> None:
-    asyncio.run(coro_fn())
+def _run(coro_fn: Any, *closing: BounceBuffers | None) -> None:
+    """Run `coro_fn()`, then close every buffer in `closing` (None: there is none)."""
+    try:
+        asyncio.run(coro_fn())
+    finally:
+        for buffers in closing:
+            if buffers is not None:
+                buffers.close()
 
 
 def test_memory_helpers() -> None:
@@ -382,19 +383,26 @@ def test_memory_helpers() -> None:
     assert must_bounce(host, PoolInfo("p0", {}, 0, 0, memory="vram", writable=False))
 
 
-async def _direct(
-    pool: LocalPool, conn: Any, bounce: BounceBuffers | None, blocks: list[int], **req: Any
-) -> tuple[TxSession, RecordingBackend]:
+@contextlib.asynccontextmanager
+async def _writes() -> AsyncIterator[tuple[Writes, RecordingBackend]]:
+    """Writes over a started data plane whose backend records every post; closed after."""
     backend = RecordingBackend()
     dp = DataPlane(lambda: cast(Any, backend))
     await dp.start()
     try:
-        mover = DirectMover(Writes(dp, lambda: 1.0), bounce, pipelined=False)
+        yield Writes(dp, lambda: 1.0), backend
+    finally:
+        await dp.close()
+
+
+async def _direct(
+    pool: LocalPool, conn: Any, bounce: BounceBuffers | None, blocks: list[int], **req: Any
+) -> tuple[TxSession, RecordingBackend]:
+    async with _writes() as (writes, backend):
+        mover = DirectMover(writes, bounce, pipelined=False)
         s = _session(pool, conn, blocks, blocks, **req)
         await mover.write_slice(s, 0, len(blocks), True)
         return s, backend
-    finally:
-        await dp.close()
 
 
 def test_host_to_host_per_block_writes_are_posted_as_before() -> None:
@@ -461,10 +469,7 @@ def test_direct_mover_refuses_a_copy_only_request_its_receiver_offered_too_littl
         assert s.terminal is not None and s.terminal.reason == "block_mismatch"
         assert "offered a reservation of 256 bytes" in s.terminal.message
 
-    try:
-        _run(go)
-    finally:
-        bounce.close()
+    _run(go, bounce)
 
 
 def test_copy_only_pools_move_through_the_bounce_with_its_memory_kinds() -> None:
@@ -496,10 +501,7 @@ def test_copy_only_pools_move_through_the_bounce_with_its_memory_kinds() -> None
         assert conn.sent[-1].bounced is True and conn.sent[-1].nbytes == nbytes
         assert bounce.send.in_use_bytes == 0  # released once the write was quiescent
 
-    try:
-        _run(go)
-    finally:
-        bounce.close()
+    _run(go, bounce)
     assert np.array_equal(peer_bounce[:nbytes], _gathered(src, layout, [2]))
     assert not dst.any()  # the receiver's blocks are its own scatter's to fill
 
@@ -511,18 +513,13 @@ def test_a_pipelined_slice_of_a_copy_only_request_is_refused() -> None:
     conn = _conn(layout, dst, writable=False)
 
     async def go() -> None:
-        backend = RecordingBackend()
-        dp = DataPlane(lambda: cast(Any, backend))
-        await dp.start()
-        try:
-            mover = DirectMover(Writes(dp, lambda: 1.0), None, pipelined=True)
+        async with _writes() as (writes, backend):
+            mover = DirectMover(writes, None, pipelined=True)
             s = _session(_pool(layout, src), conn, [0, 1], [0, 1])
             s.last_seen = False
             await mover.write_slice(s, 0, 1, False)
             assert backend.posts == []
             assert s.terminal is not None and "enable_pipelined_transfer" in s.terminal.message
-        finally:
-            await dp.close()
 
     _run(go)
 
@@ -538,11 +535,8 @@ def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
     )
 
     async def go() -> None:
-        backend = RecordingBackend()
-        dp = DataPlane(lambda: cast(Any, backend))
-        await dp.start()
-        try:
-            mover = StagedMover(Writes(dp, lambda: 1.0), staging, False, lambda *a: None)
+        async with _writes() as (writes, backend):
+            mover = StagedMover(writes, staging, False, lambda *a: None)
             s = _session(
                 _pool(layout, src, vram(0), zero_copy=False),
                 conn,
@@ -556,13 +550,8 @@ def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
             assert [p["kinds"] for p in backend.posts] == [
                 {"local_memory": vram(0), "remote_memory": vram(1)}
             ]
-        finally:
-            await dp.close()
 
-    try:
-        _run(go)
-    finally:
-        staging.close()
+    _run(go, staging)
     assert np.array_equal(peer_staging[: 2 * layout.block_bytes], _gathered(src, layout, [0, 3]))
 
 
@@ -626,10 +615,7 @@ def test_direct_receive_always_offers_a_reservation_for_a_copy_only_pool() -> No
             assert s.legs[0].res is not None
             rx.release(s.legs[0].res)
 
-    try:
-        _run(go)
-    finally:
-        bounce.close()
+    _run(go, bounce)
 
 
 def test_a_copy_only_offer_waits_for_room_up_to_the_deadline() -> None:
@@ -654,10 +640,7 @@ def test_a_copy_only_offer_waits_for_room_up_to_the_deadline() -> None:
         assert s.terminal is not None and s.terminal.reason == "receiver_timeout"
         assert "bounce buffer" in s.terminal.message
 
-    try:
-        _run(go)
-    finally:
-        bounce.close()
+    _run(go, bounce)
 
 
 @pytest.mark.parametrize(
@@ -682,8 +665,4 @@ def test_a_copy_only_receive_that_cannot_bounce_ends_saying_why(
         assert s.terminal is not None and s.terminal.reason == "block_mismatch"
         assert "copy-only" in s.terminal.message and words in s.terminal.message
 
-    try:
-        _run(go)
-    finally:
-        if bounce is not None:
-            bounce.close()
+    _run(go, bounce)
