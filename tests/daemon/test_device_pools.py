@@ -62,6 +62,20 @@ async def refused(call: Any) -> CallError:
     return info.value
 
 
+async def refused_registration(client: Any, pool_id: str, **fields: Any) -> CallError:
+    """A RegisterPool of LAYOUT's size and layout with `fields` (shm_name "" unless given),
+    which must be refused."""
+    return await refused(
+        client._ask(
+            RegisterPool,
+            pool_id=pool_id,
+            nbytes=LAYOUT.pool_bytes,
+            layout=dict(LAYOUT.to_wire()),
+            **{"shm_name": "", **fields},
+        )
+    )
+
+
 def test_a_gpu_pool_is_refused_naming_why_and_host_pools_still_move(
     pair: Pair, no_device: device.DeviceProbe
 ) -> None:
@@ -147,15 +161,7 @@ def test_the_exactly_one_rule_per_memory_kind(
     async def main() -> None:
         client = await connect(gen)
         try:
-            err = await refused(
-                client._ask(
-                    RegisterPool,
-                    pool_id="bad",
-                    nbytes=LAYOUT.pool_bytes,
-                    layout=dict(LAYOUT.to_wire()),
-                    **{"shm_name": "", **fields},
-                )
-            )
+            err = await refused_registration(client, "bad", **fields)
         finally:
             await client.close()
         assert err.code == "bad_request", (what, err)
@@ -190,33 +196,15 @@ def test_handoff_kinds_register_their_own_memory_only(
             # passes the handoff; it still cannot become a host pool.
             vmm = await hand(gen, memfd.fd, "p", "cuda_vmm")
             assert vmm.ok, vmm
-            err = await refused(
-                client._ask(
-                    RegisterPool,
-                    pool_id="p",
-                    nbytes=LAYOUT.pool_bytes,
-                    layout=dict(LAYOUT.to_wire()),
-                    shm_name="",
-                    handoff=vmm.result,
-                )
-            )
+            err = await refused_registration(client, "p", handoff=vmm.result)
             assert err.code == "bad_request"
             assert "handed over as a CUDA VMM fd (kind cuda_vmm)" in err.message
             assert "a host pool is registered with a sealed memfd" in err.message
             # A sealed memfd's token cannot register a GPU pool.
             host = await hand(gen, memfd.fd, "q", "memfd")
             assert host.ok, host
-            err = await refused(
-                client._ask(
-                    RegisterPool,
-                    pool_id="q",
-                    nbytes=LAYOUT.pool_bytes,
-                    layout=dict(LAYOUT.to_wire()),
-                    shm_name="",
-                    memory="vram",
-                    device_uuid=UUID,
-                    handoff=host.result,
-                )
+            err = await refused_registration(
+                client, "q", memory="vram", device_uuid=UUID, handoff=host.result
             )
             assert err.code == "bad_request"
             assert "handed over as a sealed memfd (kind memfd)" in err.message
