@@ -17,14 +17,7 @@ import pytest
 import kvxferd
 from kvxferd.errors import KvxferdError
 from kvxferd.memory import device, vmm
-from kvxferd.memory.device import (
-    DevicePool,
-    DeviceRegion,
-    DeviceUnavailableError,
-    ordinal_of,
-    probe,
-    uuid_of,
-)
+from kvxferd.memory.device import DeviceRegion, DeviceUnavailableError, probe
 
 REPO_ROOT = Path(kvxferd.__file__).resolve().parent.parent
 
@@ -156,10 +149,10 @@ def test_every_device_call_is_refused_with_the_probes_reason(
         lambda: DeviceRegion.open_ipc(b"\0" * 64, 0, 4096, 0),
         lambda: DeviceRegion.allocate(4096, 0, "staging"),
         lambda: DeviceRegion.import_vmm(-1, 4096, 0),
-        lambda: DevicePool.create(4096, 0),
-        lambda: DevicePool.create(4096, 0, vmm=True),
-        lambda: uuid_of(0),
-        lambda: ordinal_of("GPU-00000000-0000-0000-0000-000000000000"),
+        lambda: device.DevicePool.create(4096, 0),
+        lambda: device.DevicePool.create(4096, 0, vmm=True),
+        lambda: device.uuid_of(0),
+        lambda: device.ordinal_of("GPU-00000000-0000-0000-0000-000000000000"),
         lambda: device.export_ipc(0x1000, base=0x1000),
     ]
     for call in calls:
