@@ -201,7 +201,33 @@ class Copier(Protocol):
     ) -> None: ...
 
 
-class HostCopier:
+class _PlannedCopier:
+    """The Copier calls as one copy plan each, executed by the subclass's `_copy`: host
+    and device copiers differ only in how they move a plan's units."""
+
+    def _copy(
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, plan: CopyPlan, into_pool: bool
+    ) -> None:
+        raise NotImplementedError
+
+    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
+        self._copy(out, pool, layout, copy_plan(layout, blocks), into_pool=False)
+
+    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
+        self._copy(packed, pool, layout, copy_plan(layout, blocks), into_pool=True)
+
+    def gather_heads(
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
+    ) -> None:
+        self._copy(out, pool, layout, copy_plan(layout, blocks, heads), into_pool=False)
+
+    def scatter_heads(
+        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
+    ) -> None:
+        self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
+
+
+class HostCopier(_PlannedCopier):
     """Gather/scatter on host memory: one numpy take/put of whole pieces.
 
     The pool and the packed buffer are viewed as arrays of `V{unit}` elements,
@@ -277,24 +303,8 @@ class HostCopier:
 
         self._split(copy, index.size, plan.nbytes)
 
-    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
-        self._copy(out, pool, layout, copy_plan(layout, blocks), into_pool=False)
 
-    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
-        self._copy(packed, pool, layout, copy_plan(layout, blocks), into_pool=True)
-
-    def gather_heads(
-        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
-    ) -> None:
-        self._copy(out, pool, layout, copy_plan(layout, blocks, heads), into_pool=False)
-
-    def scatter_heads(
-        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
-    ) -> None:
-        self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
-
-
-class ArrayCopier:
+class ArrayCopier(_PlannedCopier):
     """Gather/scatter over any numpy-like array module `xp` (numpy, cupy): one 2-D take
     (gather) or one fancy-index assignment (scatter) per copy.
 
@@ -341,22 +351,6 @@ class ArrayCopier:
                 xp.take(pool_rows, index, axis=0, out=packed_rows)
 
         self._run(copy)
-
-    def gather(self, pool: Bytes, layout: KvLayout, blocks: list[int], out: Bytes) -> None:
-        self._copy(out, pool, layout, copy_plan(layout, blocks), into_pool=False)
-
-    def scatter(self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int]) -> None:
-        self._copy(packed, pool, layout, copy_plan(layout, blocks), into_pool=True)
-
-    def gather_heads(
-        self, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads, out: Bytes
-    ) -> None:
-        self._copy(out, pool, layout, copy_plan(layout, blocks, heads), into_pool=False)
-
-    def scatter_heads(
-        self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
-    ) -> None:
-        self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
 
 
 def _inline(copy: Callable[[], None]) -> None:
