@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
+from kvxferd.backends.base import HOST, Backend, Memory, XferHandle, XferStatus, vram
 from kvxferd.bench.plan import SWEEP, Group, Item, Plan
 from kvxferd.memory.layout import KvLayout, pair_segments
 from kvxferd.memory.shm import ShmRegion
@@ -129,16 +129,25 @@ def _device_target(args: argparse.Namespace, plan: Plan, backend: Any) -> None:
             "control": control,
             "nbytes": layout.pool_bytes,
         }
-        tmp = Path(args.info_out + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.rename(args.info_out)
-        sys.stdin.read()  # until the driver closes our stdin
-        backend.deregister(reg)
+        _serve_until_closed(args, backend, reg, info)
     finally:
         server.close()
         with contextlib.suppress(OSError):
             os.unlink(control)
         pool.close()
+
+
+def _serve_until_closed(
+    args: argparse.Namespace, backend: Backend, reg: object, info: dict[str, Any]
+) -> None:
+    """Publish the target's `info` for the driver (written whole, then renamed, so the
+    driver never reads half a file) and keep `reg` registered until the driver closes our
+    stdin: the host and the vram target end alike."""
+    tmp = Path(args.info_out + ".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.rename(args.info_out)
+    sys.stdin.read()
+    backend.deregister(reg)
 
 
 def target(args: argparse.Namespace) -> int:
@@ -162,11 +171,7 @@ def target(args: argparse.Namespace) -> int:
             "shm_name": name,
             "nbytes": layout.pool_bytes,
         }
-        tmp = Path(args.info_out + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.rename(args.info_out)
-        sys.stdin.read()  # until the driver closes our stdin
-        backend.deregister(reg)
+        _serve_until_closed(args, backend, reg, info)
     finally:
         backend.close()
         region.unlink()
