@@ -270,6 +270,23 @@ def clear_blocks(pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: BlockIds
             access.write(chunk, np.zeros(shape, dtype=access.unit))
 
 
+def _verified_blocks(layout: KvLayout, blocks: BlockIds, num_tokens: int) -> npt.NDArray[np.int64]:
+    """The checked ids of `blocks`, which must be exactly the blocks holding `num_tokens`
+    tokens (LayoutError otherwise): what the host and the device verification both require,
+    with the same messages."""
+    ids = layout.check_blocks(blocks)
+    tpb = layout.tokens_per_block
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise LayoutError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+    needed = -(-num_tokens // tpb)
+    if ids.shape[0] != needed:
+        raise LayoutError(
+            f"{num_tokens} tokens at {tpb} tokens per block need {needed} blocks, "
+            f"got {ids.shape[0]}"
+        )
+    return ids
+
+
 def verify_blocks(
     pool: npt.NDArray[np.uint8],
     layout: KvLayout,
@@ -288,16 +305,8 @@ def verify_blocks(
     count does not match. Every checked byte is compared even after a mismatch; the result
     names the first wrong byte in (logical block, layer, kv, token) order.
     """
-    ids = layout.check_blocks(blocks)
+    ids = _verified_blocks(layout, blocks, num_tokens)
     tpb = layout.tokens_per_block
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise LayoutError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
-    needed = -(-num_tokens // tpb)
-    if ids.shape[0] != needed:
-        raise LayoutError(
-            f"{num_tokens} tokens at {tpb} tokens per block need {needed} blocks, "
-            f"got {ids.shape[0]}"
-        )
     access = _Pool(pool, layout)
     bases = _bases(seed, ids.shape[0], layout.pieces_per_block)
     full = num_tokens // tpb  # blocks checked whole; a partial one may follow

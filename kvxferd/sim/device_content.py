@@ -21,9 +21,10 @@ what the device finished (docs/engine-integration.md, "GPU pools").
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Final
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from kvxferd.sim.content import (
     _describe,
     _Found,
     _local_expected,
+    _verified_blocks,
 )
 from kvxferd.transceiver.bounce import ArrayCopier
 
@@ -49,6 +51,9 @@ __all__ = [
 # Work is done about this many bytes of blocks at a time: the expected bytes of a chunk and
 # its gathered copy are two temporaries of this size on the device.
 _CHUNK_BYTES: Final = 64 << 20
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def vram_problem() -> str | None:
@@ -131,16 +136,8 @@ def verify_device_blocks(
 ) -> VerifyResult:
     """content.verify_blocks for a pool that is an `xp` array: the same checks, the same
     bytes_checked and the same description of the first wrong byte, compared on the device."""
-    ids = layout.check_blocks(blocks)
+    ids = _verified_blocks(layout, blocks, num_tokens)
     tpb = layout.tokens_per_block
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise LayoutError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
-    needed = -(-num_tokens // tpb)
-    if ids.shape[0] != needed:
-        raise LayoutError(
-            f"{num_tokens} tokens at {tpb} tokens per block need {needed} blocks, "
-            f"got {ids.shape[0]}"
-        )
     _check(pool, layout)
     copier = ArrayCopier(xp)
     regions, piece = layout.pieces_per_block, layout.piece_bytes
@@ -191,6 +188,20 @@ def _host(xp: ModuleType, value: Any) -> Any:
     return value if xp is np else xp.asnumpy(value)
 
 
+def _on_own_device(fn: Callable[P, T]) -> Callable[Concatenate[DeviceContent, P], T]:
+    """DeviceContent's method for the module function `fn` (its parameters, less `xp`,
+    which is the content's array module): run with the content's device current."""
+
+    def method(self: DeviceContent, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        with self._on_device():
+            # fn takes `xp` besides P, which the ParamSpec cannot spell.
+            on_xp: Callable[P, T] = functools.partial(cast("Callable[..., T]", fn), xp=self.xp)
+            return on_xp(*args, **kwargs)
+
+    functools.update_wrapper(method, fn)
+    return method
+
+
 class DeviceContent:
     """The content calls of an engine whose pools are cupy arrays on CUDA device `device`:
     each runs with that device current (an engine's pool need not be on device 0), and
@@ -212,35 +223,10 @@ class DeviceContent:
         with self.xp.cuda.Device(self.device):
             yield
 
-    def fill(
-        self,
-        pool: Any,
-        layout: KvLayout,
-        blocks: BlockIds,
-        seed: int,
-        start: int = 0,
-        *,
-        tp: TpRank | None = None,
-    ) -> None:
-        with self._on_device():
-            fill_device_blocks(pool, layout, blocks, seed, start, tp=tp, xp=self.xp)
-
-    def clear(self, pool: Any, layout: KvLayout, blocks: BlockIds) -> None:
-        with self._on_device():
-            clear_device_blocks(pool, layout, blocks, xp=self.xp)
-
-    def verify(
-        self,
-        pool: Any,
-        layout: KvLayout,
-        blocks: BlockIds,
-        seed: int,
-        num_tokens: int,
-        *,
-        tp: TpRank | None = None,
-    ) -> VerifyResult:
-        with self._on_device():
-            return verify_device_blocks(pool, layout, blocks, seed, num_tokens, tp=tp, xp=self.xp)
+    # The module's calls, each under this content's device and with its array module.
+    fill = _on_own_device(fill_device_blocks)
+    clear = _on_own_device(clear_device_blocks)
+    verify = _on_own_device(verify_device_blocks)
 
     def synchronize(self) -> None:
         """Wait until the device finished every fill and clear issued so far, on any stream:

@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank, overlapping_ranks
-from kvxferd.memory.layout import BlockIds, KvLayout
+from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.content import (
-    VerifyResult,
     clear_blocks,
     fill_blocks,
     request_seed,
@@ -117,27 +116,10 @@ class HostContent:
     """The reference content of host pools (kvxferd.sim.content), behind the same four
     calls as kvxferd.sim.device_content.DeviceContent; nothing to synchronise."""
 
-    @staticmethod
-    def fill(
-        pool: Any, layout: KvLayout, blocks: BlockIds, seed: int, *, tp: TpRank | None = None
-    ) -> None:
-        fill_blocks(pool, layout, blocks, seed, tp=tp)
-
-    @staticmethod
-    def clear(pool: Any, layout: KvLayout, blocks: BlockIds) -> None:
-        clear_blocks(pool, layout, blocks)
-
-    @staticmethod
-    def verify(
-        pool: Any,
-        layout: KvLayout,
-        blocks: BlockIds,
-        seed: int,
-        num_tokens: int,
-        *,
-        tp: TpRank | None = None,
-    ) -> VerifyResult:
-        return verify_blocks(pool, layout, blocks, seed, num_tokens, tp=tp)
+    # The content functions themselves: a host pool needs no device or stream around them.
+    fill = staticmethod(fill_blocks)
+    clear = staticmethod(clear_blocks)
+    verify = staticmethod(verify_blocks)
 
     @staticmethod
     def synchronize() -> None:
