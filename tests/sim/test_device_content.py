@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import MAJORS, geometries
+from layout_harness import MAJORS, geometries, tiny_layout
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
@@ -100,10 +100,7 @@ def test_one_wrong_byte_is_reported_as_the_host_reports_it(
 @pytest.mark.parametrize("major", MAJORS)
 def test_clear_and_chunks_match_the_host(major: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Chunks of one block: the loop over chunks, not one chunk, is what runs here.
-    layout = KvLayout(
-        num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=4, tokens_per_block=4,
-        dtype="float16", major=major, num_blocks=6,
-    )  # fmt: skip
+    layout = tiny_layout(num_kv_heads=2, head_dim=4, tokens_per_block=4, major=major, num_blocks=6)
     monkeypatch.setattr(dc, "_CHUNK_BYTES", layout.block_bytes)
     host, dev = _pools(layout)
     seed = request_seed("device-content")
@@ -122,10 +119,7 @@ def test_clear_and_chunks_match_the_host(major: str, monkeypatch: pytest.MonkeyP
 
 
 def test_refusals_are_the_host_ones() -> None:
-    layout = KvLayout(
-        num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=4, tokens_per_block=2,
-        dtype="float16", major="block-major", num_blocks=3,
-    )  # fmt: skip
+    layout = tiny_layout(num_layers=1, head_dim=4, num_blocks=3)
     pool = np.zeros(layout.pool_bytes, dtype=np.uint8)
     with pytest.raises(LayoutError, match="need 2 blocks"):
         verify_device_blocks(pool, layout, [0], 1, 3, xp=np)
@@ -135,10 +129,7 @@ def test_refusals_are_the_host_ones() -> None:
 
 def test_device_content_with_numpy_runs_inline() -> None:
     # The engine's wrapper: with numpy there is no device to enter or synchronise.
-    layout = KvLayout(
-        num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=4, tokens_per_block=2,
-        dtype="float16", major="block-major", num_blocks=3,
-    )  # fmt: skip
+    layout = tiny_layout(num_layers=1, head_dim=4, num_blocks=3)
     pool = np.zeros(layout.pool_bytes, dtype=np.uint8)
     content = DeviceContent(0, xp=np)
     content.fill(pool, layout, [2, 1], 9)
