@@ -53,8 +53,11 @@ def _covered(segments: np.ndarray) -> set[int]:
     return {b for s, n in segments.tolist() for b in range(s, s + n)}
 
 
+Case = tuple[KvLayout, list[int], tuple[int, int]]  # a layout, block ids, a head slice
+
+
 @st.composite
-def plans(draw: st.DrawFn) -> tuple[KvLayout, list[int], tuple[int, int]]:
+def plans(draw: st.DrawFn) -> Case:
     geo = draw(geometries(layers=5, heads=6, dtypes=("int8", "float16", "float32")))
     layout = KvLayout(
         **geo, major=draw(st.sampled_from(MAJORS)), num_blocks=draw(st.integers(1, 6))
@@ -67,9 +70,7 @@ def plans(draw: st.DrawFn) -> tuple[KvLayout, list[int], tuple[int, int]]:
 
 @settings(max_examples=300, deadline=None)
 @given(case=plans())
-def test_a_plan_moves_exactly_the_reference_bytes_in_packed_order(
-    case: tuple[KvLayout, list[int], tuple[int, int]],
-) -> None:
+def test_a_plan_moves_exactly_the_reference_bytes_in_packed_order(case: Case) -> None:
     layout, blocks, heads = case
     plan = copy_plan(layout, blocks, heads)
     expected = _reference_bytes(layout, blocks, heads)
@@ -87,9 +88,7 @@ def test_a_plan_moves_exactly_the_reference_bytes_in_packed_order(
 
 @settings(max_examples=200, deadline=None)
 @given(case=plans())
-def test_whole_blocks_are_the_layouts_block_segments(
-    case: tuple[KvLayout, list[int], tuple[int, int]],
-) -> None:
+def test_whole_blocks_are_the_layouts_block_segments(case: Case) -> None:
     layout, blocks, _ = case
     plan = copy_plan(layout, blocks)
     assert plan.nbytes == len(blocks) * layout.block_bytes
@@ -108,9 +107,7 @@ def test_whole_blocks_are_the_layouts_block_segments(
 
 @settings(max_examples=200, deadline=None)
 @given(case=plans())
-def test_a_head_slice_starts_its_runs_where_head_slice_offsets_says(
-    case: tuple[KvLayout, list[int], tuple[int, int]],
-) -> None:
+def test_a_head_slice_starts_its_runs_where_head_slice_offsets_says(case: Case) -> None:
     layout, blocks, heads = case
     if heads == (0, layout.num_kv_heads):
         return  # the whole-block plan (tested above)
