@@ -16,7 +16,8 @@ CUDA_VISIBLE_DEVICES, so an ordinal means nothing outside its process.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvxferd.errors import KvxferdError
@@ -186,29 +187,51 @@ def _array(cupy: Any, pointer: int, nbytes: int, device: int, owner: object) -> 
     return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
 
 
+def _malloc(
+    cupy: Any, nbytes: int, device: int, what: str, *, zero: bool
+) -> tuple[int, Callable[[], None]]:
+    """cudaMalloc `nbytes` on `device` (zeroed, or freed again if zeroing fails, with
+    `zero`); the pointer and the call that frees it. A failure is a DeviceError naming the
+    size, the device and `what` (the end of that message: " (label)" or ""), for staging
+    and engine pools alike."""
+    runtime = cupy.cuda.runtime
+    try:
+        with cupy.cuda.Device(device):
+            pointer = int(runtime.malloc(nbytes))
+            if zero:
+                try:
+                    runtime.memset(pointer, 0, nbytes)
+                except BaseException:
+                    runtime.free(pointer)
+                    raise
+    except Exception as exc:
+        raise DeviceError(
+            f"cudaMalloc of {nbytes} bytes on device {device}{what} failed: {exc}"
+        ) from exc
+
+    def free() -> None:
+        with cupy.cuda.Device(device):
+            runtime.free(pointer)
+
+    return pointer, free
+
+
+@dataclass(eq=False)
 class DeviceRegion:
     """Device memory the daemon copies to and from: an engine's pool opened by IPC handle or
     imported VMM fd, or the daemon's own staging. Same shape as memory.memfd.HostRegion
     (nbytes, closed, array, address, close) plus where it lives and how it came."""
 
-    def __init__(
-        self,
-        array: Any,
-        address: int,
-        nbytes: int,
-        device: int,
-        sharing: str,
-        release: Any,
-        label: str = "",
-    ) -> None:
-        self._array = array
-        self.address = address
-        self.nbytes = nbytes
-        self.device = device
-        self.sharing = sharing
-        self.label = label
-        self._release = release
-        self.closed = False
+    # A dataclass for its constructor only: regions compare (and hash) by identity, and
+    # the repr leaves out the array (it would print the memory) and the release call.
+    _array: Any = field(repr=False)
+    address: int
+    nbytes: int
+    device: int
+    sharing: str
+    _release: Any = field(repr=False)
+    label: str = ""
+    closed: bool = field(default=False, init=False)
 
     @property
     def array(self) -> Any:
@@ -253,24 +276,7 @@ class DeviceRegion:
         """Own, zeroed device memory (the daemon's staging), outside cupy's memory pool so
         its address never moves while a backend has it registered."""
         cupy = _cupy(device)
-        runtime = cupy.cuda.runtime
-        try:
-            with cupy.cuda.Device(device):
-                pointer = int(runtime.malloc(nbytes))
-                try:
-                    runtime.memset(pointer, 0, nbytes)
-                except BaseException:
-                    runtime.free(pointer)
-                    raise
-        except Exception as exc:
-            raise DeviceError(
-                f"cudaMalloc of {nbytes} bytes on device {device} ({label}) failed: {exc}"
-            ) from exc
-
-        def release() -> None:
-            with cupy.cuda.Device(device):
-                runtime.free(pointer)
-
+        pointer, release = _malloc(cupy, nbytes, device, f" ({label})", zero=True)
         region = cls(None, pointer, nbytes, device, "owned", release, label)
         region._array = _array(cupy, pointer, nbytes, device, region)
         return region
@@ -284,21 +290,20 @@ class DeviceRegion:
         self._release()
 
 
+@dataclass(eq=False)
 class DevicePool:
     """An engine's KV pool in device memory, to be shared with its daemon: by IPC handle
     (`ipc()`), or, created with vmm=True, by the VMM allocation's fd (`fd`)."""
 
-    def __init__(
-        self, array: Any, address: int, nbytes: int, device: int, device_uuid: str
-    ) -> None:
-        self.array = array
-        self.address = address
-        self.nbytes = nbytes
-        self.device = device
-        self.device_uuid = device_uuid
-        self.fd = -1  # the exported VMM fd (vmm pools only)
-        self.closed = False
-        self._release: Any = None
+    # A dataclass for its constructor only, as DeviceRegion.
+    array: Any = field(repr=False)
+    address: int
+    nbytes: int
+    device: int
+    device_uuid: str
+    fd: int = field(default=-1, init=False)  # the exported VMM fd (vmm pools only)
+    closed: bool = field(default=False, init=False)
+    _release: Any = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(cls, nbytes: int, device: int = 0, *, vmm: bool = False) -> DevicePool:
@@ -315,18 +320,7 @@ class DevicePool:
             pool.fd = export.fd
             pool._release = export.close
         else:
-            try:
-                with cupy.cuda.Device(device):
-                    pointer = int(runtime.malloc(nbytes))
-            except Exception as exc:
-                raise DeviceError(
-                    f"cudaMalloc of {nbytes} bytes on device {device} failed: {exc}"
-                ) from exc
-
-            def free() -> None:
-                with cupy.cuda.Device(device):
-                    runtime.free(pointer)
-
+            pointer, free = _malloc(cupy, nbytes, device, "", zero=False)
             pool = cls(None, pointer, nbytes, device, uuid)
             pool._release = free
         try:
