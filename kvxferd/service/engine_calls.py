@@ -386,50 +386,52 @@ def _check_sharing(msg: RegisterPool) -> None:
             f"{pool}: memory must be one of {', '.join(device.POOL_MEMORY)} "
             f"(got {shown(msg.memory, 40)})",
         )
+    # Each kind's rules in order, as (broken, why): the first broken one refuses the call.
+    rules: list[tuple[bool, str]]
     if msg.memory == "host":
-        if msg.ipc_handle or msg.device_uuid or msg.ipc_offset:
-            raise RequestError(
-                ApiError.BAD_REQUEST,
+        rules = [
+            (
+                bool(msg.ipc_handle or msg.device_uuid or msg.ipc_offset),
                 f"{pool} is declared in host memory but carries a CUDA IPC handle, offset or "
                 "device UUID; a GPU pool is registered with memory vram",
-            )
-        if bool(msg.handoff) == bool(msg.shm_name):
-            raise RequestError(
-                ApiError.BAD_REQUEST,
+            ),
+            (
+                bool(msg.handoff) == bool(msg.shm_name),
                 f"{pool}: give exactly one of handoff (a sealed memfd handed "
                 "over first) and shm_name (a POSIX shm object)",
-            )
-        return
-    if msg.shm_name:
-        raise RequestError(
-            ApiError.BAD_REQUEST,
-            f"{pool} is declared in GPU memory (vram) but names a shm object; a GPU pool is "
-            "shared by a CUDA IPC handle (ipc_handle) or a CUDA VMM fd (handoff)",
-        )
-    if bool(msg.handoff) == bool(msg.ipc_handle):
-        raise RequestError(
-            ApiError.BAD_REQUEST,
-            f"{pool}: a GPU pool needs exactly one of ipc_handle (a CUDA IPC handle) and "
-            "handoff (a CUDA VMM fd handed over first, kind cuda_vmm)",
-        )
-    if msg.ipc_handle and len(msg.ipc_handle) != IPC_HANDLE_BYTES:
-        raise RequestError(
-            ApiError.BAD_REQUEST,
-            f"{pool}: ipc_handle must be the {IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t "
-            f"(got {len(msg.ipc_handle)} bytes)",
-        )
-    if msg.ipc_offset < 0 or (msg.handoff and msg.ipc_offset):
-        raise RequestError(
-            ApiError.BAD_REQUEST,
-            f"{pool}: ipc_offset {msg.ipc_offset} is invalid: it is the pool's non-negative "
-            "offset in the allocation an IPC handle names (0 for a VMM fd)",
-        )
-    if not msg.device_uuid:
-        raise RequestError(
-            ApiError.BAD_REQUEST,
-            f"{pool}: a GPU pool names its device by UUID (device_uuid, as nvidia-smi -L "
-            "prints it); ordinals differ between processes",
-        )
+            ),
+        ]
+    else:
+        rules = [
+            (
+                bool(msg.shm_name),
+                f"{pool} is declared in GPU memory (vram) but names a shm object; a GPU pool is "
+                "shared by a CUDA IPC handle (ipc_handle) or a CUDA VMM fd (handoff)",
+            ),
+            (
+                bool(msg.handoff) == bool(msg.ipc_handle),
+                f"{pool}: a GPU pool needs exactly one of ipc_handle (a CUDA IPC handle) and "
+                "handoff (a CUDA VMM fd handed over first, kind cuda_vmm)",
+            ),
+            (
+                bool(msg.ipc_handle) and len(msg.ipc_handle) != IPC_HANDLE_BYTES,
+                f"{pool}: ipc_handle must be the {IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t "
+                f"(got {len(msg.ipc_handle)} bytes)",
+            ),
+            (
+                msg.ipc_offset < 0 or bool(msg.handoff and msg.ipc_offset),
+                f"{pool}: ipc_offset {msg.ipc_offset} is invalid: it is the pool's non-negative "
+                "offset in the allocation an IPC handle names (0 for a VMM fd)",
+            ),
+            (
+                not msg.device_uuid,
+                f"{pool}: a GPU pool names its device by UUID (device_uuid, as nvidia-smi -L "
+                "prints it); ordinals differ between processes",
+            ),
+        ]
+    for broken, why in rules:
+        if broken:
+            raise RequestError(ApiError.BAD_REQUEST, why)
 
 
 def _check_request_id(request_id: str) -> None:
