@@ -10,6 +10,8 @@ import sys
 import textwrap
 from typing import Any
 
+from kvxferd.commands.kv_memory import add_kv_memory_args
+
 EXIT_USAGE = 2
 
 
@@ -43,19 +45,11 @@ def add_parser(sub: Any) -> None:
         help="block-major: a block is one contiguous run; layer-major: one run per layer",
     )  # fmt: skip
     m = p.add_argument_group("KV memory")
-    m.add_argument(
-        "--memory",
-        choices=["host", "vram"],
-        default="host",
-        help="where both engines' pools live: host (shared memory) or vram (GPU memory, filled "
+    add_kv_memory_args(
+        m,
+        "where both engines' pools live: host (shared memory) or vram (GPU memory, filled "
         "and verified on the device; needs cupy and a CUDA device; NIXL configurations only, "
         "default nixl-python-bounce,nixl-cpp, and the raw pair moves VRAM to VRAM)",
-    )
-    m.add_argument(
-        "--vram-share",
-        choices=["ipc", "vmm"],
-        default="ipc",
-        help="--memory vram: share each pool with its daemon as a CUDA IPC handle or VMM fd",
     )
     r = p.add_argument_group("requests")
     r.add_argument(

@@ -20,6 +20,8 @@ import shutil
 import sys
 from typing import Any
 
+from kvxferd.commands.kv_memory import add_kv_memory_args
+
 EXIT_USAGE = 2
 
 
@@ -73,19 +75,11 @@ def add_parser(sub: Any) -> None:
         help="the model's KV heads, divisible by both sizes (default 4, or the smallest "
         "multiple of 4 both sizes divide)",
     )
-    p.add_argument(
-        "--memory",
-        choices=["host", "vram"],
-        default="host",
-        help="where the engines keep their KV pools: host (shared memory) or vram (GPU "
+    add_kv_memory_args(
+        p,
+        "where the engines keep their KV pools: host (shared memory) or vram (GPU "
         "memory, needs cupy and a CUDA device; runtime auto then means CPP, whose staging "
         "is always there, and PYTHON gets a bounce buffer sized for the requests in flight)",
-    )
-    p.add_argument(
-        "--vram-share",
-        choices=["ipc", "vmm"],
-        default="ipc",
-        help="--memory vram: share each pool with its daemon as a CUDA IPC handle or VMM fd",
     )
     p.add_argument(
         "--tls",
