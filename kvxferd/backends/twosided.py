@@ -13,7 +13,15 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
+from kvxferd.backends.base import (
+    HOST,
+    Backend,
+    Memory,
+    Write,
+    XferHandle,
+    XferStatus,
+    host_only,
+)
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 
@@ -78,7 +86,7 @@ def round_tag(rx_token: int, first_block: int) -> int:
     return (rx_token * 1_000_003 + first_block) & ((1 << 63) - 1)
 
 
-class NoOneSidedBackend:
+class NoOneSidedBackend(Backend):
     """The data plane of a daemon whose bytes cross through a two-sided transport."""
 
     def __init__(self, name: str, agent_name: str) -> None:
@@ -108,18 +116,9 @@ class NoOneSidedBackend:
     def connect(self, agent_name: str) -> None:
         return None
 
-    def post_write(
-        self,
-        local: Segments,
-        remote: Segments,
-        agent_name: str,
-        notif: bytes = b"",
-        *,
-        local_memory: Memory = HOST,
-        remote_memory: Memory = HOST,
-    ) -> tuple[XferHandle, XferStatus]:
+    def _post(self, request: Write) -> tuple[XferHandle, XferStatus]:
         raise TransferError(
-            host_only(self.name, local_memory, remote_memory)
+            host_only(self.name, request.local_memory, request.remote_memory)
             or f"backend {self.name} has no one-sided writes"
         )
 
