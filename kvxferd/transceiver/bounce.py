@@ -92,11 +92,7 @@ class BounceRegion:
     its own, or, given a `backing`, that memory (device staging) in `memory`."""
 
     def __init__(
-        self,
-        nbytes: int,
-        label: str,
-        backing: RegionBacking | None = None,
-        memory: Memory = HOST,
+        self, nbytes: int, label: str, backing: RegionBacking | None = None, memory: Memory = HOST
     ) -> None:
         self.label = label
         self.nbytes = nbytes
