@@ -189,8 +189,8 @@ def _host(xp: ModuleType, value: Any) -> Any:
 
 
 def _on_own_device(fn: Callable[P, T]) -> Callable[Concatenate[DeviceContent, P], T]:
-    """DeviceContent's method for the module function `fn` (its parameters, less `xp`,
-    which is the content's array module): run with the content's device current."""
+    """DeviceContent's method for the module function `fn`: its parameters and docs, run
+    with the content's device current and `xp` the content's array module unless given."""
 
     def method(self: DeviceContent, /, *args: P.args, **kwargs: P.kwargs) -> T:
         with self._on_device():
