@@ -78,18 +78,6 @@ class XferHandle:
     released: bool = False
 
 
-@dataclass(frozen=True)
-class Write:
-    """One WRITE, as post_write was given it."""
-
-    local: Segments
-    remote: Segments
-    agent_name: str
-    notif: bytes
-    local_memory: Memory
-    remote_memory: Memory
-
-
 class Backend(Protocol):
     name: str
     agent_name: str
@@ -120,14 +108,7 @@ class Backend(Protocol):
         remote_memory: Memory = HOST,
     ) -> tuple[XferHandle, XferStatus]:
         """Post one WRITE of `local` (ours, in `local_memory`) into `remote` (the peer's, in
-        `remote_memory` as the peer registered it); TransferError if it cannot be posted.
-
-        The backends subclass Backend for this call and implement `_post`: the call's
-        parameters are spelled here once, not again in every backend."""
-        return self._post(Write(local, remote, agent_name, notif, local_memory, remote_memory))
-
-    def _post(self, request: Write) -> tuple[XferHandle, XferStatus]:
-        """post_write's work, given the write whole (`request`)."""
+        `remote_memory` as the peer registered it); TransferError if it cannot be posted."""
         ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...

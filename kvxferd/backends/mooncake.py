@@ -112,16 +112,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import (
-    HOST,
-    Backend,
-    Memory,
-    Segments,
-    Write,
-    XferHandle,
-    XferStatus,
-    host_only,
-)
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import shown
@@ -369,7 +360,7 @@ class _Write:
     extra: list[str] = field(default_factory=list)
 
 
-class MooncakeBackend(Backend):
+class MooncakeBackend:
     """One Mooncake transfer engine (TCP, P2PHANDSHAKE), host (DRAM) memory."""
 
     name = "MOONCAKE"
@@ -517,12 +508,20 @@ class MooncakeBackend(Backend):
 
     # ------------------------------------------------------------ writes
 
-    def _post(self, request: Write) -> tuple[XferHandle, XferStatus]:
-        refused = host_only(self.name, request.local_memory, request.remote_memory)
+    def post_write(
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
+    ) -> tuple[XferHandle, XferStatus]:
+        refused = host_only(self.name, local_memory, remote_memory)
         if refused is not None:
             raise TransferError(refused)
-        local, remote, agent_name = request.local, request.remote, request.agent_name
-        if request.notif:
+        if notif:
             raise TransferError(
                 "MOONCAKE writes carry no notification (kvxferd reports completion on its "
                 "peer channel)"

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.base import HOST, Backend, Memory, Segments, Write, XferHandle, XferStatus
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -172,7 +172,7 @@ def _register_failure(address: int, nbytes: int, memory: Memory, exc: Exception)
     return text
 
 
-class NixlBackend(Backend):
+class NixlBackend:
     """One NIXL agent with the UCX plugin, host (DRAM) and device (VRAM) memory."""
 
     name = "NIXL"
@@ -228,9 +228,16 @@ class NixlBackend(Backend):
         except Exception as exc:
             raise _translate(exc, f"connect to {agent_name}") from exc
 
-    def _post(self, request: Write) -> tuple[XferHandle, XferStatus]:
-        local, remote, agent_name = request.local, request.remote, request.agent_name
-        local_memory, remote_memory = request.local_memory, request.remote_memory
+    def post_write(
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
+    ) -> tuple[XferHandle, XferStatus]:
         try:
             # Each side names its own memory kind and device: NIXL finds the registration
             # by (kind, device, address range), so a wrong kind is "not registered".
@@ -240,7 +247,7 @@ class NixlBackend(Backend):
             rdescs = self._agent.get_xfer_descs(
                 _descs(remote, remote_memory.device), remote_memory.kind
             )
-            native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, request.notif)
+            native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, notif)
         except Exception as exc:
             if type(exc).__name__ == "nixlNotFoundError":
                 # Our side is our registered pool; what NIXL cannot find is the remote

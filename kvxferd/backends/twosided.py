@@ -13,15 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from kvxferd.backends.base import (
-    HOST,
-    Backend,
-    Memory,
-    Write,
-    XferHandle,
-    XferStatus,
-    host_only,
-)
+from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 
@@ -86,7 +78,7 @@ def round_tag(rx_token: int, first_block: int) -> int:
     return (rx_token * 1_000_003 + first_block) & ((1 << 63) - 1)
 
 
-class NoOneSidedBackend(Backend):
+class NoOneSidedBackend:
     """The data plane of a daemon whose bytes cross through a two-sided transport."""
 
     def __init__(self, name: str, agent_name: str) -> None:
@@ -116,9 +108,18 @@ class NoOneSidedBackend(Backend):
     def connect(self, agent_name: str) -> None:
         return None
 
-    def _post(self, request: Write) -> tuple[XferHandle, XferStatus]:
+    def post_write(
+        self,
+        local: Segments,
+        remote: Segments,
+        agent_name: str,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST,
+        remote_memory: Memory = HOST,
+    ) -> tuple[XferHandle, XferStatus]:
         raise TransferError(
-            host_only(self.name, request.local_memory, request.remote_memory)
+            host_only(self.name, local_memory, remote_memory)
             or f"backend {self.name} has no one-sided writes"
         )
 
