@@ -7,6 +7,10 @@ from kvxferd.memory.heads import TpRank, mapping_problems
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import Info
+from kvxferd.service.logs import shown
+
+# How many compatibility settings of the peer's own a refusal names beyond ours.
+_EXTRA_KEYS = 4
 
 SENDING_ROLES = ("context", "both")
 RECEIVING_ROLES = ("generation", "both")
@@ -50,10 +54,14 @@ def check_peer(
         return ("role", f"a {role} daemon cannot pair with a {peer.role} daemon")
     if info.fingerprint != settings.fingerprint():
         mine = settings.peer_compat_fields()
+        # Ours first, then the peer's that we lack (a setting only some daemons announce,
+        # such as kv_memory: vram); a few at most, since the peer wrote them.
+        extra = [key for key in info.compat if key not in mine][:_EXTRA_KEYS]
         diffs = [
-            f"{key}: ours {mine[key]}, peer {info.compat.get(key)}"
-            for key in mine
-            if info.compat.get(key) != mine[key]
+            f"{shown(key, 40, quote=False)}: ours {mine.get(key)}, "
+            f"peer {shown(info.compat.get(key), 80, quote=False)}"
+            for key in [*mine, *extra]
+            if info.compat.get(key) != mine.get(key)
         ]
         return (
             "settings",
