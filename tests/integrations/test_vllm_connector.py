@@ -67,6 +67,12 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     d = Deployment(tmp_path_factory.mktemp("vllm"), more_decoders={"decode-recompute": "recompute"})
     try:
         d.start()
+        # A server's first completion pays vLLM's one-time start-up work, slow on a loaded
+        # 2-core host (once over a minute: a receive then never got posted within a test's
+        # window). The tests time what follows, so it is paid here, for every server.
+        for server in (d.prefill, d.decode, *d.decoders.values()):
+            status, body = complete(server.url, [1, 2, 3], 1)
+            assert status == 200, body
         yield d
     finally:
         d.stop()
