@@ -29,6 +29,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks
 	$(VENV)/bin/mypy
 	./scripts/test-deps.sh
+	./scripts/container-deps.sh
 	./scripts/install-vllm.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 

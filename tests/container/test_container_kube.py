@@ -1,0 +1,210 @@
+"""deploy/kubernetes/ played for real with `podman kube play`: the Secret, the prefill and
+decode pods (the reference engine beside each kvxferd sidecar), their ConfigMaps, probes
+and scrape annotations. The two pods' engines exchange their workload, every byte
+verified, and each daemon's endpoints answer on its pod IP, as a probe or Prometheus
+would reach them. Only what a cluster would provide differently changes: names carry the
+run's id, the image is the one just built, and the decode daemon dials the prefill pod's
+IP where a cluster's DNS would resolve the Service."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from container_harness import (
+    HTTP_PORT,
+    IMAGE,
+    REPO,
+    RUN_ID,
+    container_state,
+    free_port,
+    http_get,
+    metric,
+    pod_ip,
+    podman,
+    poll,
+)
+
+from kvxferd.sim.cluster import summarise
+
+pytestmark = pytest.mark.timeout(1800)  # the first test builds the image (minutes, once)
+
+MANIFESTS = REPO / "deploy" / "kubernetes"
+
+
+def _load(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+
+
+def _renamed(docs: list[dict[str, Any]], suffix: str) -> list[dict[str, Any]]:
+    """The manifests with this run's names and image."""
+    for doc in docs:
+        doc["metadata"]["name"] += suffix
+        if doc["kind"] != "Pod":
+            continue
+        for vol in doc["spec"]["volumes"]:
+            if "configMap" in vol:
+                vol["configMap"]["name"] += suffix
+            if "secret" in vol:
+                vol["secret"]["secretName"] += suffix
+        for c in doc["spec"]["containers"]:
+            c["image"] = IMAGE
+            # podman 4.3 publishes every containerPort on the host (as hostPort): give
+            # each a free loopback port so that two pods, or two runs, do not collide.
+            for port in c.get("ports", []):
+                port.update(hostIP="127.0.0.1", hostPort=free_port())
+    return docs
+
+
+def _secret_as_host_path(docs: list[dict[str, Any]], secret: dict[str, Any], tmp: Path) -> None:
+    """podman 4.3 (Debian 12) panics on a Pod's `secret:` volume (kube play's
+    VolumeFromSecret), though it plays the Secret itself: mount the Secret's data as a
+    host directory instead, the files and mode the kubelet would give it."""
+    where = tmp / secret["metadata"]["name"]
+    where.mkdir(exist_ok=True)
+    for key, value in secret["stringData"].items():
+        (where / key).write_text(value)
+        os.chown(where / key, 10001, 10001)
+        (where / key).chmod(0o440)
+    for vol in _pod(docs)["spec"]["volumes"]:
+        if "secret" in vol:
+            del vol["secret"]
+            vol["hostPath"] = {"path": str(where), "type": "Directory"}
+
+
+def _shm_from_the_pod(docs: list[dict[str, Any]]) -> None:
+    """podman 4.3 makes the `dshm` emptyDir (medium: Memory) a root-owned volume, not the
+    world-writable tmpfs a kubelet mounts, and UCX (inside NIXL) cannot make its shared
+    memory there as uid 10001 (NIXL_ERR_BACKEND). Drop it: the containers then share the
+    pod's own /dev/shm (one IPC namespace), as in a pod without that volume."""
+    pod = _pod(docs)
+    pod["spec"]["volumes"] = [v for v in pod["spec"]["volumes"] if v["name"] != "dshm"]
+    for c in pod["spec"]["containers"]:
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "dshm"]
+
+
+def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == "Pod")
+
+
+def _config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    config: dict[str, Any] = yaml.safe_load(cm["data"]["kvxferd.yaml"])
+    return config
+
+
+def _set_config(docs: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cm["data"]["kvxferd.yaml"] = yaml.safe_dump(config, sort_keys=False)
+
+
+def _report(container: str) -> dict[str, Any]:
+    out = podman("logs", container).stdout
+    line = next(x for x in reversed(out.splitlines()) if x.startswith('{"role"'))
+    report: dict[str, Any] = json.loads(line)
+    return report
+
+
+@pytest.fixture
+def played(image: str, tmp_path: Path) -> Iterator[list[Path]]:
+    """The files played (in order); each is taken down and its pods removed at the end."""
+    files: list[Path] = []
+    try:
+        yield files
+    finally:
+        for path in reversed(files):
+            podman("kube", "down", str(path), check=False, timeout=120)
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc["kind"] == "Pod":
+                    podman("pod", "rm", "-f", "-t", "0", doc["metadata"]["name"], check=False)
+                if doc["kind"] == "Secret":
+                    podman("secret", "rm", doc["metadata"]["name"], check=False)
+                if doc["kind"] == "ConfigMap":  # played as a volume; kube down leaves it
+                    podman("volume", "rm", "-f", doc["metadata"]["name"], check=False)
+
+
+def _play(played: list[Path], tmp_path: Path, name: str, docs: list[dict[str, Any]]) -> None:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    played.append(path)
+    podman("kube", "play", str(path), timeout=180)
+
+
+def test_manifests_declare_probes_scrape_and_config(image: str) -> None:
+    for name in ("prefill.yaml", "decode.yaml"):
+        docs = _load(name)
+        pod = _pod(docs)
+        notes = pod["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert int(notes["prometheus.io/port"]) == HTTP_PORT
+        sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == "kvxferd")
+        for probe, path in (
+            ("startupProbe", "/readyz"),
+            ("readinessProbe", "/readyz"),
+            ("livenessProbe", "/healthz"),
+        ):
+            assert sidecar[probe]["httpGet"]["path"] == path
+        config = _config(docs)
+        assert config["daemon"]["http"].endswith(f":{HTTP_PORT}")
+        grace = pod["spec"]["terminationGracePeriodSeconds"]
+        assert grace * 1000 > config["daemon"]["drain_timeout_ms"]
+        assert pod["spec"]["securityContext"]["runAsUser"] == 10001
+
+
+def test_kube_play_prefill_and_decode_exchange_verified_kv(
+    played: list[Path], tmp_path: Path
+) -> None:
+    suffix = f"-{RUN_ID}"
+    secret = _renamed(_load("secret.yaml"), suffix)
+    prefill = _renamed(_load("prefill.yaml"), suffix)
+    decode = _renamed(_load("decode.yaml"), suffix)
+    prefill_pod, decode_pod = _pod(prefill)["metadata"]["name"], _pod(decode)["metadata"]["name"]
+
+    _play(played, tmp_path, "secret.yaml", secret)
+    name = secret[0]["metadata"]["name"]
+    assert podman("secret", "inspect", name, check=False).returncode == 0, "Secret not played"
+    for docs in (prefill, decode):
+        _secret_as_host_path(docs, secret[0], tmp_path)
+        _shm_from_the_pod(docs)
+    _play(played, tmp_path, "prefill.yaml", prefill)
+    prefill_ip = pod_ip(prefill_pod)
+    # Where a cluster's DNS resolves the Service kvxferd-prefill: the prefill pod's IP.
+    config = _config(decode)
+    assert config["daemon"]["peers"]["ctx0"].startswith("kvxferd-prefill:")
+    config["daemon"]["peers"]["ctx0"] = f"{prefill_ip}:47400"
+    _set_config(decode, config)
+    _play(played, tmp_path, "decode.yaml", decode)
+    decode_ip = pod_ip(decode_pod)
+
+    # The decode engine verifies every byte and exits once its workload is done.
+    def exited(container: str) -> dict[str, Any] | None:
+        state = container_state(container)
+        return None if state.get("Running") or not state.get("FinishedAt") else state
+
+    for pod in (prefill_pod, decode_pod):
+        state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
+        assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
+    summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
+    assert summary["requests"] == 16
+    assert summary["verified"] == 16, summary
+
+    # The probes' and Prometheus's view: the pod IP, the port the annotations name.
+    for ip, side in ((prefill_ip, "send"), (decode_ip, "recv")):
+        address = f"{ip}:{HTTP_PORT}"
+        assert http_get(address, "/healthz")[0] == 200
+        assert http_get(address, "/readyz")[0] == 200
+        status, text = http_get(address, "/metrics")
+        assert status == 200
+        assert metric(text, "kvxferd_requests_total", side=side, status="done") == 16
+    # The sidecar runs as the manifest says: uid 10001, read-only root, JSON logs.
+    sidecar = f"{decode_pod}-kvxferd"
+    assert podman("exec", sidecar, "id", "-u").stdout.strip() == "10001"
+    touch = podman("exec", sidecar, "touch", "/opt/kvxferd/x", check=False)
+    assert touch.returncode != 0 and "Read-only" in touch.stderr
+    logs = podman("logs", sidecar).stderr + podman("logs", sidecar).stdout
+    assert any(x.startswith("{") and '"ready"' in x for x in logs.splitlines()), logs[-2000:]
