@@ -7,7 +7,6 @@ the image's health check, and a stop of the context pod mid-transfer."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -97,11 +96,11 @@ def test_two_pods_exchange_verified_kv(make_pod: MakePod) -> None:
     )
 
     # SIGTERM from the runtime: a drain, exit 0, well within the grace period.
-    t0 = time.monotonic()
     podman("stop", "-t", "40", ctx.daemon, timeout=60)
+    # Exit 0: it drained and exited on SIGTERM; killed at the grace period's end it would
+    # exit 137 (SIGKILL).
     state = container_state(ctx.daemon)
     assert state["ExitCode"] == 0, ctx.logs()[-3000:]
-    assert time.monotonic() - t0 < 30
     assert "Traceback" not in ctx.logs()
 
 
@@ -120,9 +119,7 @@ def test_context_pod_stopped_mid_transfer(make_pod: MakePod) -> None:
     done_before = poll("the first transfers done", some_done, 120, every_s=0.1)
     assert done_before < n, "the workload ended before the stop: make it longer"
     # The runtime stops the pod: SIGTERM to both containers, SIGKILL after the grace period.
-    t0 = time.monotonic()
     podman("pod", "stop", "-t", "40", ctx.name, timeout=90)
-    stop_s = time.monotonic() - t0
     send.communicate(timeout=60)
 
     # Context side: the daemon drained and exited 0 (not killed at the grace period's
@@ -130,7 +127,6 @@ def test_context_pod_stopped_mid_transfer(make_pod: MakePod) -> None:
     state = container_state(ctx.daemon)
     log = ctx.logs()
     assert state["ExitCode"] == 0, log[-3000:]
-    assert stop_s < 35, f"pod stop took {stop_s:.1f} s"
     assert "Traceback" not in log, log[-3000:]
     lines = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
     assert any("draining" in x["msg"] for x in lines), log[-3000:]
