@@ -25,11 +25,10 @@ from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
-from kvxferd.transceiver.direct_rx import NO_BOUNCE_ROOM
 from kvxferd.transceiver.legs import TxLeg, split_problem, whole_blocks
 from kvxferd.transceiver.plan import plan_write
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import reserve_by
+from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import Writes
 

@@ -21,14 +21,11 @@ from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads, whole_blocks_from
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staging import reserve_by
+from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
 from kvxferd.transceiver.state import Reason, Status
 
 if TYPE_CHECKING:
     from kvxferd.service.pools import LocalPool
-
-# Why a copy-only receive ended that found no room in the bounce region in time.
-NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce buffer"
 
 
 def copy_only(pool: LocalPool, conn: PeerConnection) -> bool:

@@ -20,6 +20,7 @@ DEFAULT_STAGING_TOKENS = 8192
 
 # Why a request ended that found no room in time (on either side).
 NO_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the staging buffer"
+NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce buffer"
 
 _R = TypeVar("_R")
 
