@@ -13,9 +13,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q --no-deps 'nixl-cu12>=1.5,<2'
-"$VENV/bin/python" -m pip install -q -e ".[dev,ucx,mpi,mooncake]"
+"$VENV/bin/python" -m pip install -q -e ".[dev,ucx,mpi,mooncake,etcd]"
 ./scripts/system-deps.sh
-"$VENV/bin/python" -c "import nixl_cu12, ucxx, mpi4py, kvxferd; print('kvxferd', kvxferd.__version__, 'installed with NIXL, UCX and MPI')"
+"$VENV/bin/python" -c "import nixl_cu12, ucxx, mpi4py, aetcd, kvxferd; print('kvxferd', kvxferd.__version__, 'installed with NIXL, UCX, MPI and the etcd client')"
 # Mooncake's engine loads system libraries; say so here rather than at the first MOONCAKE run.
 "$VENV/bin/python" -c "import mooncake.engine" 2>/dev/null && echo "MOONCAKE backend loads" \
   || echo "MOONCAKE backend does not load here (see scripts/system-deps.sh); every other backend works" >&2

@@ -173,6 +173,8 @@ class ApiError(Code):
     BAD_REQUEST = "bad_request"
     DUPLICATE_REQUEST = "duplicate_request"
     UNKNOWN_REQUEST = "unknown_request"
+    # A receive naming a peer that discovery does not know (never registered, or left).
+    PEER_UNKNOWN = "peer_unknown"
     UNKNOWN_POOL = "unknown_pool"
     POOL_EXISTS = "pool_exists"
     POOL_BUSY = "pool_busy"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvxferd.bench.runner import BenchError
+from kvxferd.bench.children import BenchError
 
 # How a table writes a value: a format spec ("" for str()) or a function.
 Format = str | Callable[[Any], str]
@@ -68,9 +68,11 @@ def column_table(
     A value is written as `formats` says for its key, else as `default`."""
 
     def cell(value: Any, how: Format) -> str:
+        if value is None:
+            return "-"  # not measured (the JSON's bare_note says why)
         return format(value, how) if isinstance(how, str) else how(value)
 
-    rows = [[cell(r[key], formats.get(key, default)) for key in columns] for r in results]
+    rows = [[cell(r.get(key), formats.get(key, default)) for key in columns] for r in results]
     return _table(list(columns.values()), rows)
 
 
@@ -84,6 +86,10 @@ _SMALL_COLUMNS = {
     "raw_p50_ms": "raw p50",
     "raw_p99_ms": "raw p99",
     "ratio_to_raw": "vs raw",
+    "bare": "bare",
+    "ratio_to_bare_rate": "vs bare rate",
+    "p50_minus_bare_ms": "p50 - bare",
+    "cpu_ms_per_request": "CPU ms/req",
 }
 # Latencies (ms) to the µs, rates whole, the ratio in hundredths.
 _SMALL_FORMATS: dict[str, Format] = {
@@ -92,6 +98,8 @@ _SMALL_FORMATS: dict[str, Format] = {
     "requests_per_s": ".0f",
     "raw_requests_per_s": ".0f",
     "ratio_to_raw": ".2f",
+    "bare": "",
+    "ratio_to_bare_rate": ".2f",
 }
 _SWEEP_COLUMNS = {
     "config": "config",
@@ -107,6 +115,10 @@ _SWEEP_COLUMNS = {
     "ratio_to_raw": "vs raw",
     "memcpy_gbps": "memcpy GB/s",
     "ratio_to_memcpy": "vs memcpy",
+    "bare": "bare",
+    "bare_gbps": "bare GB/s",
+    "ratio_to_bare": "vs bare",
+    "cpu_s_per_gb": "CPU s/GB",
 }
 # Counts as they are, everything measured in hundredths.
 _SWEEP_FORMATS: dict[str, Format] = {
@@ -115,6 +127,7 @@ _SWEEP_FORMATS: dict[str, Format] = {
     "blocks": "",
     "bytes": _mib,
     "descriptors": "",
+    "bare": "",
 }
 
 
@@ -126,13 +139,17 @@ def format_table(report: dict[str, Any]) -> str:
         lines += column_table(_SMALL_COLUMNS, report["results"], ".3f", _SMALL_FORMATS)
         lines.append(
             f"\nraw NIXL: {raw['requests']} one-block transfers in {raw['seconds']:.2f} s "
-            "(post + busy poll in one process)"
+            "(post + busy poll in one process); bare: each configuration's own transport "
+            "(nixl: this raw pair); CPU: both daemons' utime + stime over the timed requests"
         )
         return "\n".join(lines)
     lines += column_table(_SWEEP_COLUMNS, report["results"], ".2f", _SWEEP_FORMATS)
     lines.append(
         "\nGB/s: bytes of the timed requests / busy time (union of send-to-completion "
-        "intervals); raw: bare NIXL pair, same segments; memcpy: one np.copyto, best of 3"
+        "intervals); raw: bare NIXL pair, same segments; memcpy: one np.copyto, best of 3;\n"
+        "bare: the configuration's own transport in the same run (nixl: the raw pair; "
+        "X-rounds: X moving the staged runtime's rounds between two contiguous buffers);\n"
+        "CPU s/GB: both daemons' utime + stime over the timed requests, per GB moved"
     )
     return "\n".join(lines)
 

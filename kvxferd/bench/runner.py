@@ -11,13 +11,10 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import importlib.metadata
-import json
 import os
 import platform
-import select
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,22 +23,21 @@ from typing import Any, TextIO
 
 from kvxferd import __version__
 from kvxferd.backends.nixl import NIXL_MODULES, nixl_module_name, package_name
+from kvxferd.bench import bare_run, cpu
+from kvxferd.bench.bare_run import cpu_pids_args
 from kvxferd.bench.baseline import device_copy_gbps, memcpy_gbps
+from kvxferd.bench.children import BenchError as BenchError  # re-exported: its old home
+from kvxferd.bench.children import check_report as _check_report
+from kvxferd.bench.children import spawn as _spawn
+from kvxferd.bench.children import wait_all as _wait
 from kvxferd.bench.configs import BenchConfig
 from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
 from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
 from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
-from kvxferd.errors import KvxferdError
 
 #: About how long the processes of a phase take to start (for the --small progress bar).
 _STARTUP_S = 3.0
-#: How long a child's partner gets to finish after it exited, before it is killed.
-_GRACE_S = 15.0
-
-
-class BenchError(KvxferdError):
-    """The benchmark could not run or a request failed (exit status 1)."""
 
 
 @dataclass(frozen=True)
@@ -69,109 +65,7 @@ class Options:
         return SMALL if self.small else SWEEP
 
 
-# -- child processes ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    out_path: Path
-    err_path: Path
-    killed: bool = False
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        try:
-            return self.err_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def report(self) -> dict[str, Any]:
-        if self.killed:
-            raise BenchError(
-                f"{self.name} did not finish within {_GRACE_S:.0f} s of its partner and was "
-                f"stopped:\n{self.stderr_tail()}"
-            )
-        text = self.out_path.read_text(errors="replace").strip()
-        try:
-            report: dict[str, Any] = json.loads(text.splitlines()[-1]) if text else {}
-        except json.JSONDecodeError as exc:
-            raise BenchError(
-                f"{self.name} printed no report ({exc}):\n{text[-1000:]}\n{self.stderr_tail()}"
-            ) from exc
-        if not report:
-            raise BenchError(f"{self.name} printed no report:\n{self.stderr_tail()}")
-        return report
-
-
-def _spawn(
-    workdir: Path,
-    name: str,
-    argv: list[str],
-    pass_fds: Sequence[int] = (),
-    stdin: int | None = subprocess.DEVNULL,
-) -> _Child:
-    out_path, err_path = workdir / f"{name}.out", workdir / f"{name}.err"
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, *argv],
-            stdout=out,
-            stderr=err,
-            stdin=stdin,
-            pass_fds=tuple(pass_fds),
-        )
-    return _Child(name, proc, out_path, err_path)
-
-
-def _wait(children: list[_Child], progress_fd: int, prog: Progress, timeout_s: float) -> None:
-    """Wait for every child, relaying the progress bytes. Once one has exited, the others get
-    _GRACE_S to follow (partners finish within milliseconds of each other), then are killed.
-    Raises for a child that failed by itself; the caller reads the reports of the rest."""
-    deadline = time.monotonic() + timeout_s
-    fd_open = True
-    first_exit: float | None = None
-    try:
-        while True:
-            if fd_open:
-                ready, _, _ = select.select([progress_fd], [], [], 0.1)
-                if ready:
-                    data = os.read(progress_fd, 65536)
-                    if data:
-                        prog.advance(len(data))
-                    else:
-                        fd_open = False
-            else:
-                time.sleep(0.05)
-            prog.tick()
-            codes = [c.proc.poll() for c in children]
-            if all(code is not None for code in codes):
-                break
-            now = time.monotonic()
-            if first_exit is None and any(code is not None for code in codes):
-                first_exit = now
-            if first_exit is not None and now - first_exit > _GRACE_S:
-                break
-            if now > deadline:
-                running = [c.name for c in children if c.proc.poll() is None]
-                raise BenchError(f"{', '.join(running)} still running after {timeout_s:.0f} s")
-    finally:
-        for c in children:
-            if c.proc.poll() is None:
-                c.killed = True
-                c.proc.kill()
-                c.proc.wait(10)
-    for c in children:
-        if c.proc.returncode != 0 and not c.killed:
-            raise BenchError(f"{c.name} exited with status {c.proc.returncode}:\n{c.stderr_tail()}")
-
-
 # -- runs ----------------------------------------------------------------------------------------
-
-
-def _check_report(what: str, report: dict[str, Any], logs: str = "") -> None:
-    if report.get("error"):
-        detail = report.get("traceback", "")  # only when an exception ended the process
-        raise BenchError(f"{what}: {report['error']}" + (f"\n{detail}" if detail else "") + logs)
 
 
 def _memory_args(memory: str, vram_share: str | None = None) -> list[str]:
@@ -301,7 +195,7 @@ def _daemon_run(
                 "engine-gen",
                 [*common, "--role", "generation", "--socket", gen.api_socket,
                  "--peer", ctx.peer_address, "--notify-fd", str(notify_w),
-                 "--progress-fd", str(prog_w)],
+                 "--progress-fd", str(prog_w), *cpu_pids_args(ctx.proc.pid, gen.proc.pid)],
                 pass_fds=(notify_w, prog_w),
             )  # fmt: skip
         finally:
@@ -594,6 +488,7 @@ def _run_sweep(
     results: list[dict[str, Any]] = []
     report["results"] = results
     for config in opts.configs:
+        bare = _sweep_bare(opts, plan, plan_path, workdir, prog, config, report)
         prog.start_phase(config.name, units)
         gen, ctx = _daemon_run(
             config, plan_path, plan, workdir, prog, opts.timeout_s,
@@ -631,6 +526,8 @@ def _run_sweep(
                     "memcpy_gbps": _sig(memcpy[t]),
                     "ratio_to_memcpy": _sig(ratio(timing.gbps, memcpy[t])),
                 }
+                | _bare_fields(bare, t, rt, timing)
+                | _cpu_fields(gen, t, nbytes * plan.requests, plan.requests)
             )
             summary.append(f"{t} tok {timing.gbps:.2f} GB/s")
         prog.end_phase(", ".join(summary))
@@ -692,12 +589,116 @@ def _run_small(
                 "raw_p99_ms": _sig(raw_timing.p99_ms),
                 "ratio_to_raw": _sig(ratio(rps, raw_rps)),
             }
+            | _small_bare_fields(config, rps, timing, raw_rps, raw_timing)
+            | _cpu_fields(gen, g.tokens_per_block, nbytes * len(intervals), len(intervals))
         )
         prog.end_phase(f"{rps:.0f} requests/s, p50 {timing.p50_ms:.2f} ms")
     first = results[0]
     for key in ("requests_per_s", "p50_ms", "p99_ms", "raw_requests_per_s", "raw_p50_ms",
                 "raw_p99_ms", "ratio_to_raw"):  # fmt: skip
         report[key] = first[key]
+
+
+# -- each configuration against its own bare transport ----------------------------------------
+
+
+def _sweep_bare(
+    opts: Options, plan: Plan, plan_path: Path, workdir: Path, prog: Progress,
+    config: BenchConfig, report: dict[str, Any],
+) -> dict[int, tuple[str, Timing, list[int], float | None]] | str | None:  # fmt: skip
+    """Run `config`'s staged bare pair (right before the configuration itself): per length
+    (bare name, timing, blocks per round, CPU seconds); None when its bare transport is the
+    raw NIXL pair; a sentence when it has one that this run cannot measure."""
+    spec = bare_run.bare_for(config)
+    if spec is None:
+        return None
+    if opts.memory != "host":
+        return f"the {spec.name} pair moves host memory only"
+    if plan.in_flight != 1:
+        return f"the {spec.name} pair runs one request at a time (--in-flight 1)"
+    tokens = bare_run.staging_tokens(config)
+    prog.start_phase(f"bare {spec.name}", len(plan.lengths) * (plan.warmup + plan.requests))
+    sender = bare_run.run_pair(spec, tokens, plan_path, workdir, prog, opts.timeout_s)
+    out = {}
+    rows = report.setdefault("bare", [])
+    for t in plan.lengths:
+        res = bare_run.result_of(sender, plan.geometry, t, plan.requests, spec.name)
+        out[t] = (spec.name, res.timing, res.rounds, res.cpu_s)
+        moved = plan.geometry.request_bytes(t) * plan.requests
+        rows.append(
+            {
+                "config": config.name,
+                "bare": spec.name,
+                "tokens": t,
+                "bytes": plan.geometry.request_bytes(t),
+                "round_blocks": res.rounds,
+                "staging_tokens": tokens,
+                "gbps": _sig(res.timing.gbps),
+                "p50_ms": _sig(res.timing.p50_ms),
+                "p99_ms": _sig(res.timing.p99_ms),
+                "cpu_s_per_gb": _opt(cpu.per_gb(res.cpu_s, moved)),
+                "verified": sender.get("verified", 0),
+            }
+        )
+    prog.end_phase(", ".join(f"{t} tok {v[1].gbps:.2f} GB/s" for t, v in out.items()))
+    return out
+
+
+def _bare_fields(
+    bare: dict[int, tuple[str, Timing, list[int], float | None]] | str | None,
+    tokens: int,
+    raw: Timing,
+    timing: Timing,
+) -> dict[str, Any]:
+    """A sweep row's own-baseline fields: the raw NIXL pair's for the PYTHON runtime, the
+    staged pair's for the staged one (None where not measured, `bare_note` says why)."""
+    if bare is None:
+        name, base, rounds = bare_run.RAW, raw, None
+    elif isinstance(bare, str):
+        return {"bare": None, "bare_gbps": None, "bare_p50_ms": None, "bare_p99_ms": None,
+                "ratio_to_bare": None, "bare_note": bare}  # fmt: skip
+    else:
+        name, base, rounds, _ = bare[tokens]
+    return {
+        "bare": name,
+        "bare_gbps": _sig(base.gbps),
+        "bare_p50_ms": _sig(base.p50_ms),
+        "bare_p99_ms": _sig(base.p99_ms),
+        "ratio_to_bare": _sig(ratio(timing.gbps, base.gbps)),
+    } | ({"bare_round_blocks": rounds} if rounds is not None else {})
+
+
+def _small_bare_fields(
+    config: BenchConfig, rps: float, timing: Timing, raw_rps: float, raw: Timing
+) -> dict[str, Any]:
+    """--small: the bare request rate is the raw NIXL pair's one-block writes, the own
+    baseline of every configuration over NIXL; the others have none here."""
+    backend, _ = bare_run.effective(config)
+    if backend != "NIXL":
+        return {"bare": None, "ratio_to_bare_rate": None, "p50_minus_bare_ms": None,
+                "bare_note": f"--small measures no bare {backend.lower()} pair"}  # fmt: skip
+    return {
+        "bare": bare_run.RAW,
+        "bare_requests_per_s": _sig(raw_rps),
+        "ratio_to_bare_rate": _sig(ratio(rps, raw_rps)),
+        "p50_minus_bare_ms": _sig(timing.p50_ms - raw.p50_ms),
+    }
+
+
+def _cpu_fields(gen: dict[str, Any], tokens: int, moved: int, requests: int) -> dict[str, Any]:
+    """Both daemons' CPU seconds over the timed requests (utime + stime, /proc), per GB
+    moved and per request."""
+    spent = bare_run.daemon_cpu_s(gen, tokens)
+    return {
+        "cpu_s": _opt(spent),
+        "cpu_s_per_gb": _opt(cpu.per_gb(spent, moved)),
+        "cpu_ms_per_request": _opt(None if spent is None or not requests
+                                   else spent * 1e3 / requests),
+    }  # fmt: skip
+
+
+def _opt(x: float | None) -> float | None:
+    return None if x is None else _sig(x)
 
 
 def _elapsed(intervals: list[tuple[int, int]], start_ns: int) -> float:

@@ -91,6 +91,22 @@ def _pool_line(pool_id: str, row: dict[str, Any]) -> str:
     return f"  pool {pool_id}: host" + (f" ({sharing})" if sharing else "")
 
 
+def discovery_line(disc: dict[str, Any]) -> str:
+    """ "discovery: etcd up for 12 s, 4 member(s), registered" or down since, with why."""
+    kind = disc.get("kind")
+    if kind == "static":
+        return f"  discovery: static, {disc.get('members', 0)} configured peer(s)"
+    state = "up" if disc.get("up") else "DOWN"
+    line = (
+        f"  discovery: {kind} {state} for {disc.get('for_s', 0):.0f} s, "
+        f"{disc.get('members', 0)} member(s), "
+        + ("registered" if disc.get("registered") else "not registered")
+    )
+    if not disc.get("up") and disc.get("last_error"):
+        line += f"; last error: {disc['last_error']}"
+    return line
+
+
 def summary(doc: dict[str, Any]) -> str:
     state = "draining" if doc.get("draining") else "ready" if doc.get("ready") else "not ready"
     settings = doc.get("settings", {})
@@ -115,6 +131,9 @@ def summary(doc: dict[str, Any]) -> str:
             f"zero-copy {'on' if device.get('zero_copy') else 'off'}"
         )
     lines += [_pool_line(pool_id, row) for pool_id, row in sorted(pool_memory(doc).items())]
+    disc = doc.get("discovery")
+    if disc:
+        lines.append(discovery_line(disc))
     peers = doc.get("peers", [])
     lines.append(f"  peers: {len(peers)}")
     lines += [

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from kvxferd.config import trtllm
 from kvxferd.config.diagnostics import Loc, dotted, format_validation_error, show
+from kvxferd.config.discovery import ETCD_FILE_FIELDS
 from kvxferd.config.model import KvxferdConfig
 from kvxferd.errors import ConfigError
 from kvxferd.peers import tls
@@ -154,21 +155,41 @@ def _finish(cfg: KvxferdConfig, doc: _Document, paths: Mapping[str, str]) -> Kvx
     }
     if relative:
         cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=relative)})
+    etcd = cfg.daemon.etcd
+    if etcd is not None:
+        # The same rule for the etcd section's files.
+        etcd_relative = {
+            key: str(doc.base_dir / value)
+            for key in ETCD_FILE_FIELDS
+            if (value := getattr(etcd, key)) is not None and not os.path.isabs(value)
+        }
+        if etcd_relative:
+            etcd = etcd.model_copy(update=etcd_relative)
+            cfg = cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update={"etcd": etcd})})
     try:
         cfg.daemon.read_shared_secret()
         tls.load(cfg.daemon)  # unreadable or mismatched files fail here, not at start
+        if etcd is not None:
+            etcd.read_password()
+            etcd.read_tls()
     except ConfigError as exc:
         raise _fail(
             doc.source,
             [_file_problem(doc, p) for p in exc.problems],
         ) from None
+    if etcd is not None and etcd.tp_rank >= cfg.engine.tensor_parallel_size:
+        problem = (
+            f"must be below engine.tensor_parallel_size ({cfg.engine.tensor_parallel_size}), "
+            f"as ranks count from 0 (got {etcd.tp_rank})"
+        )
+        raise _fail(doc.source, [doc.problem(("daemon", "etcd", "tp_rank"), problem)])
     return cfg.with_source(doc.source, paths)
 
 
 def _file_problem(doc: _Document, problem: str) -> str:
-    """A 'daemon.KEY: text' problem, placed at KEY's line in the document."""
+    """A 'daemon.KEY: text' (or 'daemon.etcd.KEY: text') problem, placed at KEY's line."""
     path, text = problem.split(": ", 1)
-    return doc.problem(("daemon", path.split(".", 1)[1]), text)
+    return doc.problem(tuple(path.split(".")), text)
 
 
 def _load_native(doc: _Document, role: str | None) -> KvxferdConfig:

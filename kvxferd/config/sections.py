@@ -8,65 +8,26 @@ sections may be left out of a file.
 
 from __future__ import annotations
 
-import ipaddress
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from kvxferd.config.discovery import WILDCARD_HOSTS, EtcdSection
+from kvxferd.config.fields import NAME_PATTERN, SECTION_CONFIG, parse_hostport
 from kvxferd.errors import ConfigError
-
-# Strict: YAML already yields typed values, so "60000" (a string) or `true` for an
-# integer field is almost certainly a mistake and is reported, not coerced.
-SECTION_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
-_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
 
 Dtype = Literal["float16", "bfloat16", "float32", "float8", "int8"]
 # The daemon section's mutual-TLS files: all three, or none.
 _TLS_FIELDS = ("tls_cert_file", "tls_key_file", "tls_ca_file")
 _ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "int8": 1}
-
-
-def parse_hostport(value: str, *, min_port: int = 0) -> tuple[str, int]:
-    """Split "host:port" ("[v6addr]:port" for IPv6) and check both parts.
-
-    Raises ValueError with an operator-facing message; pydantic turns it into a
-    validation error at the field's path.
-    """
-    allowed = f"host:port with a port from {min_port} to 65535, e.g. 127.0.0.1:47400"
-    if value.startswith("["):
-        close = value.find("]:")
-        if close < 0:
-            raise ValueError(f"must be {allowed} (got {value!r})")
-        host, port_text = value[1:close], value[close + 2 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(
-                f"{host!r} in brackets is not an IPv6 address (got {value!r})"
-            ) from None
-    else:
-        host, sep, port_text = value.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"must be {allowed} (got {value!r})")
-        if ":" in host:
-            raise ValueError(f"write an IPv6 address in brackets, e.g. [::1]:47400 (got {value!r})")
-        if not _HOSTNAME.match(host):
-            raise ValueError(f"{host!r} is not a valid host name or address (got {value!r})")
-    if not port_text.isdigit() or not min_port <= int(port_text) <= 65535:
-        raise ValueError(f"must be {allowed} (got {value!r})")
-    return host, int(port_text)
 
 
 def _listen_address(value: str) -> str:
@@ -214,6 +175,16 @@ class DaemonSection(BaseModel):
         default_factory=dict,
         description="Static peers: daemon name -> host:port of its peer_listen address.",
     )
+    discovery: Literal["static", "etcd"] = Field(
+        default="static",
+        description="How peer names resolve to addresses: static (daemon.peers) or etcd "
+        "(every daemon registers itself under a lease and watches the others; daemon.etcd).",
+    )
+    etcd: EtcdSection | None = Field(
+        default=None,
+        description="etcd endpoints, cluster name, lease TTL, TLS and credentials; used with "
+        "discovery: etcd and only then.",
+    )
     http: ListenAddress | None = Field(
         default="127.0.0.1:9400",
         description="host:port serving /metrics, /healthz, /readyz and the JSON status; "
@@ -296,6 +267,35 @@ class DaemonSection(BaseModel):
                 f"mutual TLS needs tls_cert_file, tls_key_file and tls_ca_file together: "
                 f"{', '.join(given)} set but {', '.join(missing)} not"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _discovery_settings(self) -> DaemonSection:
+        # Raised as ValueError at the daemon section (pydantic adds no deeper path for a
+        # model check), so each message starts with the setting it is about.
+        if self.discovery == "static" and self.etcd is not None:
+            raise ValueError(
+                "etcd: set, but discovery is static (the default), so it would be ignored: "
+                "add discovery: etcd, or remove the etcd section"
+            )
+        if self.discovery == "etcd":
+            if self.etcd is None:
+                raise ValueError(
+                    "discovery: etcd needs an etcd section with at least its endpoints, "
+                    "e.g. etcd: {endpoints: ['127.0.0.1:2379']}"
+                )
+            if self.peers:
+                raise ValueError(
+                    "peers: static peers and discovery: etcd do not mix (a name would resolve "
+                    "two ways): remove daemon.peers, or use discovery: static"
+                )
+            host, _ = parse_hostport(self.peer_listen)
+            if host in WILDCARD_HOSTS and self.etcd.advertise_address is None:
+                raise ValueError(
+                    f"etcd.advertise_address: needed because peer_listen {self.peer_listen} "
+                    "is a wildcard that no peer can dial: set it to this host's address on "
+                    "the peers' network (host or host:port)"
+                )
         return self
 
     @property

@@ -74,6 +74,19 @@ class PeerObserver(Protocol):
     def peer_closed(self, peer: str, heartbeat_lost: bool) -> None: ...
 
 
+class Resolver(Protocol):
+    """Peer name -> address to dial (kvxferd.discovery.AddressResolver)."""
+
+    @property
+    def static_peers(self) -> dict[str, str]:
+        """daemon.peers, replaced in place by a reload (empty with etcd discovery)."""
+        ...
+
+    def resolve_address(self, peer: str) -> str:
+        """The address for `peer` (a name or HOST:PORT); KvxferdError saying why not."""
+        ...
+
+
 @dataclass
 class PeerTimings:
     handshake_s: float
@@ -89,7 +102,7 @@ class PeerManager:
         make_info: Callable[[], Awaitable[Info]],
         check_info: InfoCheck,
         timings: PeerTimings,
-        static_peers: dict[str, str],
+        resolver: Resolver,
         on_message: OnMessage,
         on_closed: OnClosed,
     ) -> None:
@@ -98,7 +111,8 @@ class PeerManager:
         self._make_info = make_info
         self._check_info = check_info
         self.timings = timings
-        self.static_peers = static_peers
+        # Names resolve through discovery (static or etcd), given, not built, here.
+        self.resolver = resolver
         self._on_message = on_message
         self._on_closed = on_closed
         self.connections: dict[str, PeerConnection] = {}  # by peer key name/incarnation
@@ -242,8 +256,12 @@ class PeerManager:
 
     # --------------------------------------------------------------- dialing
 
+    @property
+    def static_peers(self) -> dict[str, str]:
+        return self.resolver.static_peers
+
     def resolve_address(self, peer: str) -> str:
-        address = self.static_peers.get(peer, peer)
+        address = self.resolver.resolve_address(peer)
         split_hostport(address)
         return address
 

@@ -20,6 +20,8 @@ from kvxferd import __version__
 from kvxferd.api.server import ApiServer
 from kvxferd.backends import registry
 from kvxferd.config import KvxferdConfig, ResolvedSettings
+from kvxferd.discovery import AddressResolver
+from kvxferd.discovery.build import make_discovery
 from kvxferd.errors import KvxferdError, StartupError
 from kvxferd.memory import device
 from kvxferd.peers import tls
@@ -36,7 +38,7 @@ from kvxferd.service.peer_routes import PeerRoutes
 from kvxferd.service.pools import PoolRegistry
 from kvxferd.service.reload import ConfigLoader, ReloadReport, serve_reloads
 from kvxferd.service.sdnotify import Notifier
-from kvxferd.service.status import daemon_status
+from kvxferd.service.status import daemon_status, readiness_detail
 from kvxferd.service.timeouts import timeouts_of
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
@@ -194,6 +196,8 @@ class Daemon:
             bounce=self.bounce, mover=SEND_MOVERS[settings.runtime],
         )  # fmt: skip
         self.routes = PeerRoutes(self, self.dataplane, self.tasks, self.agent_name)
+        # How peer names become addresses: daemon.peers, or etcd (registered at start).
+        self.discovery = make_discovery(cfg, self.incarnation)
         self.peers = PeerManager(
             self.identity,
             self.dataplane,
@@ -204,7 +208,7 @@ class Daemon:
                 heartbeat_interval_s=d.heartbeat_interval_ms / 1e3,
                 heartbeat_timeout_s=d.heartbeat_timeout_ms / 1e3,
             ),
-            dict(d.peers),
+            AddressResolver(self.discovery),
             self.routes.on_message,
             self.routes.closed,
         )
@@ -308,6 +312,8 @@ class Daemon:
         host, port = split_hostport(d.peer_listen)
         address = await self.peers.listen(host, port)
         log.info("listening for peers on %s", address)
+        # Registered once peers can reach us; etcd absent is not fatal (discovery down).
+        await self.discovery.start(address)
         await self.api.start()
         log.info("engine API on %s", self.api.path)
         if self.http is not None and d.http:
@@ -381,6 +387,8 @@ class Daemon:
             return
         self.draining = True
         self.ready = False
+        # Leave discovery first: nobody should pick this daemon for new work while it drains.
+        await self.discovery.close()
         deadline = time.monotonic() + self.cfg.daemon.drain_timeout_ms / 1e3
         active = self.sender.active_count() + self.receiver.active_count()
         log.info("draining: %d request(s) in flight", active)
@@ -431,3 +439,6 @@ class Daemon:
 
     def status(self) -> dict[str, object]:
         return daemon_status(self)
+
+    def readiness_detail(self) -> str:
+        return readiness_detail(self)

@@ -28,6 +28,7 @@ from kvxferd.api.messages import (
     Send,
 )
 from kvxferd.api.server import EngineConnection
+from kvxferd.discovery import PeerUnknownError
 from kvxferd.errors import KvxferdError, RequestError
 from kvxferd.memory import device
 from kvxferd.memory.heads import TpRank
@@ -162,6 +163,10 @@ class EngineCalls:
         for peer in peers:
             try:
                 address = manager.resolve_address(peer)
+            except PeerUnknownError as exc:
+                # Discovery does not know it (never registered, or its lease ended): fail
+                # now, with why, rather than at a dial that cannot succeed.
+                raise RequestError(ApiError.PEER_UNKNOWN, str(exc)) from exc
             except Exception as exc:
                 raise RequestError(
                     ApiError.BAD_REQUEST,

@@ -2,8 +2,10 @@
 
 /healthz: the process and its event loop answer (served by that loop, so an
 answer is the proof). /readyz: 200 only once the data plane, peer listener and
-engine API are up, and not while draining. /v1/status: JSON status. /metrics:
-Prometheus text format. Kept dependency-free; each response closes the connection.
+engine API are up, and not while draining; its body says discovery's state too, which
+does not change the status code (an etcd outage must not take every pod out at once).
+/v1/status: JSON status. /metrics: Prometheus text format. Kept dependency-free; each
+response closes the connection.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class StatusSource(Protocol):
 
     def status(self) -> dict[str, object]: ...
 
+    def readiness_detail(self) -> str:
+        """Lines after /readyz's first (discovery's state); '' for none."""
+        ...
+
 
 class HttpServer:
     def __init__(self, source: StatusSource, metrics: Callable[[], bytes] | None = None) -> None:
@@ -99,9 +105,10 @@ class HttpServer:
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":
+            detail = self._source.readiness_detail().encode()
             if self._source.ready:
-                return 200, "text/plain", b"ready\n"
-            return 503, "text/plain", b"not ready\n"
+                return 200, "text/plain", b"ready\n" + detail
+            return 503, "text/plain", b"not ready\n" + detail
         if path == "/v1/status":
             body = json.dumps(self._source.status(), indent=2).encode() + b"\n"
             return 200, "application/json", body

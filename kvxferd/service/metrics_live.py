@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from kvxferd.discovery import DiscoveryState
     from kvxferd.service.view import DaemonView
     from kvxferd.transceiver.holds import HoldKeeper
 
@@ -65,6 +66,7 @@ class LiveCollector:
             "Posted writes not yet confirmed quiescent.",
             d.sender.writes.open_handles,
         )
+        yield from _discovery_families(d.discovery.state)
         yield from _bounce_families(getattr(d, "bounce", None))
         yield from _hold_families(d.receiver.holds)
         yield _gauge(
@@ -72,6 +74,33 @@ class LiveCollector:
             "How late the event loop woke a 100 ms sleep, last measurement.",
             d.loop_monitor.lag_s,
         )
+
+
+def _discovery_families(state: DiscoveryState) -> Iterable[Metric]:
+    """Discovery (static: always up; etcd: registered and watching)."""
+    yield _gauge(
+        "kvxferd_discovery_up",
+        "1 while discovery works (etcd: registered, lease kept, prefix watched); "
+        "0 while etcd is unreachable. Transfers go on either way.",
+        state.up,
+    )
+    yield _gauge(
+        "kvxferd_discovery_registered", "1 while this daemon's key is in etcd.", state.registered
+    )
+    yield _gauge(
+        "kvxferd_discovery_members",
+        "Daemons discovery knows (etcd: registered in the cluster, this one included).",
+        state.members,
+    )
+    errors = CounterMetricFamily(
+        "kvxferd_discovery_errors",
+        "Discovery failures by kind: registration, keepalive, watch, conflict (name held by "
+        "another live daemon), malformed (a value in etcd that does not decode), internal.",
+        labels=["kind"],
+    )
+    for kind in ("registration", "keepalive", "watch", "conflict", "malformed", "internal"):
+        errors.add_metric([kind], state.errors.get(kind, 0))
+    yield errors
 
 
 def _bounce_families(bounce: object | None) -> Iterable[Metric]:

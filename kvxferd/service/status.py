@@ -14,6 +14,9 @@ from kvxferd.transceiver.sessions import RxSession, TxSession
 if TYPE_CHECKING:
     from kvxferd.service.view import DaemonView
 
+# Names listed in the status (the count is always exact).
+_MEMBERS_LISTED = 256
+
 
 def daemon_status(daemon: DaemonView) -> dict[str, object]:
     return {
@@ -107,7 +110,24 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
         "handshake_failures": dict(daemon.peers.handshake_failures),
+        # How peer names resolve (static or etcd): up or down since when, members, errors.
+        "discovery": {
+            **daemon.discovery.state.to_json_dict(),
+            "member_names": sorted(daemon.discovery.members())[:_MEMBERS_LISTED],
+        },
     }
+
+
+def readiness_detail(daemon: DaemonView) -> str:
+    """The lines /readyz adds after ready / not ready: discovery's state. An etcd outage
+    does not make the daemon unready (docs/operations.md, "Discovery with etcd")."""
+    state = daemon.discovery.state
+    if state.kind == "static":
+        return "discovery: static\n"
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.since))
+    if state.up:
+        return f"discovery: up since {since}, {state.members} member(s)\n"
+    return f"discovery: down since {since}: {state.last_error or '?'}\n"
 
 
 def _buffers(daemon: DaemonView) -> dict[str, object] | None:

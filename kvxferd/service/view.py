@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from kvxferd.api.server import ApiServer
     from kvxferd.config import KvxferdConfig, ResolvedSettings
+    from kvxferd.discovery import Discovery
     from kvxferd.peers.handshake import Identity
     from kvxferd.peers.manager import PeerManager
     from kvxferd.service.loopmon import LoopMonitor
@@ -58,6 +59,8 @@ class DaemonView(Protocol):
     def pools(self) -> PoolRegistry: ...
     @property
     def peers(self) -> PeerManager: ...
+    @property
+    def discovery(self) -> Discovery: ...
     @property
     def api(self) -> ApiServer: ...
     @property

@@ -134,6 +134,10 @@ class LocalCluster:
     # a host cluster's configs and commands are what they always were.
     kv_memory: str = "host"
     vram_share: str = "ipc"
+    # etcd discovery: the `daemon.etcd` section every daemon gets (at least `endpoints`),
+    # with `daemon.discovery: etcd`; None keeps static discovery (daemon.peers). A
+    # daemon's own `daemon=` overrides may change single keys of it (`etcd: {...}` merged).
+    etcd: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +173,11 @@ class LocalCluster:
 
             daemon_section.update(testca.issue(self.workdir / "tls", name).daemon_settings())
         daemon_section.update(self.daemon_defaults)
-        daemon_section.update(daemon or {})
+        overrides = dict(daemon or {})
+        if self.etcd is not None:
+            daemon_section["discovery"] = "etcd"
+            daemon_section["etcd"] = {**self.etcd, **overrides.pop("etcd", {})}
+        daemon_section.update(overrides)
         engine_section: dict[str, Any] = {"role": role, "kv_layout": dict(self.geometry)}
         if self.kv_memory != "host":
             engine_section["kv_memory"] = self.kv_memory

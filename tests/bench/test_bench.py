@@ -42,6 +42,13 @@ def check_header(report: dict[str, Any]) -> None:
     assert host["nixl_version"] not in ("", "not installed")
 
 
+def check_cpu(r: dict[str, Any], moved: int) -> None:
+    """Both daemons' CPU seconds over the timed requests, per GB and per request."""
+    assert r["cpu_s"] is not None and r["cpu_s"] >= 0
+    assert r["cpu_s_per_gb"] == pytest.approx(r["cpu_s"] / (moved / 1e9), rel=1e-3)
+    assert r["cpu_ms_per_request"] == pytest.approx(r["cpu_s"] * 1e3 / r["requests"], rel=1e-3)
+
+
 @pytest.mark.timeout(120)
 def test_sweep_json_shape_and_values(tmp_path: Path) -> None:
     plot = tmp_path / "bench.png"
@@ -71,6 +78,10 @@ def test_sweep_json_shape_and_values(tmp_path: Path) -> None:
         assert r["p99_ms"] >= r["p50_ms"]
         assert r["ratio_to_raw"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=1e-3)
         assert r["ratio_to_memcpy"] == pytest.approx(r["gbps"] / r["memcpy_gbps"], rel=1e-3)
+        # The PYTHON runtime's own bare transport is the raw NIXL pair.
+        assert r["bare"] == "nixl" and r["bare_gbps"] == r["raw_gbps"]
+        assert r["ratio_to_bare"] == r["ratio_to_raw"]
+        check_cpu(r, r["bytes"] * r["requests"])
     assert [r["tokens"] for r in report["raw"]] == [33, 100]
     assert report["raw_verified"] >= 1
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -85,7 +96,7 @@ def test_sweep_table_layer_major_in_flight() -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "layer-major" in out
-    assert "nixl-python" in out and "vs raw" in out
+    assert "nixl-python" in out and "vs raw" in out and "vs bare" in out and "CPU s/GB" in out
     assert "Traceback" not in proc.stderr
 
 
@@ -103,8 +114,25 @@ def test_every_available_configuration_in_one_run() -> None:
     report = json.loads(proc.stdout)
     assert report["configs"] == names
     assert [r["config"] for r in report["results"]] == names
+    bare = {row["config"]: row for row in report["bare"]}
     for r in report["results"]:
         assert r["bytes"] == 19 * BLOCK_BYTES and r["verified"] == 1 and r["gbps"] > 0
+        # Each configuration against its own transport, measured in this run; bare NIXL
+        # (the raw pair) kept beside it.
+        staged = r["config"].endswith("-cpp")
+        backend = r["config"].split("-")[0]
+        assert r["bare"] == (f"{backend}-rounds" if staged else "nixl")
+        assert r["ratio_to_bare"] == pytest.approx(r["gbps"] / r["bare_gbps"], rel=1e-3)
+        assert r["ratio_to_raw"] == pytest.approx(r["gbps"] / r["raw_gbps"], rel=1e-3)
+        check_cpu(r, r["bytes"])
+        if staged:
+            row = bare[r["config"]]
+            assert row["bare"] == r["bare"] and row["gbps"] == r["bare_gbps"]
+            assert sum(row["round_blocks"]) == 19 == sum(r["bare_round_blocks"])
+            assert row["verified"] == 2 * len(row["round_blocks"])  # warm-up + timed
+        else:
+            assert r["bare_gbps"] == r["raw_gbps"]
+    assert set(bare) == {n for n in names if n.endswith("-cpp")}
 
 
 @pytest.mark.timeout(120)
@@ -122,6 +150,12 @@ def test_small_json_shape() -> None:
     assert r["bytes"] == BLOCK_BYTES
     assert r["requests"] == r["verified"] > 0
     assert r["requests_per_s"] == report["requests_per_s"]
+    assert r["bare"] == "nixl" and r["bare_requests_per_s"] == r["raw_requests_per_s"]
+    assert r["ratio_to_bare_rate"] == pytest.approx(
+        r["requests_per_s"] / r["raw_requests_per_s"], rel=1e-3
+    )
+    assert r["p50_minus_bare_ms"] == pytest.approx(r["p50_ms"] - r["raw_p50_ms"], abs=1e-3)
+    check_cpu(r, r["bytes"] * r["requests"])
 
 
 @pytest.mark.timeout(120)

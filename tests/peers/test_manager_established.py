@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kvxferd.backends.twosided import NoOneSidedBackend
+from kvxferd.discovery import AddressResolver, StaticDiscovery
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.handshake import Identity
 from kvxferd.peers.manager import PeerManager, PeerTimings
@@ -57,7 +58,7 @@ def test_on_established_gets_the_info_sent_in_that_handshake() -> None:
                 make_info,
                 lambda peer, info: None,
                 PeerTimings(handshake_s=5.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0),
-                {},
+                AddressResolver(StaticDiscovery({})),
                 on_message,
                 on_closed,
             )

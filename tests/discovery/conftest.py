@@ -1,0 +1,39 @@
+"""Fixtures: a real etcd on loopback per test, and daemons that find each other through it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvxferd.sim.cluster import LocalCluster
+from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
+
+# The daemon tests' in-test engine and helpers (deadline-bounded waits, status reads).
+sys.path.insert(0, str(Path(__file__).parent.parent / "daemon"))
+
+# Short enough that a killed daemon leaves within a test, and what etcd grants by default.
+LEASE_TTL_S = 2
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary: install Debian's etcd-server (scripts/test-deps.sh)")
+    pytest.importorskip("aetcd", reason="the etcd client is the extra `etcd` (scripts/install.sh)")
+    server = EtcdServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[LocalCluster]:
+    pytest.importorskip("nixl_cu12", reason="the daemon tests need NIXL (scripts/install.sh)")
+    etcd_section = {"endpoints": [etcd.endpoint], "cluster": "test", "lease_ttl_s": LEASE_TTL_S}
+    with LocalCluster(tmp_path / "cluster", etcd=etcd_section) as c:
+        yield c
