@@ -35,6 +35,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvxferd.bench import cpu
 from kvxferd.bench.plan import Item, Plan
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank
@@ -132,8 +133,11 @@ class GenerationSide(_Side):
     notify_fd: int
     progress_fd: int | None
     wait_s: float
+    # The daemons' pids: their CPU seconds are read at each group's start and end (`cpu`).
+    cpu_pids: tuple[int, ...] = ()
     records: list[GenRecord] = field(default_factory=list, init=False)
     timed_start_ns: int = field(default=0, init=False)
+    cpu: list[dict[str, Any]] = field(default_factory=list, init=False)
     _unreported: int = field(default=0, init=False)
     _reported_at: float = field(default=0.0, init=False)
 
@@ -157,10 +161,16 @@ class GenerationSide(_Side):
                 if self.error:
                     break
                 deadline, self.timed_start_ns = self.plan.start_group(group, self.timed_start_ns)
+                before = cpu.sample(self.cpu_pids)
                 await asyncio.gather(
                     *(self._slot(group.slot_items(s, self.plan.in_flight), deadline)
                       for s in range(self.plan.in_flight))
                 )  # fmt: skip
+                if self.cpu_pids:
+                    self.cpu.append(
+                        {"group": group.key, "tokens": group.tokens, "timed": group.timed,
+                         "start": before, "end": cpu.sample(self.cpu_pids)}
+                    )  # fmt: skip
         finally:
             self._tick(flush=True)
             # The context engine may be gone already (its sequence ended, or it failed).
@@ -357,6 +367,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 args.notify_fd,
                 args.progress_fd,
                 args.wait_timeout,
+                tuple(args.cpu_pids),
             )
         else:
             from kvxferd.bench.pipeline import ComputingContextSide
@@ -387,6 +398,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         report["records"] = [asdict(r) for r in side.records]
         if isinstance(side, GenerationSide):
             report["timed_start_ns"] = side.timed_start_ns
+            report["cpu"] = side.cpu
     return report
 
 
@@ -400,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--notify-fd", type=int, required=True, help="pipe between the two engines")
     p.add_argument("--progress-fd", type=int, default=None, help="one byte per finished request")
     p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds per outcome")
+    p.add_argument(
+        "--cpu-pids",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
+        help="generation: pids whose CPU seconds are read at each group's start and end",
+    )
     p.add_argument(
         "--chunk-blocks", type=int, default=0, help="context: send in chunks of this many blocks"
     )
