@@ -29,14 +29,19 @@ class Members:
 
     def replace(self, kvs: list[KeyValue]) -> None:
         """A fresh list: who is not in it has left."""
-        before = set(self.by_name)
+        before = self.by_name
         self.by_name = {}
         for kv in kvs:
-            self.put(kv)
-        for name in before - set(self.by_name):
+            self.put(kv, before)
+        for name in set(before) - set(self.by_name):
+            self.by_name[name] = before[name]  # for _left to report it
             self._left(name, "absent when discovery listed the prefix again")
 
-    def put(self, kv: KeyValue) -> Registration | None:
+    def put(
+        self, kv: KeyValue, known: dict[str, Registration] | None = None
+    ) -> Registration | None:
+        """Take a put event (or a listed key); `known`: who was there before a re-list,
+        so that only changes are logged."""
         try:
             reg = decode(kv.key, kv.value, self.prefix)
         except BadRegistration as exc:
@@ -56,7 +61,7 @@ class Members:
                 self._left(name, "its value was replaced by one that does not decode")
             self.state.members = len(self.by_name)
             return None
-        old = self.by_name.get(reg.name)
+        old = (self.by_name if known is None else known).get(reg.name)
         self.by_name[reg.name] = reg
         self.vanished.pop(reg.name, None)
         self.state.members = len(self.by_name)

@@ -27,9 +27,9 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -37,7 +37,7 @@ class EtcdServer:
     """One etcd member. `start`, `kill` (SIGKILL) and `start` again keep the same ports and
     data: a restarted etcd, with the keys and leases it had."""
 
-    def __init__(self, workdir: Path, name: str = "etcd") -> None:
+    def __init__(self, workdir: Path, name: str = "etcd", host: str = "127.0.0.1") -> None:
         binary = etcd_binary()
         if binary is None:
             raise ClusterError("no etcd binary (Debian: etcd-server; scripts/test-deps.sh)")
@@ -46,13 +46,14 @@ class EtcdServer:
         self.name = name
         self.data_dir = workdir / f"{name}.data"
         self.log_path = workdir / f"{name}.log"
-        self.client_port = _free_port()
+        self.host = host  # where it listens for clients (peers: loopback)
+        self.client_port = _free_port(host)
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> None:
         client = f"http://{self.endpoint}"
