@@ -1,9 +1,15 @@
-"""Peer name -> address for the PeerManager (composition: it is given one of these)."""
+"""Peer name -> address for the PeerManager (composition: it is given one of these), and
+the check that a name resolved through etcd reached that daemon."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from kvxferd import hostport
 from kvxferd.discovery.base import Discovery, PeerUnknownError
+from kvxferd.peers.channel import PeerConnection
+
+Connect = Callable[[str], Awaitable[PeerConnection]]
 
 
 class AddressResolver:
@@ -36,3 +42,26 @@ def _is_hostport(text: str) -> bool:
     except ValueError:
         return False
     return port >= 0
+
+
+def named_connect(connect: Connect, discovery: Discovery) -> Connect:
+    """`connect`, plus a check that a name etcd resolved reached the daemon of that name.
+
+    A registration is a hint: during an etcd outage, or with a Kubernetes pod IP taken by
+    another pod, the address may now belong to another daemon (which authenticates fine,
+    being one of ours). Its handshake says its name; a receive for `ctx-0` must not be
+    served by `ctx-1`. Static names are not checked: daemon.peers may alias a daemon.
+    """
+    if discovery.state.kind == "static":
+        return connect
+
+    async def checked(peer: str) -> PeerConnection:
+        conn = await connect(peer)
+        if discovery.resolve(peer).address is not None and conn.peer.name != peer:
+            raise PeerUnknownError(
+                f"peer {peer[:200]!r} resolved to {conn.label}, but the daemon there is "
+                f"{conn.peer.name!r}: the registration is stale (it moved, or etcd is behind)"
+            )
+        return conn
+
+    return checked

@@ -22,6 +22,7 @@ from kvxferd.backends import registry
 from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.discovery import AddressResolver
 from kvxferd.discovery.build import make_discovery
+from kvxferd.discovery.resolver import named_connect
 from kvxferd.errors import KvxferdError, StartupError
 from kvxferd.memory import device
 from kvxferd.peers import tls
@@ -220,7 +221,8 @@ class Daemon:
         # The receive coordinator, with the runtime's receive mover.
         rx_mover = RECV_MOVERS[settings.runtime](self.bounce, settings.pipelined_transfer)
         self.receiver = Receiver(
-            receiver_timeouts, self.admission, self.peers.connect, rx_mover,
+            receiver_timeouts, self.admission, named_connect(self.peers.connect, self.discovery),
+            rx_mover,
             pipelined=settings.pipelined_transfer,
         )  # fmt: skip
         self.calls = EngineCalls(self, self.tasks, self.routes.announce_pools)
