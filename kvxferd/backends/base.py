@@ -3,7 +3,12 @@
 A backend is the only code that imports its transport library. Adapters are
 synchronous and NOT thread-safe; the daemon drives each one from a single
 worker thread (kvxferd.transceiver.dataplane) so that a slow library call never
-blocks the event loop and the library never sees two threads at once.
+blocks the event loop and the library never sees two calls at once.
+
+An adapter whose library takes calls from any thread, one at a time, may say so with a
+class attribute `inline_calls = True`: its cheap calls (small posts, polls, releases)
+are then made on the event loop's thread when the worker is idle, under the same lock.
+Without the attribute every call goes through the worker thread.
 """
 
 from __future__ import annotations

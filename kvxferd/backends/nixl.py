@@ -176,6 +176,11 @@ class NixlBackend:
     """One NIXL agent with the UCX plugin, host (DRAM) and device (VRAM) memory."""
 
     name = "NIXL"
+    # The agent runs without internal locking (sync mode NONE: no listener thread) and
+    # takes calls from any thread as long as they come one at a time, which the data
+    # plane's lock guarantees; small posts, polls and releases then skip the hop to the
+    # data-plane thread (transceiver/dataplane.py).
+    inline_calls = True
 
     def __init__(self, agent_name: str, progress_delay_us: int = PROGRESS_DELAY_US) -> None:
         nixl = load_nixl()
