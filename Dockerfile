@@ -9,7 +9,8 @@
 # (scripts/install.sh): NIXL (nixl-cu12, both runtimes; its bundled UCX: TCP and shared
 # memory, RDMA when the host's devices are passed in), UCX (ucxx-cu12), MPI (mpi4py over
 # the MPICH wheel, which brings mpiexec) and MOONCAKE (mooncake-transfer-engine-non-cuda,
-# with the Debian libraries it loads: scripts/system-deps.sh). KV pools in host memory
+# with the Debian libraries it loads: scripts/system-deps.sh), and the etcd client for
+# daemon.discovery: etcd (the extra `etcd`). KV pools in host memory
 # (memfd / POSIX shared memory). GPU (CUDA IPC) pools are not supported in the image.
 # The reference engine (python -m kvxferd.sim.engine) runs from the same image with
 # another entry point: the tests' pods and deploy/kubernetes/ use it as the engine.
@@ -40,12 +41,12 @@ RUN /opt/kvxferd/venv/bin/pip install -q --no-deps 'nixl-cu12>=1.5,<2'
 # kvxferd's dependencies and its backend extras, read from pyproject.toml, in a layer of
 # their own: a change to kvxferd's code rebuilds only the small layer after it.
 COPY pyproject.toml ./
-RUN /opt/kvxferd/venv/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + [r for e in ('ucx', 'mpi', 'mooncake') for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
+RUN /opt/kvxferd/venv/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + [r for e in ('ucx', 'mpi', 'mooncake', 'etcd') for r in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
  && /opt/kvxferd/venv/bin/pip install -q -r /tmp/requirements.txt
 COPY README.md ./
 COPY kvxferd ./kvxferd
 RUN /opt/kvxferd/venv/bin/pip install -q --no-deps . \
- && /opt/kvxferd/venv/bin/python -c "import nixl_cu12, ucxx, mpi4py, kvxferd; print('kvxferd', kvxferd.__version__)"
+ && /opt/kvxferd/venv/bin/python -c "import nixl_cu12, ucxx, mpi4py, aetcd, kvxferd; print('kvxferd', kvxferd.__version__)"
 
 FROM ${BASE_IMAGE}
 # The Debian libraries Mooncake's transfer engine loads (scripts/system-deps.sh, and
