@@ -101,6 +101,11 @@ class TwoSidedLink:
         self._peer_key = ""
         self._region: BounceRegion | None = None
 
+    @property
+    def peer_key(self) -> str:
+        """The other side's transport key (after accept or attach)."""
+        return self._peer_key
+
     def _open(self, role: str) -> TwoSidedTransport:
         # A key as the daemons make theirs (name/incarnation), unique per process.
         self._transport = self._make(f"bench-bare-{role}", f"{os.getpid()}-{secrets.token_hex(4)}")

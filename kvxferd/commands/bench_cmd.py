@@ -24,6 +24,10 @@ def add_parser(sub: Any) -> None:
             "every byte verified) and, in the same run, the same bytes with the same segments "
             "through a bare NIXL agent pair (raw) and one memcpy. Reports GB/s (bytes over busy "
             "time), send-to-completion latency p50/p99, and the ratios to raw and memcpy. "
+            "Each configuration is also reported against its own bare transport, measured "
+            "right before it (ratio_to_bare: raw NIXL for the PYTHON runtime; for the staged "
+            "runtime its backend moving the same staging rounds between two buffers), with "
+            "both daemons' CPU seconds per GB moved. "
             "--small measures per-request overhead instead: one-block requests for --seconds.",
             78,
         ),
