@@ -266,7 +266,7 @@ class NixlBackend:
         handle = XferHandle(
             native=native,
             peer_agent=agent_name,
-            nbytes=int(local[:, 1].sum()),
+            nbytes=sum(local[:, 1].tolist()),  # a few runs: cheaper than numpy's sum
             descriptors=len(local),
         )
         try:

@@ -30,7 +30,7 @@ from kvxferd.transceiver.plan import plan_write
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
 from kvxferd.transceiver.state import Reason, Status
-from kvxferd.transceiver.writes import Writes
+from kvxferd.transceiver.writes import Writes, nbytes_of
 
 if TYPE_CHECKING:
     from kvxferd.service.pools import LocalPool
@@ -165,7 +165,9 @@ class DirectMover:
         deadline, and a request it cannot carry ends saying why."""
         req, bounce, conn = s.request, self.bounce, s.conn
         assert req is not None and conn is not None and s.pool is not None
-        nbytes = int(local[:, 1].sum())
+        if bounce is None and not copy_only:
+            return local, remote, None  # no bounce buffer here: the per-block path
+        nbytes = nbytes_of(local)
         if copy_only:
             return await self._copy_only_plan(s, nbytes, blocks)
         if (
@@ -343,7 +345,7 @@ class DirectMover:
                     )
                 )
                 return
-            nbytes = int(local[:, 1].sum())
+            nbytes = nbytes_of(local)
             bounced = reservation is not None
             s.nbytes += nbytes
         elif first > start:

@@ -15,6 +15,7 @@ and tells legs that a request ended. The sender and the receiver do everything e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvxferd.memory.heads import (
@@ -212,15 +213,25 @@ def no_common_heads(pool: LocalPool | None, leg: TxLeg) -> str | None:
     dst = dst_tp(leg)
     if not isinstance(dst_layout, KvLayout) or dst is None:
         return None
-    if mapping_problems(pool.layout, pool.tp, dst_layout, dst):
-        return None
-    if common_heads(pool.layout, pool.tp, dst_layout, dst) is not None:
+    if _shares_heads_or_unmappable(pool.layout, pool.tp, dst_layout, dst):
         return None
     return (
         f"pool {leg.request.pool_id!r} of {leg.conn.peer.name} holds "
         f"{describe(dst_layout, dst)} and this context daemon holds "
         f"{describe(pool.layout, pool.tp)}: no KV head in common, so it has nothing to write there"
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _shares_heads_or_unmappable(
+    src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank
+) -> bool:
+    """Whether the pools share a head, or cannot be mapped at all (the plan's to report).
+    Asked for every request and the same few pool pairs: layouts and ranks are frozen
+    (hashable), so it is worked out once per pair."""
+    if mapping_problems(src, src_tp, dst, dst_tp):
+        return True
+    return common_heads(src, src_tp, dst, dst_tp) is not None
 
 
 def expected_legs(pool: LocalPool | None, legs: list[TxLeg]) -> int:

@@ -12,6 +12,8 @@ hold the same heads keep the whole-piece paths above.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numpy.typing as npt
 
@@ -22,6 +24,16 @@ Segments = npt.NDArray[np.int64]
 
 # Below this many blocks the Python loop beats numpy's per-call overhead.
 _LOOP_MAX_BLOCKS = 512
+_RANK_0_OF_1 = TpRank()
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_kind(
+    src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank
+) -> tuple[bool, tuple[str, ...]]:
+    """(both pools hold the same heads, the geometry differences): asked for every write
+    and the same few pool pairs; layouts and ranks are frozen, so worked out once each."""
+    return same_heads(src, src_tp, dst, dst_tp), tuple(src.same_geometry(dst))
 
 
 def validate_block_ids(layout: KvLayout, blocks: list[int]) -> None:
@@ -60,12 +72,12 @@ def plan_write(
         raise LayoutError(
             f"context sends {len(src_blocks)} blocks, generation expects {len(dst_blocks)}"
         )
-    src_tp = src_tp or TpRank()
-    dst_tp = dst_tp or TpRank()
-    if not same_heads(src, src_tp, dst, dst_tp):
+    src_tp = src_tp or _RANK_0_OF_1
+    dst_tp = dst_tp or _RANK_0_OF_1
+    heads_same, diffs = _pair_kind(src, src_tp, dst, dst_tp)
+    if not heads_same:
         local, remote = pair_head_segments(src, src_tp, src_blocks, dst, dst_tp, dst_blocks)
         return _absolute(local, src_base), _absolute(remote, dst_base)
-    diffs = src.same_geometry(dst)
     if diffs:
         raise LayoutError("KV geometry differs: " + "; ".join(diffs))
     if (

@@ -55,7 +55,8 @@ def _failed(exc: TransferError) -> Terminal:
     return Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
 
 
-def _nbytes(segments: np.ndarray) -> int:
+def nbytes_of(segments: np.ndarray) -> int:
+    """Bytes of an (N, 2) segment list."""
     return sum(segments[:, 1].tolist())  # a few runs: cheaper than numpy's own sum
 
 
@@ -95,7 +96,7 @@ class Writes:
             inline = (
                 local_memory == HOST
                 and remote_memory == HOST
-                and _nbytes(local) <= INLINE_POST_MAX_BYTES
+                and nbytes_of(local) <= INLINE_POST_MAX_BYTES
             )
             try:
                 handle, status = await (self._dp.call_cheap if inline else self._dp.call)(
