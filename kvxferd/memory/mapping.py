@@ -14,6 +14,8 @@ from typing import ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.hugepages import FOUR_K, Pages
+
 __all__ = ["MappedRegion"]
 
 _R = TypeVar("_R", bound="MappedRegion")
@@ -27,13 +29,18 @@ class MappedRegion:
     _error: ClassVar[type[Exception]]
     _log: ClassVar[logging.Logger]
 
-    def __init__(self, label: str, nbytes: int, mm: mmap.mmap, fd: int | None = None) -> None:
+    def __init__(
+        self, label: str, nbytes: int, mm: mmap.mmap, fd: int | None = None, pages: Pages = FOUR_K
+    ) -> None:
         self._label = label
         self._nbytes = nbytes
         self._mmap: mmap.mmap | None = mm
         self._fd = fd  # closed by close()
+        # The kind of page the region is on (kvxferd.memory.hugepages), for status and logs.
+        self.pages = pages
         # The region's one long-lived export of the mapping; close() drops it before closing.
-        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8)
+        # A huge-page mapping may be longer than `nbytes` (whole huge pages): the view is not.
+        self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
     # -- properties --------------------------------------------------------------------------
 

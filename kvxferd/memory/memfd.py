@@ -22,11 +22,28 @@ import logging
 import mmap
 import os
 import stat
+from dataclasses import replace
 from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.hugepages import (
+    FOUR_K,
+    HUGE_PAGES_MODES,
+    MFD_HUGETLB,
+    HostPages,
+    HugePagesError,
+    HugePagesMode,
+    Pages,
+    advise_huge,
+    hugetlb_page_bytes,
+    populate,
+    probe_shared,
+    round_up,
+    thp_page_bytes,
+    thp_pages,
+)
 from kvxferd.memory.mapping import MappedRegion
 from kvxferd.memory.shm import ShmError
 
@@ -162,50 +179,149 @@ class MemfdRegion(MappedRegion):
     _error = MemfdError
     _log = log
 
-    def __init__(self, fd: int | None, nbytes: int, mm: mmap.mmap, label: str) -> None:
-        super().__init__(label, nbytes, mm, fd)
+    def __init__(
+        self, fd: int | None, nbytes: int, mm: mmap.mmap, label: str, pages: Pages = FOUR_K
+    ) -> None:
+        super().__init__(label, nbytes, mm, fd, pages)
 
     @classmethod
     def create(
-        cls, nbytes: int, name: str = "kvxferd-pool", *, reserve: bool = True
+        cls,
+        nbytes: int,
+        name: str = "kvxferd-pool",
+        *,
+        reserve: bool = True,
+        huge_pages: HugePagesMode = "off",
     ) -> MemfdRegion:
         """A new sealed memfd of `nbytes` (zeros), mapped read-write, keeping its fd (`.fd`).
 
         `name` only labels it (/proc/PID/fd, /proc/PID/maps). reserve=True allocates the memory
         now (fallocate), so a memory limit fails here with a clear error instead of a SIGBUS at
         the engine's first write.
+
+        huge_pages (kvxferd.memory.hugepages): "off" takes normal pages; "auto" a hugetlb memfd
+        where enough huge pages are free, else transparent huge pages where shmem_enabled
+        allows them, else normal pages; "required" as auto, but raises HugePagesError (with
+        what the host lacks) instead of taking normal pages. `.pages` says what it got and why
+        no better. A huge-page memfd is sized in whole huge pages; `nbytes` stays as asked.
         """
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MemfdError(f"memfd {name!r}: size must be a positive integer, got {nbytes!r}")
+        if huge_pages not in HUGE_PAGES_MODES:
+            raise MemfdError(
+                f"memfd {name!r}: huge_pages must be one of {', '.join(HUGE_PAGES_MODES)}, "
+                f"got {huge_pages!r}"
+            )
+        if huge_pages == "off":
+            return cls._create(nbytes, name, reserve)
+        host = HostPages.read()
+        reasons: list[str] = []
+        shortage = host.hugetlb_shortage(nbytes)
+        if shortage is None:
+            try:
+                return cls._create(nbytes, name, reserve, hugetlb=host.hugetlb_page_bytes)
+            except MemfdError as e:  # taken by someone else since we looked
+                reasons.append(f"hugetlb: {e}")
+        else:
+            reasons.append(shortage)
+        refusal = host.thp_refusal(shared=True)
+        if refusal is None:
+            region = cls._create(nbytes, name, reserve, thp=host.shmem_enabled)
+            if region.pages.huge or huge_pages == "auto":
+                why = "; ".join(r for r in [*reasons, region.pages.reason] if r)
+                region.pages = replace(region.pages, reason=why)
+                return region
+            reasons.append(region.pages.reason)  # the kernel gave small pages
+            region.close()
+        else:
+            reasons.append(refusal)
+        why = "; ".join(reasons)
+        if huge_pages == "required":
+            raise HugePagesError(
+                f"memfd {name!r}: huge pages are required (huge_pages: required), but this "
+                f"host has none to give: {why}"
+            )
+        region = cls._create(nbytes, name, reserve)
+        region.pages = Pages("4k", FOUR_K.page_bytes, why)
+        return region
+
+    @classmethod
+    def create_hugetlb(cls, nbytes: int, name: str, page_bytes: int) -> MemfdRegion:
+        """A sealed hugetlb memfd of `page_bytes` pages, allocated now; MemfdError (ENOSPC:
+        not enough free huge pages) when it cannot be had."""
+        return cls._create(nbytes, name, True, hugetlb=page_bytes)
+
+    @classmethod
+    def _create(
+        cls, nbytes: int, name: str, reserve: bool, *, hugetlb: int = 0, thp: str = ""
+    ) -> MemfdRegion:
+        """One attempt: a hugetlb memfd of `hugetlb`-byte pages, a memfd asking for THP (the
+        host's shmem_enabled mode `thp`), or (neither) a memfd of normal pages."""
+        flags = os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC | (MFD_HUGETLB if hugetlb else 0)
+        page = hugetlb or (thp_page_bytes() if thp else 0)
+        size = round_up(nbytes, page) if page else nbytes
         try:
-            fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+            fd = os.memfd_create(name, flags)
         except OSError as e:
             raise MemfdError(f"cannot create memfd {name!r}: {os.strerror(e.errno or 0)}") from e
         try:
-            os.ftruncate(fd, nbytes)
-            if reserve:
-                os.posix_fallocate(fd, 0, nbytes)
+            os.ftruncate(fd, size)
+            if reserve and not thp:
+                os.posix_fallocate(fd, 0, size)
             # Sealed before anyone else can hold it: from here on its size is fixed for good.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ENGINE_SEALS)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             os.close(fd)
             raise MemfdError(
-                f"cannot size, seal or map {nbytes} bytes of memfd {name!r}: "
-                f"{os.strerror(e.errno or 0)}"
+                f"cannot size, seal or map {size} bytes of memfd {name!r}"
+                f"{' on hugetlb pages' if hugetlb else ''}: {os.strerror(e.errno or 0)}"
             ) from e
-        return cls(fd, nbytes, mm, name)
+        pages = Pages("hugetlb", hugetlb) if hugetlb else FOUR_K
+        if thp:
+            # The pages come at the first touch, huge only for a mapping that asked for them:
+            # so ask, then populate (fallocate would allocate small pages, as no mapping asks).
+            address = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+            advise_huge(mm)
+            try:
+                populated = reserve and populate(mm)
+                if reserve and not populated:
+                    os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                mm.close()
+                os.close(fd)
+                raise MemfdError(
+                    f"cannot allocate {size} bytes of memfd {name!r}: {os.strerror(e.errno or 0)}"
+                ) from e
+            if populated:
+                pages = thp_pages(address, size, page, f"shmem_enabled {thp}")
+            else:
+                pages = Pages("thp", page, "asked for; the kernel decides at the first touch")
+        return cls(fd, nbytes, mm, name, pages)
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, what: str = "the pool") -> MemfdRegion:
         """Map the first `nbytes` of a received memfd after check_memfd. Does not take `fd`:
-        the caller closes it (the mapping keeps the memory alive)."""
+        the caller closes it (the mapping keeps the memory alive).
+
+        A hugetlb memfd is mapped in whole huge pages (its size is, and a shorter mapping
+        could not be unmapped); of any other, `.pages` says whether it maps huge here."""
         check_memfd(fd, nbytes, what)
+        page = hugetlb_page_bytes(fd)
         try:
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(
+                fd,
+                round_up(nbytes, page) if page else nbytes,
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except OSError as e:
             raise MemfdError(f"{what}: cannot map the memfd: {os.strerror(e.errno or 0)}") from e
-        return cls(None, nbytes, mm, what)
+        if page:
+            return cls(None, nbytes, mm, what, Pages("hugetlb", page))
+        region = cls(None, nbytes, mm, what)
+        region.pages = probe_shared(mm, region.address)
+        return region
 
     # -- properties --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import stat
 from typing import Final
 
 from kvxferd.errors import KvxferdError
+from kvxferd.memory.hugepages import probe_shared
 from kvxferd.memory.mapping import MappedRegion
 
 __all__ = [
@@ -165,8 +166,12 @@ class ShmRegion(MappedRegion):
             raise
         if not keep_fd:
             os.close(fd)
-            return cls(name, nbytes, mm)
-        return cls(name, nbytes, mm, fd)
+            region = cls(name, nbytes, mm)
+        else:
+            region = cls(name, nbytes, mm, fd)
+        # /dev/shm gives huge pages only where it is mounted with huge=: say which it is.
+        region.pages = probe_shared(mm, region.address)
+        return region
 
     # -- properties --------------------------------------------------------------------------
 

@@ -3,17 +3,35 @@
 
 Both regions are sized by max_tokens_in_buffer (else the engine's max_seq_len, else
 DEFAULT_STAGING_TOKENS) worth of whole blocks, so every request the admission window
-lets in fits.
+lets in fits. On the host they are HostStaging regions, on huge pages where
+daemon.huge_pages and the host allow (the PYTHON runtime's bounce regions too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import mmap
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.errors import StartupError
+from kvxferd.memory.hugepages import (
+    FOUR_K,
+    HostPages,
+    HugePagesMode,
+    Pages,
+    advise_huge,
+    populate,
+    thp_page_bytes,
+    thp_pages,
+)
+from kvxferd.memory.memfd import MemfdError, MemfdRegion
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
 
 DEFAULT_STAGING_TOKENS = 8192
@@ -69,3 +87,89 @@ def blocks_per_round(region_bytes: int, blocks: int, leg_block_bytes: list[int])
     while k > 0 and sum(_aligned(k * b) for b in leg_block_bytes) > region_bytes:
         k -= 1
     return k
+
+
+class HostStaging:
+    """One of the daemon's host regions (a bounce or staging region), private to it, on the
+    pages daemon.huge_pages allows (kvxferd.memory.hugepages): anonymous memory asking for
+    transparent huge pages where transparent_hugepage/enabled allows, else a hugetlb memfd
+    where enough huge pages are free, else normal pages. Populated up front either way:
+    the first touch of a fresh page costs more than the copy into it."""
+
+    def __init__(
+        self, nbytes: int, label: str, huge_pages: HugePagesMode, host: HostPages | None = None
+    ) -> None:
+        """`host`: what the host offers (read now when not given; tests pass their own)."""
+        self.nbytes = nbytes
+        self._memfd: MemfdRegion | None = None
+        self._map: mmap.mmap | None = None
+        self.array: npt.NDArray[np.uint8]
+        self.pages = FOUR_K
+        if huge_pages == "off":
+            self._small([])
+        else:
+            host = host or HostPages.read()
+            reasons: list[str] = []
+            # THP first: hugetlb pages are what an administrator reserved for the engines'
+            # pools (a daemon that starts first would take them); they serve here only
+            # where the kernel gives no transparent huge pages.
+            if not self._thp(host, reasons) and not self._hugetlb(host, label, reasons):
+                self._small(reasons)
+        self.address = int(self.array.ctypes.data)
+        if huge_pages == "required" and not self.pages.huge:
+            self.close()
+            raise StartupError(
+                f"daemon.huge_pages is required, but the {label} region ({nbytes} bytes) "
+                f"cannot be on huge pages here: {self.pages.reason}; reserve hugetlb pages "
+                "(sysctl vm.nr_hugepages), allow transparent huge pages, or set "
+                "daemon.huge_pages: auto"
+            )
+
+    def _hugetlb(self, host: HostPages, label: str, reasons: list[str]) -> bool:
+        shortage = host.hugetlb_shortage(self.nbytes)
+        if shortage is not None:
+            reasons.append(shortage)
+            return False
+        try:
+            self._memfd = MemfdRegion.create_hugetlb(
+                self.nbytes, f"kvxferd-{label}", host.hugetlb_page_bytes
+            )
+        except MemfdError as e:  # taken by someone else since we looked
+            reasons.append(f"hugetlb: {e}")
+            return False
+        self.pages = self._memfd.pages
+        self.array = self._memfd.array
+        return True
+
+    def _thp(self, host: HostPages, reasons: list[str]) -> bool:
+        refusal = host.thp_refusal(shared=False)
+        if refusal is not None:
+            reasons.append(refusal)
+            return False
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        advise_huge(self._map)
+        if not populate(self._map):
+            self.array[:: mmap.PAGESIZE] = 0  # an older kernel: touch every page
+        asked = f"transparent_hugepage/enabled {host.anon_enabled}"
+        got = thp_pages(int(self.array.ctypes.data), self.nbytes, thp_page_bytes(), asked)
+        self.pages = replace(got, reason="; ".join(r for r in [*reasons, got.reason] if r))
+        return True  # small pages if the kernel gave none (fragmented memory): got says so
+
+    def _small(self, reasons: list[str]) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(-1, self.nbytes, flags=flags)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.pages = Pages("4k", FOUR_K.page_bytes, "; ".join(reasons))
+
+    def close(self) -> None:
+        del self.array
+        if self._memfd is not None:
+            self._memfd.close()
+        if self._map is not None:
+            self._map.close()
+
+
+def host_staging(huge_pages: HugePagesMode) -> Callable[[int, str], HostStaging]:
+    """A BounceBuffers backing: each region a HostStaging on the pages `huge_pages` allows."""
+    return lambda nbytes, label: HostStaging(nbytes, label, huge_pages)
