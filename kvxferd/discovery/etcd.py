@@ -5,9 +5,10 @@ The life of one daemon's registration (docs/operations.md, "Discovery with etcd"
 * start: a lease of daemon.etcd.lease_ttl_s is granted and the key created in a
   put-if-absent transaction. A key already there under another incarnation is either a
   live daemon of the same name or this name's previous process, killed without a clean
-  stop, whose lease has not ended yet: the daemon waits for that lease's remaining TTL
-  (plus a second) and then refuses to start, naming the holder. etcd unreachable at start
-  is not fatal: the daemon serves with discovery down and registers when etcd comes.
+  stop, whose lease has not ended yet: the daemon waits while that lease counts down,
+  and refuses to start, naming the holder, once it sees the lease refreshed (alive).
+  etcd unreachable at start is not fatal: the daemon serves with discovery down and
+  registers when etcd comes.
 * running: a keepalive every TTL / 3; the prefix listed, then watched from the list's
   revision + 1, into the members map (kvxferd.discovery.members).
 * etcd lost: discovery is marked down (connections already made keep their own
@@ -171,6 +172,7 @@ class EtcdDiscovery:
                     self.cfg.lease_ttl_s,
                 )
         deadline: float | None = None
+        first_left, first_at = 0, 0.0  # the holder's TTL when first seen, and when
         while True:
             holder = await self.client.put_if_absent(self.key, self._value, self._lease)
             if holder is None or holder.lease == self._lease:
@@ -185,7 +187,8 @@ class EtcdDiscovery:
                         f"(etcdctl del {self.key}) or choose another daemon.name"
                     )
                 wait_s = max(left, 0) + _EXPIRY_SLACK_S
-                deadline = time.monotonic() + wait_s
+                first_left, first_at = left, time.monotonic()
+                deadline = first_at + wait_s
                 log.warning(
                     "discovery: daemon name %s is held in etcd by %s; waiting up to %.1f s "
                     "for its lease to end (this name's previous process, killed without a "
@@ -195,6 +198,13 @@ class EtcdDiscovery:
                     wait_s,
                 )
             if time.monotonic() >= deadline:
+                if not await self._holder_refreshed(holder.lease, first_left, first_at):
+                    # Still decaying (etcd reports whole seconds and expires leases on a
+                    # 0.5 s tick): wait for the rest rather than refuse a dead holder.
+                    left = await self.client.time_to_live(holder.lease)
+                    deadline = time.monotonic() + max(left, 0) + _EXPIRY_SLACK_S
+                    await asyncio.sleep(_CONFLICT_POLL_S)
+                    continue
                 self.state.count("conflict")
                 raise NameTakenError(
                     f"daemon name {self.me.name!r} is taken: {self.key} is held by {theirs}, "
@@ -205,6 +215,15 @@ class EtcdDiscovery:
         if not self.state.registered:
             log.info("discovery: registered %s (lease %x)", self.key, self._lease)
         self.state.registered = True
+
+    async def _holder_refreshed(self, lease: int, first_left: int, first_at: float) -> bool:
+        """Whether the holder's lease was kept alive since we first read its TTL: a live
+        daemon refreshes it (its TTL goes back up), a killed one's only counts down."""
+        left = await self.client.time_to_live(lease)
+        if left <= 0:
+            return False  # gone: its key goes with it
+        decayed = first_left - (time.monotonic() - first_at)
+        return left > decayed + 1.5  # whole seconds, rounded down, on both readings
 
     async def _list(self) -> int:
         kvs, revision = await self.client.get_prefix(self.cfg.prefix)

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from kvxferd import hostport
 from kvxferd.discovery.base import Discovery, PeerUnknownError
+from kvxferd.errors import KvxferdError
 from kvxferd.peers.channel import PeerConnection
 
 Connect = Callable[[str], Awaitable[PeerConnection]]
@@ -30,6 +31,10 @@ class AddressResolver:
         if _is_hostport(peer):
             return peer
         kind = self.discovery.state.kind
+        if kind == "static":
+            # A name that is not in the file is the engine's or the file's mistake (a bad
+            # request), not a peer that left.
+            raise KvxferdError(f"peer {peer[:200]!r}: {found.why}, nor HOST:PORT")
         raise PeerUnknownError(
             f"peer {peer[:200]!r} is unknown to {kind} discovery: {found.why}; "
             "name a registered daemon, or give HOST:PORT"

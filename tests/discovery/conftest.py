@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from discovery_harness import CLUSTER, LEASE_TTL_S
 
 from kvxferd.sim.cluster import LocalCluster
 from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
-
-# The daemon tests' in-test engine and helpers (deadline-bounded waits, status reads).
-sys.path.insert(0, str(Path(__file__).parent.parent / "daemon"))
-
-# Short enough that a killed daemon leaves within a test, and what etcd grants by default.
-LEASE_TTL_S = 2
 
 
 @pytest.fixture
@@ -34,6 +28,6 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 @pytest.fixture
 def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[LocalCluster]:
     pytest.importorskip("nixl_cu12", reason="the daemon tests need NIXL (scripts/install.sh)")
-    etcd_section = {"endpoints": [etcd.endpoint], "cluster": "test", "lease_ttl_s": LEASE_TTL_S}
+    etcd_section = {"endpoints": [etcd.endpoint], "cluster": CLUSTER, "lease_ttl_s": LEASE_TTL_S}
     with LocalCluster(tmp_path / "cluster", etcd=etcd_section) as c:
         yield c

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from daemon_harness import assert_clean, opened, wait_for
-from test_etcd_daemons import PREFIX, keys, members
+from discovery_harness import PREFIX, keys, members
 
 from kvxferd.client import Outcome
 from kvxferd.sim.cluster import LocalCluster

@@ -4,10 +4,8 @@ refusal of a live name, leaving when the lease ends."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
-from conftest import LEASE_TTL_S
 from daemon_harness import (
     assert_clean,
     delivered,
@@ -16,26 +14,11 @@ from daemon_harness import (
     status,
     wait_for,
 )
+from discovery_harness import LEASE_TTL_S, keys, members
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.etcd_server import EtcdServer
-
-PREFIX = "/kvxferd/test/daemons/"
-
-
-def keys(etcd: EtcdServer) -> dict[str, dict[str, object]]:
-    """Every registration under the test cluster's prefix, by daemon name."""
-    out = etcd.etcdctl("get", "--prefix", PREFIX).splitlines()
-    found = {}
-    for key, value in zip(out[::2], out[1::2], strict=True):
-        found[key[len(PREFIX) :]] = json.loads(value)
-    return found
-
-
-def members(d: DaemonProc) -> list[str]:
-    disc = status(d)["discovery"]
-    return list(disc["member_names"]) if disc["up"] else []
 
 
 async def move_by_name(ctx: DaemonProc, gen: DaemonProc, rids: list[str]) -> None:

@@ -18,7 +18,7 @@ from daemon_harness import (
     status,
     wait_for,
 )
-from test_etcd_daemons import PREFIX, keys, members
+from discovery_harness import PREFIX, keys, members
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
