@@ -44,12 +44,32 @@ from kvxferd.api.messages import (
 )
 from kvxferd.errors import KvxferdError, ProtocolError
 from kvxferd.memory.device import DevicePool
+from kvxferd.memory.hugepages import HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
 
-__all__ = ["AsyncClient", "CallError", "Client", "DaemonGoneError", "Outcome", "Released"]
+__all__ = [
+    "AsyncClient",
+    "CallError",
+    "Client",
+    "DaemonGoneError",
+    "Outcome",
+    "Released",
+    "host_pool",
+]
+
+
+def host_pool(
+    nbytes: int, name: str = "kvxferd-pool", huge_pages: HugePagesMode = "auto"
+) -> MemfdRegion:
+    """A host KV pool of `nbytes` to pass to register_pool: a sealed memfd, on huge pages
+    where the host allows them (a hugetlb memfd where enough pages are free, else
+    transparent huge pages on shared memory, else normal pages; "required" raises
+    HugePagesError saying what the host lacks, "off" takes normal pages). `.pages` says what
+    it got; the daemon's status shows it too. A huge-page pool is sized in whole huge pages."""
+    return MemfdRegion.create(nbytes, name, huge_pages=huge_pages)
 
 
 @dataclass(frozen=True)

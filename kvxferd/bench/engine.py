@@ -36,10 +36,11 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxferd.bench import cpu
-from kvxferd.bench.plan import Item, Plan
+from kvxferd.bench.plan import Item, Plan, pool_huge_pages
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.service.runner import run_event_loop
 from kvxferd.sim.content import request_seed
@@ -106,7 +107,7 @@ class _Side:
 
     client: StampingClient
     plan: Plan
-    region: ShmRegion | DevicePool
+    region: ShmRegion | MemfdRegion | DevicePool
     pool_id: str
     layout: KvLayout = field(init=False)
     error: str = field(default="", init=False)
@@ -115,7 +116,7 @@ class _Side:
 
     def __post_init__(self) -> None:
         self.layout = self.plan.layout()
-        if isinstance(self.region, ShmRegion):
+        if isinstance(self.region, (ShmRegion, MemfdRegion)):
             self.content = HostContent()
         else:
             from kvxferd.sim.device_content import DeviceContent
@@ -338,19 +339,28 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"role": args.role, "pool_bytes": layout.pool_bytes, "error": ""}
     client = await StampingClient.connect(args.socket, engine=f"bench-{args.role}")
     assert isinstance(client, StampingClient)
-    region: ShmRegion | DevicePool
+    region: ShmRegion | MemfdRegion | DevicePool
+    huge_pages = pool_huge_pages()
     if args.memory == "vram":
         from kvxferd.memory.device import DevicePool
 
         region = DevicePool.create(
             layout.pool_bytes, args.cuda_device, vmm=args.vram_share == "vmm"
         )
+    elif huge_pages != "off":
+        # kvxferd bench --huge-pages: a sealed memfd on huge pages (hugepages.py), handed over.
+        region = MemfdRegion.create(
+            layout.pool_bytes, f"kvxferd-bench-{args.role}", huge_pages=huge_pages
+        )
+        report["pages"] = region.pages.to_status()
     else:
         name = f"kvxferd-bench-{args.role}-{os.getpid()}"
         region = ShmRegion.create(name, layout.pool_bytes)
     side: GenerationSide | ContextSide | None = None
     try:
-        if isinstance(region, ShmRegion):
+        if isinstance(region, MemfdRegion):
+            await client.register_pool(args.pool_id, region, layout)
+        elif isinstance(region, ShmRegion):
             try:
                 await client.register_pool(args.pool_id, name, layout)
             finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxferd.memory.hugepages import HUGE_PAGES_MODES, HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.sim.cluster import GEOMETRY_FLAGS
 
@@ -34,6 +36,20 @@ SWEEP = "sweep"
 SMALL = "small"
 WARMUP = "warmup"
 TIMED = "timed"
+
+#: The pages of every host pool of a run (engines' and the raw pair's), set by
+#: `kvxferd bench --huge-pages` in the environment every process of the run inherits.
+HUGE_PAGES_ENV = "KVXFERD_BENCH_HUGE_PAGES"
+
+
+def pool_huge_pages(default: HugePagesMode = "off") -> HugePagesMode:
+    """The run's huge_pages mode for host pools: the driver's (HUGE_PAGES_ENV), else `default`."""
+    value = os.environ.get(HUGE_PAGES_ENV, default)
+    for mode in HUGE_PAGES_MODES:
+        if value == mode:
+            return mode
+    raise ValueError(f"{HUGE_PAGES_ENV}={value!r}: expected one of {', '.join(HUGE_PAGES_MODES)}")
+
 
 #: Extra blocks in every pool beyond what the slots use (so that slot lists are a sample of a
 #: larger pool, as in an engine's cache).

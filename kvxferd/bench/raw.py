@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 
 from kvxferd.backends.base import HOST, Backend, Memory, XferHandle, XferStatus, vram
-from kvxferd.bench.plan import SWEEP, Group, Item, Plan
+from kvxferd.bench.plan import SWEEP, Group, Item, Plan, pool_huge_pages
 from kvxferd.memory.layout import KvLayout, pair_segments
+from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.content import VerifyResult, request_seed
 from kvxferd.sim.engine import HostContent, add_memory_args
@@ -161,7 +162,7 @@ def target(args: argparse.Namespace) -> int:
             backend.close()
         return 0
     name = f"kvxferd-bench-raw-target-{os.getpid()}"
-    region = ShmRegion.create(name, layout.pool_bytes)
+    region = _host_region(name, layout.pool_bytes)
     try:
         reg = backend.register(region.address, layout.pool_bytes)
         info = {
@@ -170,21 +171,43 @@ def target(args: argparse.Namespace) -> int:
             "base": region.address,
             "shm_name": name,
             "nbytes": layout.pool_bytes,
+            "pages": region.pages.to_status(),
         }
+        if isinstance(region, MemfdRegion):
+            # The initiator maps the same memfd (to clear and verify) through /proc.
+            info["fd_path"] = f"/proc/{os.getpid()}/fd/{region.fd}"
         _serve_until_closed(args, backend, reg, info)
     finally:
         backend.close()
-        region.unlink()
+        if isinstance(region, ShmRegion):
+            region.unlink()
         region.close()
     return 0
+
+
+def _host_region(name: str, nbytes: int) -> ShmRegion | MemfdRegion:
+    """A host pool of the raw pair: in shared memory by name, or with `kvxferd bench
+    --huge-pages` a memfd on huge pages (the daemon path's engines take the same)."""
+    huge_pages = pool_huge_pages()
+    if huge_pages == "off":
+        return ShmRegion.create(name, nbytes)
+    return MemfdRegion.create(nbytes, name, huge_pages=huge_pages)
 
 
 class _HostDst:
     """The target's pool, mapped here from its shared memory: cleared and verified here."""
 
-    def __init__(self, layout: KvLayout, shm_name: str, nbytes: int) -> None:
+    def __init__(self, layout: KvLayout, shm_name: str, nbytes: int, fd_path: str = "") -> None:
         self.layout = layout
-        self.region = ShmRegion.attach(shm_name, nbytes)
+        self.region: ShmRegion | MemfdRegion
+        if fd_path:
+            fd = os.open(fd_path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                self.region = MemfdRegion.attach(fd, nbytes, "the raw target's pool")
+            finally:
+                os.close(fd)
+        else:
+            self.region = ShmRegion.attach(shm_name, nbytes)
 
     def clear(self, blocks: list[int]) -> None:
         HostContent.clear(self.region.array, self.layout, blocks)
@@ -250,10 +273,11 @@ class Initiator:
             self.local_memory = vram(_DEVICE)
             self.remote_memory = vram(int(target_info["device"]))
         else:
-            self.region = ShmRegion.create(
+            self.region = _host_region(
                 f"kvxferd-bench-raw-initiator-{os.getpid()}", self.layout.pool_bytes
             )
-            self.region.unlink()
+            if isinstance(self.region, ShmRegion):
+                self.region.unlink()
         self.reg = self.backend.register(
             self.region.address, self.layout.pool_bytes, self.local_memory
         )
@@ -264,7 +288,12 @@ class Initiator:
         if memory == "vram":
             self.dst = _DeviceDst(target_info["control"])
         else:
-            self.dst = _HostDst(self.layout, target_info["shm_name"], int(target_info["nbytes"]))
+            self.dst = _HostDst(
+                self.layout,
+                target_info["shm_name"],
+                int(target_info["nbytes"]),
+                target_info.get("fd_path", ""),
+            )
         self.records: list[RawRecord] = []
         self.verified = 0
         self.timed_start_ns = 0
@@ -390,6 +419,9 @@ def initiator(args: argparse.Namespace) -> int:
     finally:
         if init is not None:
             report["records"] = [asdict(r) for r in init.records]
+            if isinstance(init.region, (ShmRegion, MemfdRegion)):
+                report["pages"] = init.region.pages.to_status()
+                report["target_pages"] = info.get("pages")
             report["verified"] = init.verified
             report["timed_start_ns"] = init.timed_start_ns
             with contextlib.suppress(Exception):

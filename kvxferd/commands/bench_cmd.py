@@ -129,6 +129,15 @@ def add_parser(sub: Any) -> None:
         "--timeout", type=float, default=900.0, help="seconds allowed per measurement phase"
     )
     o.add_argument("--keep", action="store_true", help="keep the work directory (logs, records)")
+    m.add_argument(
+        "--huge-pages",
+        nargs="?",
+        const="auto",
+        choices=["auto", "reserve"],
+        help="host pools (engines' and raw's) on huge pages, or fail saying what the host "
+        "lacks: auto uses what the host has; reserve first reserves hugetlb pages (root) "
+        "and restores vm.nr_hugepages afterwards (kvxferd/bench/huge_pages.py)",
+    )
     p.epilog = _configs_epilog()
     p.set_defaults(handler=_bench)
 
@@ -308,7 +317,14 @@ def _bench(args: argparse.Namespace) -> int:
         result = pipeline.run(opts, popts, progress=not args.no_progress)
         print(json.dumps(result) if args.json else pipeline.format_table(result))
         return 0
-    result = runner.run(opts, progress=not args.no_progress)
+    from kvxferd.bench.huge_pages import huge_pages_run, summary_line
+
+    pool_bytes = runner.build_plan(opts, "r").layout().pool_bytes
+    with huge_pages_run(args.huge_pages, pool_bytes) as huge:
+        result = runner.run(opts, progress=not args.no_progress)
+    if huge is not None:
+        result["huge_pages"] = huge
+        print(summary_line(huge), file=sys.stderr)
     if args.segment_bytes is not None:
         result["segment_bytes"] = args.segment_bytes
     if args.json:

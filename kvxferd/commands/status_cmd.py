@@ -88,7 +88,27 @@ def _pool_line(pool_id: str, row: dict[str, Any]) -> str:
         how = "zero-copy" if row.get("zero_copy") else "copy-only"
         return f"  pool {pool_id}: vram cuda:{row.get('device')} ({row.get('sharing')}, {how})"
     sharing = row.get("sharing")
-    return f"  pool {pool_id}: host" + (f" ({sharing})" if sharing else "")
+    how = ", ".join(x for x in (sharing, pages_label(row.get("pages"))) if x)
+    return f"  pool {pool_id}: host" + (f" ({how})" if how else "")
+
+
+def pages_label(pages: dict[str, Any] | None) -> str:
+    """ "hugetlb 2 MiB pages", "4 KiB pages (hugetlb: 0 free 2 MiB pages, ...)" or ""."""
+    if not pages:
+        return ""
+    reason = pages.get("reason")
+    return f"{pages.get('label')} pages" + (f" ({reason})" if reason else "")
+
+
+def regions_line(doc: dict[str, Any]) -> str | None:
+    """The daemon's own bounce or staging regions: size and the pages they are on."""
+    for name in ("bounce", "staging"):
+        regions = doc.get(name)
+        if regions:
+            where = pages_label(regions.get("pages")) or regions.get("memory", "?")
+            mib = regions.get("region_bytes", 0) / (1 << 20)
+            return f"  {name} regions: 2 x {mib:.1f} MiB, {where}"
+    return None
 
 
 def discovery_line(disc: dict[str, Any]) -> str:
@@ -131,6 +151,9 @@ def summary(doc: dict[str, Any]) -> str:
             f"zero-copy {'on' if device.get('zero_copy') else 'off'}"
         )
     lines += [_pool_line(pool_id, row) for pool_id, row in sorted(pool_memory(doc).items())]
+    regions = regions_line(doc)
+    if regions:
+        lines.append(regions)
     disc = doc.get("discovery")
     if disc:
         lines.append(discovery_line(disc))

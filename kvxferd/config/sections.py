@@ -246,6 +246,22 @@ class DaemonSection(BaseModel):
         "turn it on only where scripts/gpu-check.sh showed the registration works and is "
         "faster. A pool whose registration fails stays copy-only.",
     )
+    huge_pages: Literal["auto", "off", "required"] = Field(
+        default="auto",
+        description="Huge pages for the daemon's own host regions (bounce and staging "
+        "buffers): auto uses transparent huge pages where the kernel allows them, else "
+        "hugetlb pages where enough are free (vm.nr_hugepages; those are left to the engines' "
+        "pools where THP serves), else normal pages (one log line and `kvxferd status` say "
+        "which and why); off always takes normal pages; required refuses to start when the "
+        "regions cannot be on huge pages. Engine pools choose their own pages "
+        "(kvxferd.client.host_pool).",
+    )
+
+    @field_validator("huge_pages", mode="before")
+    @classmethod
+    def _huge_pages_off(cls, value: object) -> object:
+        # YAML reads a bare `off` as false: take it as meant.
+        return "off" if value is False else value
 
     @field_validator("heartbeat_timeout_ms")
     @classmethod

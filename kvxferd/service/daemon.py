@@ -47,7 +47,7 @@ from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.movers import RECV_MOVERS, SEND_MOVERS
 from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
-from kvxferd.transceiver.staging import DEFAULT_STAGING_TOKENS, staging_bytes
+from kvxferd.transceiver.staging import DEFAULT_STAGING_TOKENS, host_staging, staging_bytes
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -113,7 +113,8 @@ def _transfer_buffers(
         return None
     if settings.kv_memory == "vram":
         return _device_buffers(nbytes, settings.cuda_device)
-    return BounceBuffers(nbytes)
+    # On huge pages where daemon.huge_pages and the host allow (transceiver/staging.py).
+    return BounceBuffers(nbytes, backing=host_staging(cfg.daemon.huge_pages))
 
 
 def _device_buffers(nbytes: int, cuda_device: int) -> BounceBuffers:
@@ -306,10 +307,12 @@ class Daemon:
                 region.registration = await self.dataplane.call(
                     self.dataplane.backend.register, region.address, region.nbytes, region.memory
                 )
+            pages = self.bounce.send.pages
             log.info(
-                "%s: two regions of %.1f MiB registered",
+                "%s: two regions of %.1f MiB registered, %s",
                 "staging buffers" if self.staged else "bounce buffer",
                 self.bounce.send.nbytes / (1 << 20),
+                f"on {pages.describe()} pages" if pages is not None else "device memory",
             )
         host, port = split_hostport(d.peer_listen)
         address = await self.peers.listen(host, port)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvxferd import PROTOCOL_VERSION, __version__
 from kvxferd.memory.heads import head_range, total_heads
+from kvxferd.memory.hugepages import Pages
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
                 "device_uuid": p.device_uuid or None,
                 "sharing": p.sharing,
                 "zero_copy": p.zero_copy,
+                # Host pools: the kind of page the daemon's mapping of it is on (hugepages.py).
+                "pages": _pages(p.region),
             }
             for p in daemon.pools.pools.values()
         },
@@ -136,6 +139,11 @@ def _buffers(daemon: DaemonView) -> dict[str, object] | None:
     if daemon.bounce is None:
         return None
     return {"memory": daemon.settings.kv_memory, **daemon.bounce.status()}
+
+
+def _pages(region: object) -> dict[str, object] | None:
+    pages = getattr(region, "pages", None)
+    return pages.to_status() if isinstance(pages, Pages) else None
 
 
 def _peer_security(daemon: DaemonView) -> dict[str, object]:

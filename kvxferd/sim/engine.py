@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank, overlapping_ranks
+from kvxferd.memory.hugepages import HUGE_PAGES_MODES, HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
@@ -148,6 +149,7 @@ class ReferenceEngine:
         memory: str = "host",
         vram_share: str = "ipc",
         cuda_device: int = 0,
+        huge_pages: HugePagesMode = "off",
     ) -> None:
         if memory not in MEMORY or vram_share not in VRAM_SHARE:
             raise ValueError(f"memory {memory!r} / vram_share {vram_share!r}: unknown")
@@ -159,6 +161,9 @@ class ReferenceEngine:
         self.memory = memory
         self.vram_share = vram_share
         self.cuda_device = cuda_device
+        # Host pools' pages (kvxferd.memory.hugepages): "auto" takes huge pages where the
+        # host allows, "required" fails open() where it does not.
+        self.huge_pages = huge_pages
         self.content: Any = HostContent()
         if memory == "vram":
             from kvxferd.sim.device_content import DeviceContent
@@ -194,7 +199,7 @@ class ReferenceEngine:
         for rank in self.ranks:
             name = f"kvxferd-sim-{self.pool_id}-{os.getpid()}-{rank.tp.rank}"
             if not shm_names:
-                memfd = MemfdRegion.create(self.layout.pool_bytes, name)
+                memfd = MemfdRegion.create(self.layout.pool_bytes, name, huge_pages=self.huge_pages)
                 try:
                     await rank.client.register_pool(
                         self.pool_id, memfd, self.layout, rank.tp.rank, rank.tp.size
@@ -414,6 +419,13 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-device", type=int, default=0, help="vram: this process's CUDA device ordinal"
     )
+    p.add_argument(
+        "--huge-pages",
+        choices=HUGE_PAGES_MODES,
+        default="off",
+        help="host: the pool's pages; auto takes huge pages where the host allows them, "
+        "required fails where it does not (kvxferd.memory.hugepages)",
+    )
 
 
 def add_geometry_args(p: argparse.ArgumentParser) -> None:
@@ -441,6 +453,7 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         memory=args.memory,
         vram_share=args.vram_share,
         cuda_device=args.cuda_device,
+        huge_pages=args.huge_pages,
     )
     peer: str | None = None
     if args.role == "generation":

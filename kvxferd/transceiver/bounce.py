@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.backends.base import HOST, Memory
+from kvxferd.memory.hugepages import Pages
 from kvxferd.memory.layout import KvLayout
 from kvxferd.transceiver.copyplan import (
     CopyPlan,
@@ -119,6 +120,13 @@ class BounceRegion:
         self.in_use_bytes = 0
         self.reservations = 0
         self.registration: object | None = None
+
+    @property
+    def pages(self) -> Pages | None:
+        """The host pages the region is on (kvxferd.memory.hugepages), when its backing says
+        (transceiver/staging.py: HostStaging); None for device memory."""
+        pages = getattr(self._backing, "pages", None)
+        return pages if isinstance(pages, Pages) else None
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Room for `nbytes` now, or None (never waits)."""
@@ -435,6 +443,7 @@ class BounceBuffers:
             "recv_reservations": self.recv.reservations,
             "reservations_made": self.reservations_made,
             "fallbacks": self.fallbacks,
+            "pages": self.send.pages.to_status() if self.send.pages is not None else None,
         }
 
     def close(self) -> None:

@@ -238,13 +238,21 @@ def test_status_names_each_pools_memory(pair: Pair) -> None:
                     "device_uuid": None,
                     "sharing": "shm",
                     "zero_copy": True,
+                    # /dev/shm gives normal pages (kvxferd.memory.hugepages).
+                    "pages": {
+                        "kind": "4k",
+                        "page_bytes": 4096,
+                        "label": "4 KiB",
+                        "reason": None,
+                        "huge_bytes": None,
+                    },
                 }
             }
             assert doc["device"] is None  # a host daemon has no GPU block
             (peer,) = doc["peers"]
             assert peer["memory"] == {"shown": "host"}
             text = summary(doc)
-            assert "  pool shown: host (shm)" in text.splitlines()
+            assert "  pool shown: host (shm, 4 KiB pages)" in text.splitlines()
             assert "GPU pools" not in text
 
     asyncio.run(main())
