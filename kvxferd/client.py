@@ -10,6 +10,12 @@ them; nothing a call did is then left half-done. Every accepted recv or send
 produces exactly one `Outcome`, available through `wait` or `poll`. A failure
 whose blocks a write may still reach says `blocks_held`; those blocks may be
 reused only after `wait_released` returns (the daemon proved no write can land).
+
+Request ids are unique per context instance only: a generation engine may receive the
+same id from two context instances at once. Those receives are told apart by their
+context peer as the recv named it (Outcome.peer): cancel, release, query, poll, wait,
+released and wait_released take an optional `peer`. Left out, they mean the only
+request of the id, and raise CallError `ambiguous_request` when there are several.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Released:
     side: str
     how: str
     held_ms: float
+    peer: str = ""  # the receive's context peer, as its Outcome.peer
 
 
 T = TypeVar("T")
@@ -110,12 +117,17 @@ class AsyncClient:
         self._out = CorkedWriter(writer)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[str]] = {}
-        self._outcomes: dict[tuple[str, str], Outcome] = {}
-        self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
-        # Requests whose held blocks came back (ReleasedMsg), and who waits for that.
-        self._released: dict[str, Released] = {}
-        self._held: set[str] = set()  # receives reported blocks_held, not released yet
-        self._release_waiters: dict[str, list[asyncio.Future[Released]]] = {}
+        # By (request id, side), then by peer (Outcome.peer: "" for sends): one id may be
+        # received from several context instances.
+        self._outcomes: dict[tuple[str, str], dict[str, Outcome]] = {}
+        # Who waits, by request id: each with the peer it waits for (None: any).
+        self._waiters: dict[str, list[_Waiter[Outcome]]] = {}
+        # Requests whose held blocks came back (ReleasedMsg), and who waits for that; by
+        # request id, then by peer.
+        self._released: dict[str, dict[str, Released]] = {}
+        # Receives reported blocks_held, not released yet: by request id, their peers.
+        self._held: dict[str, set[str]] = {}
+        self._release_waiters: dict[str, list[_Waiter[Released]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
         # Where a pool handoff's second connection goes (set by connect; else the peer name).
@@ -181,23 +193,24 @@ class AsyncClient:
             self._fail_all()
 
     def _on_outcome(self, outcome: Outcome) -> None:
+        rid, peer = outcome.request_id, outcome.peer
         if outcome.side == "recv":
             # A new outcome is a new request under this id: an earlier release is not its.
-            self._released.pop(outcome.request_id, None)
+            _discard(self._released, rid, peer)
             if outcome.blocks_held:
-                self._held.add(outcome.request_id)
-        self._outcomes[(outcome.request_id, outcome.side)] = outcome
-        for fut in self._waiters.pop(outcome.request_id, []):
-            if not fut.done():
-                fut.set_result(outcome)
+                self._held.setdefault(rid, set()).add(peer)
+        self._outcomes.setdefault((rid, outcome.side), {})[peer] = outcome
+        _wake(self._waiters, rid, peer, outcome)
 
     def _on_released(self, msg: ReleasedMsg) -> None:
-        released = Released(msg.request_id, msg.side, msg.how, msg.held_ms)
-        self._held.discard(msg.request_id)
-        self._released[msg.request_id] = released
-        for fut in self._release_waiters.pop(msg.request_id, []):
-            if not fut.done():
-                fut.set_result(released)
+        released = Released(msg.request_id, msg.side, msg.how, msg.held_ms, msg.peer)
+        held = self._held.get(msg.request_id)
+        if held is not None:
+            held.discard(msg.peer)
+            if not held:
+                del self._held[msg.request_id]
+        self._released.setdefault(msg.request_id, {})[msg.peer] = released
+        _wake(self._release_waiters, msg.request_id, msg.peer, released)
 
     def _fail_all(self) -> None:
         err = DaemonGoneError(self._closed_reason)
@@ -205,8 +218,8 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
-        waiting: list[asyncio.Future[Any]] = [w for ws in self._waiters.values() for w in ws]
-        waiting += [w for ws in self._release_waiters.values() for w in ws]
+        waiting: list[asyncio.Future[Any]] = [w for ws in self._waiters.values() for _, w in ws]
+        waiting += [w for ws in self._release_waiters.values() for _, w in ws]
         for waiter in waiting:
             if not waiter.done():
                 waiter.set_exception(err)
@@ -449,7 +462,10 @@ class AsyncClient:
         request's tokens, from token 0.
         """
         single = isinstance(peer, str)
-        self._released.pop(request_id, None)  # a release of an earlier request of this id
+        # A release of an earlier request of this id (from this context peer) is not its.
+        # (No peer at all is the daemon's to refuse, with bad_request.)
+        first = peer if isinstance(peer, str) else next(iter(peer), "")
+        _discard(self._released, request_id, first)
         await self._ask(
             Recv,
             request_id=request_id,
@@ -493,36 +509,52 @@ class AsyncClient:
             peer=peer or "",
         )
 
-    async def cancel(self, request_id: str) -> str:
-        """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished"."""
-        return await self._ask(Cancel, request_id=request_id)
+    async def cancel(self, request_id: str, peer: str | None = None) -> str:
+        """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished".
+        `peer`: a receive's context peer, as the recv named it (or that daemon's name);
+        needed only when receives of this id from several context instances are known."""
+        return await self._ask(Cancel, request_id=request_id, peer=peer or "")
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, request_id: str, peer: str | None = None) -> None:
         """Forget a finished request, so that its id may be used again (a request whose
-        blocks are held keeps its id until they are released)."""
-        await self._ask(Release, request_id=request_id)
-        for side in ("send", "recv"):
-            self._outcomes.pop((request_id, side), None)
+        blocks are held keeps its id until they are released). `peer`: as cancel's."""
+        await self._ask(Release, request_id=request_id, peer=peer or "")
+        if peer is None:
+            for side in ("send", "recv"):
+                self._outcomes.pop((request_id, side), None)
+        elif not _discard(self._outcomes, (request_id, "recv"), peer):
+            self._outcomes.pop((request_id, "send"), None)
 
-    async def query(self, request_id: str) -> str:
-        return await self._ask(Query, request_id=request_id)
+    async def query(self, request_id: str, peer: str | None = None) -> str:
+        return await self._ask(Query, request_id=request_id, peer=peer or "")
 
-    def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
+    def poll(
+        self, request_id: str, side: str | None = None, peer: str | None = None
+    ) -> Outcome | None:
+        """The outcome of `request_id` if it has arrived. `peer`: a receive's context
+        peer as the recv named it; None: the only one (CallError `ambiguous_request` when
+        receives of this id from several context peers have outcomes)."""
         for s in (side,) if side else ("recv", "send"):
-            outcome = self._outcomes.get((request_id, s))
+            outcome = _pick(self._outcomes.get((request_id, s)), request_id, peer)
             if outcome is not None:
                 return outcome
         return None
 
-    async def wait(self, request_id: str, timeout_s: float | None = None) -> Outcome:
-        """The outcome of `request_id`, waiting for it if needed."""
-        return await self._wait_event(self.poll(request_id), self._waiters, request_id, timeout_s)
+    async def wait(
+        self, request_id: str, timeout_s: float | None = None, peer: str | None = None
+    ) -> Outcome:
+        """The outcome of `request_id` (from `peer`, as poll's), waiting for it if needed;
+        without a peer, the first to arrive."""
+        return await self._wait_event(
+            self.poll(request_id, peer=peer), self._waiters, request_id, peer, timeout_s
+        )
 
     async def _wait_event(
         self,
         got: E | None,
-        waiters: dict[str, list[asyncio.Future[E]]],
+        waiters: dict[str, list[_Waiter[E]]],
         request_id: str,
+        peer: str | None,
         timeout_s: float | None,
     ) -> E:
         """`got` if it already arrived, else wait for the daemon to push it."""
@@ -530,10 +562,10 @@ class AsyncClient:
             return got
         if self._reader_task is None or self._reader_task.done():
             raise DaemonGoneError(self._closed_reason or "not connected")
-        waiter: asyncio.Future[E] = asyncio.get_running_loop().create_future()
+        waiter: _Waiter[E] = (peer, asyncio.get_running_loop().create_future())
         waiters.setdefault(request_id, []).append(waiter)
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
+            return await asyncio.wait_for(waiter[1], timeout_s)
         finally:
             # A wait that timed out leaves no future behind (an engine polling with short
             # timeouts would otherwise pile them up until the event came).
@@ -543,9 +575,10 @@ class AsyncClient:
                 if not pending:
                     del waiters[request_id]
 
-    def released(self, request_id: str) -> Released | None:
-        """The release of `request_id`'s held blocks, if it has arrived."""
-        return self._released.get(request_id)
+    def released(self, request_id: str, peer: str | None = None) -> Released | None:
+        """The release of `request_id`'s held blocks (from `peer`, as poll's), if it has
+        arrived."""
+        return _pick(self._released.get(request_id), request_id, peer)
 
     @property
     def gone(self) -> str:
@@ -554,25 +587,83 @@ class AsyncClient:
             return ""
         return self._closed_reason or "the connection to the daemon ended"
 
-    async def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
+    async def wait_released(
+        self, request_id: str, timeout_s: float | None = None, peer: str | None = None
+    ) -> Released:
         """Wait until the blocks of a request whose outcome had `blocks_held` are back
         (its `released` event): only then may the engine reuse them. There is no timer
         behind it: it comes when the daemon proves no write can still land. Raises
         DaemonGoneError if the daemon goes away first (then never reuse those blocks), and
-        CallError `not_held` at once for a request whose blocks were not reported held."""
-        if request_id not in self._held and request_id not in self._released:
+        CallError `not_held` at once for a request whose blocks were not reported held.
+        `peer`: as poll's."""
+        known = self._held.get(request_id, set()) | set(self._released.get(request_id, {}))
+        if not known or (peer is not None and peer not in known and "" not in known):
             raise CallError(
                 "not_held",
-                f"request {request_id!r} has no held blocks (no outcome with blocks_held)",
+                f"request {request_id!r}{f' from {peer!r}' if peer is not None else ''} "
+                "has no held blocks (no outcome with blocks_held)",
             )
         return await self._wait_event(
-            self._released.get(request_id), self._release_waiters, request_id, timeout_s
+            self.released(request_id, peer),
+            self._release_waiters,
+            request_id,
+            peer,
+            timeout_s,
         )
 
     async def close(self) -> None:
         self._out.close()
         if self._reader_task is not None:
             await asyncio.gather(self._reader_task, return_exceptions=True)
+
+
+# One wait for an event of a request: the peer it waits for (None: any) and its future.
+_Waiter = tuple["str | None", "asyncio.Future[E]"]
+K = TypeVar("K")
+
+
+def _pick(by_peer: dict[str, E] | None, request_id: str, peer: str | None) -> E | None:
+    """The event of `peer` among a request's (by Outcome.peer). An older daemon names no
+    peer (""): that one is anyone's. None: the only one, or `ambiguous_request`."""
+    if not by_peer:
+        return None
+    if peer is not None:
+        return by_peer.get(peer, by_peer.get(""))
+    if len(by_peer) == 1:
+        return next(iter(by_peer.values()))
+    raise CallError(
+        "ambiguous_request",
+        f"request {request_id!r} has events from the context peers "
+        f"{', '.join(repr(p) for p in by_peer)}; say which (peer=...)",
+    )
+
+
+def _discard(table: dict[K, dict[str, Any]], key: K, peer: str) -> bool:
+    """Forget the event of `peer` under `key`; True when there was one."""
+    by_peer = table.get(key)
+    if by_peer is None or by_peer.pop(peer, None) is None:
+        return False
+    if not by_peer:
+        del table[key]
+    return True
+
+
+def _wake(waiters: dict[str, list[_Waiter[E]]], request_id: str, peer: str, event: E) -> None:
+    """Hand `event` (of `peer`) to those waiting for it or for any peer of the request."""
+    pending = waiters.get(request_id)
+    if not pending:
+        return
+    keep: list[_Waiter[E]] = []
+    for wanted, fut in pending:
+        if wanted is None or wanted == peer or not peer:
+            if not fut.done():
+                fut.set_result(event)
+        else:
+            keep.append((wanted, fut))
+    if keep:
+        waiters[request_id] = keep
+    else:
+        del waiters[request_id]
 
 
 def _blocking(
@@ -629,19 +720,23 @@ class Client:
     query = _blocking(AsyncClient.query)
     wait = _blocking(AsyncClient.wait)
 
-    def poll(self, request_id: str, side: str | None = None) -> Outcome | None:
-        return self._client.poll(request_id, side)
+    def poll(
+        self, request_id: str, side: str | None = None, peer: str | None = None
+    ) -> Outcome | None:
+        return self._client.poll(request_id, side, peer)
 
-    def released(self, request_id: str) -> Released | None:
-        return self._client.released(request_id)
+    def released(self, request_id: str, peer: str | None = None) -> Released | None:
+        return self._client.released(request_id, peer)
 
     @property
     def gone(self) -> str:
         """Why the connection to the daemon ended; "" while it is up."""
         return self._client.gone
 
-    def wait_released(self, request_id: str, timeout_s: float | None = None) -> Released:
-        return self._run(self._client.wait_released(request_id, timeout_s), timeout_s)
+    def wait_released(
+        self, request_id: str, timeout_s: float | None = None, peer: str | None = None
+    ) -> Released:
+        return self._run(self._client.wait_released(request_id, timeout_s, peer), timeout_s)
 
     def close(self) -> None:
         try:

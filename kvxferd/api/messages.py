@@ -123,15 +123,26 @@ class Send(_RequestCall, tag="send"):
 
 
 class Cancel(_RequestCall, tag="cancel"):
-    """Stop the request unless a write of it is in flight (Reply.result says which)."""
+    """Stop the request unless a write of it is in flight (Reply.result says which).
+
+    `peer` (of Cancel, Release and Query): for a receive, its context peer as the recv
+    named it (or that daemon's name), telling apart receives of one request id from
+    several context instances. "" (older engines): the id alone, refused with
+    `ambiguous_request` when two receives share it. Ignored for sends. Last, defaulted."""
+
+    peer: str = ""
 
 
 class Release(_RequestCall, tag="release"):
-    """Forget a finished request, so that its id may be used again."""
+    """Forget a finished request, so that its id may be used again (`peer`: as Cancel's)."""
+
+    peer: str = ""
 
 
 class Query(_RequestCall, tag="query"):
-    """The request's state name, in Reply.result."""
+    """The request's state name, in Reply.result (`peer`: as Cancel's)."""
+
+    peer: str = ""
 
 
 class Reply(_Msg, tag="reply"):
@@ -150,12 +161,14 @@ class Reply(_Msg, tag="reply"):
 
 class ReleasedMsg(_Msg, tag="released"):
     """Blocks of a request reported with `blocks_held` are back: no write can land there.
-    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent)."""
+    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent). `peer`: the
+    receive's context peer (as its Outcome.peer); "" from older daemons."""
 
     request_id: str
     side: str
     how: str
     held_ms: float
+    peer: str = ""
 
 
 EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
@@ -172,6 +185,9 @@ class ApiError(Code):
 
     BAD_REQUEST = "bad_request"
     DUPLICATE_REQUEST = "duplicate_request"
+    # A cancel, release or query without a peer for a request id that several receives
+    # (from different context instances) share; the message names their peers.
+    AMBIGUOUS_REQUEST = "ambiguous_request"
     UNKNOWN_REQUEST = "unknown_request"
     # A receive naming a peer that discovery does not know (never registered, or left).
     PEER_UNKNOWN = "peer_unknown"

@@ -95,8 +95,12 @@ class EngineConnection:
             self.on_outcome(outcome)
         self._write(outcome)
 
-    def released(self, request_id: str, side: str, how: str, held_ms: float) -> None:
-        self._write(ReleasedMsg(request_id=request_id, side=side, how=how, held_ms=held_ms))
+    def released(
+        self, request_id: str, side: str, how: str, held_ms: float, peer: str = ""
+    ) -> None:
+        self._write(
+            ReleasedMsg(request_id=request_id, side=side, how=how, held_ms=held_ms, peer=peer)
+        )
 
     def reply(self, call_id: int, result: str = "") -> None:
         self._write(Reply(call_id=call_id, ok=True, result=result))

@@ -39,8 +39,8 @@ from kvxferd.service.ops import TaskScope
 from kvxferd.service.pools import LocalPool, PoolError
 from kvxferd.service.view import DaemonView
 from kvxferd.transceiver.holds import Hold
-from kvxferd.transceiver.receiver import Receiver
 from kvxferd.transceiver.sender import Sender
+from kvxferd.transceiver.sessions import RxSession, TxSession
 from kvxferd.transceiver.state import Reason
 
 log = logging.getLogger("kvxferd.daemon")
@@ -141,14 +141,23 @@ class EngineCalls:
         return ""
 
     async def _cancel(self, engine: EngineConnection, msg: Cancel) -> str:
-        return await self._side_of(engine, msg.request_id).cancel(msg.request_id)
+        rx = self._receive_of(engine, msg.request_id, msg.peer)
+        if rx is not None:
+            return await self._d.receiver.cancel(msg.request_id, rx.peer)
+        return await self._send_of(engine, msg.request_id).cancel(msg.request_id)
 
     async def _release(self, engine: EngineConnection, msg: Release) -> str:
-        self._side_of(engine, msg.request_id).release(msg.request_id)
+        rx = self._receive_of(engine, msg.request_id, msg.peer)
+        if rx is not None:
+            self._d.receiver.release(msg.request_id, rx.peer)
+        else:
+            self._send_of(engine, msg.request_id).release(msg.request_id)
         return ""
 
     async def _query(self, engine: EngineConnection, msg: Query) -> str:
-        s = self._side_of(engine, msg.request_id).sessions[msg.request_id]
+        s: RxSession | TxSession | None = self._receive_of(engine, msg.request_id, msg.peer)
+        if s is None:
+            s = self._send_of(engine, msg.request_id).sessions[msg.request_id]
         return s.outcome.status if s.outcome else s.state.name.lower()
 
     def _recv_peers(self, msg: Recv) -> list[str]:
@@ -189,11 +198,31 @@ class EngineCalls:
                 f"{call} needs a daemon with role {' or '.join(roles)}; this one is {self._d.role}",
             )
 
-    def _side_of(self, engine: EngineConnection, request_id: str) -> Sender | Receiver:
-        for side in (self._d.receiver, self._d.sender):
-            s = side.sessions.get(request_id)
-            if s is not None and s.engine is engine:
-                return side
+    def _receive_of(self, engine: EngineConnection, request_id: str, peer: str) -> RxSession | None:
+        """This engine's receive the call names (receives first, as always): by id and, when
+        given, context peer. Without a peer, an id two receives share is refused
+        (ambiguous_request, naming their peers)."""
+        receiver = self._d.receiver
+        mine = [s for s in receiver.sessions.of_id(request_id) if s.engine is engine]
+        if not mine:
+            return None
+        if not peer and len(mine) == 1:
+            return mine[0]
+        s = receiver.find(request_id, peer)
+        if s is not None and s.engine is engine:
+            return s
+        if peer and self._d.sender.sessions.get(request_id) is None:
+            raise RequestError(
+                ApiError.UNKNOWN_REQUEST,
+                f"no receive of request {request_id!r} from {peer!r} of this engine (its "
+                f"receives of that id are from {', '.join(repr(s.peer) for s in mine)})",
+            )
+        return None
+
+    def _send_of(self, engine: EngineConnection, request_id: str) -> Sender:
+        s = self._d.sender.sessions.get(request_id)
+        if s is not None and s.engine is engine:
+            return self._d.sender
         raise RequestError(ApiError.UNKNOWN_REQUEST, f"no request {request_id!r} of this engine")
 
     # ---------------------------------------------------------------- pools

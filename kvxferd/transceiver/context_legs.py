@@ -240,4 +240,5 @@ def hold_for(s: RxSession, exposes_blocks: bool, reservations_exposed: bool) -> 
         block_ids=list(s.blocks) if exposes_blocks else [],
         reservations=reservations,
         pending=pending,
+        peer=s.peer,
     )

@@ -79,6 +79,9 @@ class Hold:
     reservations: list[Reservation]
     pending: list[HeldLeg]
     since: float = field(default_factory=time.monotonic)
+    # The receive's context peer as the engine named it: with request_id, the receive's
+    # identity (request ids are unique per context instance only).
+    peer: str = ""
 
     @property
     def key(self) -> tuple[str, int]:

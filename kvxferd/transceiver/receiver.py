@@ -21,6 +21,9 @@ every leg delivered and the legs' ranks cover our heads exactly once (checked by
 kvxferd.transceiver.legs); any leg
 failing fails the request, the other legs are aborted, and the blocks are handed
 back only once every leg is quiescent.
+
+Identity: a receive is known by (context peer as the engine named it, request id), since
+request ids are unique per context instance only (transceiver/rx_table.py).
 """
 
 from __future__ import annotations
@@ -44,15 +47,21 @@ from kvxferd.transceiver.holds import Hold, HoldKeeper
 from kvxferd.transceiver.legs import RxLeg, peer_tp, source_problem
 from kvxferd.transceiver.loans import BlockLoans
 from kvxferd.transceiver.movers import RecvMover
-from kvxferd.transceiver.recv_checks import check_blocks, check_id_free, check_peers
+from kvxferd.transceiver.recv_checks import (
+    check_blocks,
+    check_id_free,
+    check_peers,
+    same_daemon_problem,
+)
+from kvxferd.transceiver.rx_table import RxTable
 from kvxferd.transceiver.sessions import (
     EngineLink,
+    RxKey,
     RxSession,
     Terminal,
     abort_engine_sessions,
     conclude,
     drain_sessions,
-    release_finished,
     settle,
 )
 from kvxferd.transceiver.state import Reason, SessionState, Status
@@ -75,7 +84,7 @@ class Receiver:
         self.mover = mover
         self.admission = admission
         self.legs = ContextLegs(connect)
-        self.sessions: dict[str, RxSession] = {}
+        self.sessions = RxTable()
         self.accepting = True
         self.holds = HoldKeeper(connect, mover.release, timeouts.redial_s, timeouts.redial_max_s)
         self.holds.on_released = self._hold_released
@@ -103,9 +112,12 @@ class Receiver:
         check_peers(request_id, peers, beam_width, self.pipelined)
         if not self.accepting:
             raise RequestError("draining", "the daemon is draining; no new requests")
-        check_id_free(request_id, self.sessions.get(request_id))
+        check_id_free(request_id, self.sessions.clash(request_id, peers))
         check_blocks(pool, blocks, num_tokens, block_start)
-        self.loans.lend(pool, blocks, request_id, self._is_held)
+        rx_token = secrets.randbits(63)
+        while self.sessions.token_taken(request_id, rx_token):
+            rx_token = secrets.randbits(63)  # (request id, token) names one receive
+        self.loans.lend(pool, blocks, (peers[0], request_id), self._is_held)
         s = RxSession(
             request_id=request_id,
             engine=engine,
@@ -113,19 +125,31 @@ class Receiver:
             blocks=list(blocks),
             block_start=block_start,
             num_tokens=num_tokens,
-            rx_token=secrets.randbits(63),
+            rx_token=rx_token,
             legs=[RxLeg(peer) for peer in peers],
         )
-        self.sessions[request_id] = s
-        pool.users.add(f"rx:{request_id}")
+        self.sessions.add(s)
+        pool.users.add(s.user)
         # The timeout is read once, here: a reload applies to receives accepted after it,
         # not to one still waiting for admission (docs/operations.md).
         s.task = asyncio.create_task(self._run(s, self.timeouts.timeout_s), name=f"rx-{request_id}")
 
-    async def cancel(self, request_id: str) -> str:
-        s = self.sessions.get(request_id)
+    def find(self, request_id: str, peer: str = "") -> RxSession | None:
+        """The receive an engine call names (RxTable.find: `peer` may be left out while
+        the id is unambiguous; RequestError `ambiguous_request` when it is not)."""
+        return self.sessions.find(request_id, peer)
+
+    def _named(self, request_id: str, peer: str) -> RxSession:
+        s = self.sessions.find(request_id, peer)
         if s is None:
-            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
+            raise RequestError(
+                "unknown_request",
+                f"no receive for request {request_id!r}" + (f" from {peer!r}" if peer else ""),
+            )
+        return s
+
+    async def cancel(self, request_id: str, peer: str = "") -> str:
+        s = self._named(request_id, peer)
         if s.finished or s.terminal is not None:
             return "finished" if s.finished else "busy"
         if _cancellable(s) and s.task is not None:
@@ -146,12 +170,22 @@ class Receiver:
             await asyncio.shield(s.task)
         return "cancelled" if s.terminal and s.terminal.status == Status.CANCELLED else "finished"
 
-    def release(self, request_id: str) -> None:
-        s = self.sessions.get(request_id)
-        if s is not None and s.finished and s.held:
+    def release(self, request_id: str, peer: str = "") -> None:
+        """The engine forgets a finished receive, so that its id (from its context peer)
+        may be used again."""
+        s = self._named(request_id, peer)
+        if s.finished and s.held:
             s.forget = True  # the id stays taken until the blocks are back
             return
-        release_finished(self.sessions, request_id, "receive")
+        if s.engine is None:
+            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
+        if not s.finished:
+            raise RequestError(
+                "still_active",
+                f"request {request_id!r} from {s.peer!r} has no outcome yet; "
+                "cancel it or wait for it first",
+            )
+        del self.sessions[s.key]
 
     # ----------------------------------------------------------- peer messages
 
@@ -163,10 +197,9 @@ class Receiver:
         )
 
     def _match(self, conn: PeerConnection, request_id: str, rx_token: int) -> RxSession | None:
-        s = self.sessions.get(request_id)
-        if s is None or s.rx_token != rx_token or s.leg_of(conn) is None:
-            return None  # late or foreign: never revives a finished request
-        return s
+        # Late or foreign (another connection, another context instance's receive of the
+        # same id): None, never revives or touches a receive.
+        return self.sessions.match(conn, request_id, rx_token)
 
     async def on_result(self, conn: PeerConnection, msg: Result) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -293,6 +326,10 @@ class Receiver:
             s.deadline = deadline
             if not await self.legs.connect(s):
                 return
+            clash = same_daemon_problem(s, self.sessions.same_daemon(s))
+            if clash is not None:
+                s.request_end(Terminal.local(Status.FAILED, Reason.DUPLICATE_REQUEST, clash))
+                return
             conn = s.conn
             assert conn is not None and s.pool is not None
             if s.terminal is not None:
@@ -359,21 +396,26 @@ class Receiver:
 
     # ----------------------------------------------------------------- holds
 
-    def _is_held(self, request_id: str) -> bool:
-        s = self.sessions.get(request_id)
+    def _is_held(self, key: RxKey) -> bool:
+        s = self.sessions.get(key)
         return s is not None and s.held
 
     def _hold_released(self, hold: Hold, how: str) -> None:
-        s = self.sessions.get(hold.request_id)
+        key = (hold.peer, hold.request_id)
+        s = self.sessions.get(key)
         if hold.block_ids:
-            self.loans.give_back(hold.pool, hold.block_ids, hold.request_id)
+            self.loans.give_back(hold.pool, hold.block_ids, key)
         if s is not None and s.rx_token == hold.rx_token and s.held:
             s.held = False
             if s.forget:
-                del self.sessions[hold.request_id]
+                del self.sessions[key]
             if hold.blocks and s.engine is not None:
                 s.engine.released(
-                    hold.request_id, "recv", how, (time.monotonic() - hold.since) * 1e3
+                    hold.request_id,
+                    "recv",
+                    how,
+                    (time.monotonic() - hold.since) * 1e3,
+                    peer=hold.peer,
                 )
         if self.on_hold_released is not None:
             self.on_hold_released(hold, how)
@@ -383,7 +425,7 @@ class Receiver:
             s.terminal = Terminal.local(Status.FAILED, "internal", "ended without a terminal state")
         s.held = hold is not None and hold.blocks > 0
         if not s.held:
-            self.loans.give_back(s.pool, s.blocks, s.request_id)
+            self.loans.give_back(s.pool, s.blocks, s.key)
         conclude(s, "recv", s.pool, log, blocks_held=s.held)
         if hold is not None:
             # In the same step as conclude (no await between): the pool never looks unused.

@@ -57,14 +57,31 @@ def check_blocks(
 
 
 def check_id_free(request_id: str, old: RxSession | None) -> None:
-    """The id is not taken by a receive still known here."""
+    """The id is not taken by a receive still known here from one of the same context
+    peers (`old`: such a receive, if any). Receives of one id from different context
+    instances are distinct (transceiver/rx_table.py)."""
     if old is None:
         return
     raise RequestError(
         "duplicate_request",
-        f"request {request_id!r} ended, but its blocks are still held (a write into "
-        "them may still land); wait for its released event before reusing the id"
+        f"request {request_id!r} from {old.peer!r} ended, but its blocks are still held (a "
+        "write into them may still land); wait for its released event before reusing the id"
         if old.held
-        else f"request {request_id!r} is already active or finished on this daemon; "
-        "release it before reusing the id",
+        else f"request {request_id!r} from {old.peer!r} is already active or finished on this "
+        "daemon; release it before reusing the id",
+    )
+
+
+def same_daemon_problem(s: RxSession, clash: tuple[RxSession, str] | None) -> str | None:
+    """Why a connected receive cannot go on: another receive of its id reached the same
+    context daemon (`clash`: that receive and the daemon's name), which the engine named
+    another way (by name once, by HOST:PORT once). That daemon keys its sends by request id
+    alone and could not tell the two apart; the later one fails, the earlier is unharmed."""
+    if clash is None:
+        return None
+    other, daemon = clash
+    return (
+        f"request {s.request_id!r} from {s.peer!r} reaches context daemon {daemon!r}, which "
+        f"the receive of the same id from {other.peer!r} already asks; name a context "
+        "daemon one way (its name or its HOST:PORT) for every request"
     )

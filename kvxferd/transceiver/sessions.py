@@ -30,9 +30,17 @@ class EngineLink(Protocol):
 
     def deliver(self, outcome: Outcome) -> None: ...
 
-    def released(self, request_id: str, side: str, how: str, held_ms: float) -> None:
-        """Blocks reported held (Outcome.blocks_held) are back: no write can land there."""
+    def released(
+        self, request_id: str, side: str, how: str, held_ms: float, peer: str = ""
+    ) -> None:
+        """Blocks reported held (Outcome.blocks_held) are back: no write can land there.
+        `peer`: the receive's context peer (Outcome.peer)."""
         ...
+
+
+# A receive's identity on the generation side: (context peer as the engine named it,
+# request id). Request ids are unique per context instance only (transceiver/rx_table.py).
+RxKey = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,22 @@ class _Session:
     @property
     def finished(self) -> bool:
         return self.outcome is not None
+
+    @property
+    def key(self) -> object:
+        """Its key in its coordinator's table of sessions."""
+        return self.request_id
+
+    @property
+    def peer(self) -> str:
+        """The peer that tells this request apart from others of its id (Outcome.peer);
+        "" where the id alone does (a send: ids are unique per context instance)."""
+        return ""
+
+    @property
+    def user(self) -> str:
+        """Its mark among its pool's users (the sender adds the same one)."""
+        return f"tx:{self.request_id}"
 
     def advance(self, state: SessionState) -> None:
         # States only move forward; FAILED is sticky.
@@ -184,6 +208,19 @@ class RxSession(_Session):
         return self.legs[0].conn if self.legs else None
 
     @property
+    def peer(self) -> str:
+        """The context peer as the engine named it (the first of a head-merge's)."""
+        return self.legs[0].peer_address if self.legs else ""
+
+    @property
+    def key(self) -> RxKey:
+        return (self.peer, self.request_id)
+
+    @property
+    def user(self) -> str:
+        return f"rx:{self.request_id}@{self.peer}"
+
+    @property
     def peer_address(self) -> str:
         return ", ".join(leg.peer_address for leg in self.legs)
 
@@ -229,7 +266,7 @@ async def _end(s: S, term: Terminal, end_now: EndNow[S] | None) -> None:
 
 
 async def abort_engine_sessions(
-    sessions: MutableMapping[str, S],
+    sessions: MutableMapping[Any, S],
     engine: EngineLink,
     reason: str,
     message: str,
@@ -242,11 +279,11 @@ async def abort_engine_sessions(
         await _end(s, Terminal.local(Status.FAILED, reason, message), end_now)
     await settle(mine)
     for s in mine:
-        sessions.pop(s.request_id, None)
+        sessions.pop(s.key, None)
 
 
 async def drain_sessions(
-    sessions: MutableMapping[str, S], deadline: float, end_now: EndNow[S] | None = None
+    sessions: MutableMapping[Any, S], deadline: float, end_now: EndNow[S] | None = None
 ) -> None:
     """Shutdown: give the running sessions until `deadline` (monotonic) to end by
     themselves, end every one still without an outcome (FAILED, SHUTDOWN), and wait until
@@ -291,7 +328,7 @@ def conclude(
     else:
         session.state = SessionState.FAILED
     if pool is not None:
-        pool.users.discard(f"{'tx' if side == 'send' else 'rx'}:{session.request_id}")
+        pool.users.discard(session.user)
     session.outcome = make_outcome(session, side, blocks_held)
     # Successes at DEBUG: at thousands of requests a second, one line each
     # would drown the log; every failure is logged with its reason. The line is built
@@ -337,4 +374,5 @@ def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Out
         nbytes=session.nbytes if term.status == Status.DONE else 0,
         elapsed_ms=(time.monotonic() - session.created) * 1e3,
         blocks_held=blocks_held,
+        peer=session.peer,
     )

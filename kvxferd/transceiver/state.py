@@ -85,3 +85,7 @@ class Outcome(msgspec.Struct, tag_field="type", tag="outcome", frozen=True):
     # A failure whose blocks the daemon still holds: a write into them may still land. The
     # engine must not reuse them before the `released` event for this request.
     blocks_held: bool = False
+    # A receive's context peer, as the engine named it in the recv (the first of a
+    # head-merge's peers): request ids are unique per context instance only, so two
+    # receives of one id are told apart by it. "" on sends, and from older daemons.
+    peer: str = ""
