@@ -65,6 +65,9 @@ VRAM_SHARE = ("ipc", "vmm")
 
 log = logging.getLogger("kvxferd.sim")
 
+#: How long close() waits for held blocks to be released before deregistering.
+RELEASE_WAIT_S = 60.0
+
 
 @dataclass
 class Record:
@@ -235,6 +238,12 @@ class ReferenceEngine:
             rank.region = pool
 
     async def close(self) -> None:
+        # Blocks of receives that ended while a write could still land stay the daemon's
+        # until it releases them (fencing), and it refuses to deregister a pool they are
+        # in: wait for those releases first (bounded: a hold that never ends fails the
+        # deregistration below, with the daemon's reason).
+        if self._returning:
+            await asyncio.wait(set(self._returning), timeout=RELEASE_WAIT_S)
         for rank in self.ranks:
             try:
                 if rank.region is not None:
