@@ -17,8 +17,15 @@ from functools import partial
 from typing import Protocol
 
 from kvxferd import hostport
-from kvxferd.errors import HandshakeError, KvxferdError, ProtocolError, StartupError
+from kvxferd.errors import (
+    HandshakeError,
+    IncompatiblePeerError,
+    KvxferdError,
+    ProtocolError,
+    StartupError,
+)
 from kvxferd.peers import tls
+from kvxferd.peers.backoff import DialBackoff
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.peers.handshake import (
@@ -273,13 +280,40 @@ class PeerManager:
             return conn
         dial = self._dialing.get(address)
         if dial is None:
+            # A peer that failed its last dial waits before the next: fail now, saying
+            # when and why, rather than dial a dead peer once per receive.
+            self.dial_backoff.check(address)
             dial = asyncio.create_task(self._dial(address), name=f"dial-{address}")
             self._dialing[address] = dial
             dial.add_done_callback(lambda _t: self._dialing.pop(address, None))
         # Shielded: one waiter giving up must not abort the dial others share.
         return await asyncio.shield(dial)
 
+    @property
+    def dial_backoff(self) -> DialBackoff:
+        """Per peer address, the backoff after failed dials (kvxferd.peers.backoff)."""
+        backoff: DialBackoff | None = getattr(self, "_dial_backoff", None)
+        if backoff is None:
+            backoff = self._dial_backoff = DialBackoff()
+        return backoff
+
     async def _dial(self, address: str) -> PeerConnection:
+        backoff = self.dial_backoff
+        backoff.dialing(address)
+        try:
+            conn = await self._dial_once(address)
+        except IncompatiblePeerError:
+            # It answered and refused: alive. Its refusal is told every time, no backoff.
+            backoff.answered(address)
+            raise
+        except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
+            wait_s = backoff.failed(address, shown(exc, TEXT_LIMIT, quote=False))
+            log.debug("peer %s: dial failed; next dial in %.2f s at the earliest", address, wait_s)
+            raise
+        backoff.succeeded(address)
+        return conn
+
+    async def _dial_once(self, address: str) -> PeerConnection:
         host, port = split_hostport(address)
         context = self.tls.client if self.tls is not None else None
         try:

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from kvxferd.discovery import DiscoveryState
+    from kvxferd.peers.backoff import DialBackoff
     from kvxferd.service.view import DaemonView
     from kvxferd.transceiver.holds import HoldKeeper
 
@@ -66,6 +67,7 @@ class LiveCollector:
             "Posted writes not yet confirmed quiescent.",
             d.sender.writes.open_handles,
         )
+        yield from _dial_backoff_families(d.peers.dial_backoff)
         yield from _discovery_families(d.discovery.state)
         yield from _bounce_families(getattr(d, "bounce", None))
         yield from _hold_families(d.receiver.holds)
@@ -126,6 +128,24 @@ def _bounce_families(bounce: object | None) -> Iterable[Metric]:
         "Size of each bounce region (0: bounce is off).",
         getattr(getattr(bounce, "send", None), "nbytes", 0),
     )
+
+
+def _dial_backoff_families(backoff: DialBackoff) -> Iterable[Metric]:
+    """Peers not dialed again yet after failed dials (kvxferd.peers.backoff)."""
+    yield _gauge(
+        "kvxferd_peers_in_dial_backoff",
+        "Peer addresses whose last dial failed and that are not dialed again yet.",
+        len(backoff.waiting()),
+    )
+    dials = CounterMetricFamily(
+        "kvxferd_peer_dials",
+        "Peer dials, by result (ok; failed; refused_in_backoff: failed at once, not dialed).",
+        labels=["result"],
+    )
+    dials.add_metric(["ok"], backoff.dials_ok_total)
+    dials.add_metric(["failed"], backoff.dials_failed_total)
+    dials.add_metric(["refused_in_backoff"], backoff.refused_total)
+    yield dials
 
 
 def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:

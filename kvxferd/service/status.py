@@ -113,6 +113,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
         "handshake_failures": dict(daemon.peers.handshake_failures),
+        # Peer addresses whose last dial failed: not dialed again until their backoff ends.
+        "dial_backoff": daemon.peers.dial_backoff.status(),
         # How peer names resolve (static or etcd): up or down since when, members, errors.
         "discovery": {
             **daemon.discovery.state.to_json_dict(),
