@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -37,7 +38,16 @@ class EtcdServer:
     """One etcd member. `start`, `kill` (SIGKILL) and `start` again keep the same ports and
     data: a restarted etcd, with the keys and leases it had."""
 
-    def __init__(self, workdir: Path, name: str = "etcd", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str = "etcd",
+        host: str = "127.0.0.1",
+        tls: tuple[Path, Path, Path] | None = None,
+    ) -> None:
+        """`tls`: (CA, certificate, key) to serve clients over TLS, requiring a client
+        certificate that CA signed; the certificate must name `localhost` (clients then
+        dial `endpoint`, which says localhost)."""
         binary = etcd_binary()
         if binary is None:
             raise ClusterError("no etcd binary (Debian: etcd-server; scripts/test-deps.sh)")
@@ -47,16 +57,34 @@ class EtcdServer:
         self.data_dir = workdir / f"{name}.data"
         self.log_path = workdir / f"{name}.log"
         self.host = host  # where it listens for clients (peers: loopback)
+        self.tls = tls
         self.client_port = _free_port(host)
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.client_port}"
+        host = "localhost" if self.tls is not None and self.host == "127.0.0.1" else self.host
+        return f"{host}:{self.client_port}"
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    def _tls_flags(self) -> list[str]:
+        if self.tls is None:
+            return []
+        ca, cert, key = self.tls
+        return [
+            f"--cert-file={cert}",
+            f"--key-file={key}",
+            f"--trusted-ca-file={ca}",
+            "--client-cert-auth",
+        ]
 
     def start(self, timeout_s: float = 20.0) -> None:
-        client = f"http://{self.endpoint}"
+        listen = f"{self._scheme}://{self.host}:{self.client_port}"
+        client = f"{self._scheme}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
@@ -64,12 +92,13 @@ class EtcdServer:
                 self.binary,
                 f"--name={self.name}",
                 f"--data-dir={self.data_dir}",
-                f"--listen-client-urls={client}",
+                f"--listen-client-urls={listen}",
                 f"--advertise-client-urls={client}",
                 f"--listen-peer-urls={peer}",
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster={self.name}={peer}",
                 *FAST_FLAGS,
+                *self._tls_flags(),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -81,11 +110,17 @@ class EtcdServer:
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        context = None
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            context = ssl.create_default_context(cafile=str(ca))
+            context.load_cert_chain(str(cert), str(key))
+        url = f"{self._scheme}://{self.endpoint}/health"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ClusterError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                with urllib.request.urlopen(url, timeout=1, context=context) as r:
                     if b'"true"' in r.read():
                         return
             except (urllib.error.URLError, OSError):
@@ -112,8 +147,12 @@ class EtcdServer:
         binary = shutil.which("etcdctl")
         if binary is None:
             raise ClusterError("no etcdctl binary (Debian: etcd-client; scripts/test-deps.sh)")
+        tls = []
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            tls = [f"--cacert={ca}", f"--cert={cert}", f"--key={key}"]
         done = subprocess.run(
-            [binary, f"--endpoints={self.endpoint}", *args],
+            [binary, f"--endpoints={self._scheme}://{self.endpoint}", *tls, *args],
             capture_output=True,
             timeout=30,
             env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
