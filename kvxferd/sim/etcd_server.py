@@ -58,6 +58,8 @@ class EtcdServer:
         self.log_path = workdir / f"{name}.log"
         self.host = host  # where it listens for clients (peers: loopback)
         self.tls = tls
+        # "user:password" etcdctl authenticates with, once auth is enabled (enable_auth).
+        self.user: str | None = None
         self.client_port = _free_port(host)
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -151,6 +153,8 @@ class EtcdServer:
         if self.tls is not None:
             ca, cert, key = self.tls
             tls = [f"--cacert={ca}", f"--cert={cert}", f"--key={key}"]
+        if self.user is not None:
+            tls.append(f"--user={self.user}")
         done = subprocess.run(
             [binary, f"--endpoints={self._scheme}://{self.endpoint}", *tls, *args],
             capture_output=True,
@@ -161,3 +165,15 @@ class EtcdServer:
         if done.returncode != 0:
             raise ClusterError(f"etcdctl {' '.join(args)}: {done.stderr.decode(errors='replace')}")
         return done.stdout.decode(errors="replace")
+
+    def enable_auth(self, root_password: str, user: str, password: str, prefix: str) -> None:
+        """Turn on etcd's authentication: a root user (etcdctl uses it from then on) and
+        `user`, allowed to read and write only keys under `prefix`."""
+        self.etcdctl("user", "add", "root", f"--new-user-password={root_password}")
+        self.etcdctl("user", "grant-role", "root", "root")
+        self.etcdctl("role", "add", "kvxferd")
+        self.etcdctl("role", "grant-permission", "kvxferd", "readwrite", "--prefix=true", prefix)
+        self.etcdctl("user", "add", user, f"--new-user-password={password}")
+        self.etcdctl("user", "grant-role", user, "kvxferd")
+        self.etcdctl("auth", "enable")
+        self.user = f"root:{root_password}"
