@@ -20,12 +20,22 @@ OUT=${OUT:-benchmarks/results/$(date -u +%F)}
 mkdir -p "$OUT"
 configs=(nixl-python nixl-cpp ucx-cpp mpi-cpp mooncake-cpp)
 
-run() {  # run NAME ARGS...: one bench run, JSON and table kept
-  local name=$1; shift
-  echo "== $name: kvxferd bench $* (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
-  timeout 600 "$PY" -m kvxferd.cli bench "$@" --json --no-progress > "$OUT/$name.json"
-  "$PY" -c 'import json, sys; from kvxferd.bench.report import format_table
+run() {  # run NAME ARGS...: one bench run, JSON and table kept; a failed run is tried
+  local name=$1; shift  # once more, then recorded in $OUT/$name.failed and skipped
+  for attempt in 1 2; do
+    echo "== $name: kvxferd bench $* (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+    if timeout 600 "$PY" -m kvxferd.cli bench "$@" --json --no-progress > "$OUT/$name.json" \
+        2> "$OUT/$name.err"; then
+      rm -f "$OUT/$name.err" "$OUT/$name.failed"
+      "$PY" -c 'import json, sys; from kvxferd.bench.report import format_table
 print(format_table(json.load(open(sys.argv[1]))))' "$OUT/$name.json" | tee "$OUT/$name.txt"
+      return 0
+    fi
+    echo "   attempt $attempt failed: $(grep -m1 -E 'error|Error' "$OUT/$name.err")" >&2
+    { echo "attempt $attempt:"; tail -c 3000 "$OUT/$name.err"; } >> "$OUT/$name.failed"
+    rm -f "$OUT/$name.json"
+  done
+  rm -f "$OUT/$name.err"
 }
 
 for pass in $(seq 1 "$PASSES"); do

@@ -2,7 +2,8 @@
 
 * OneSidedLink: a `Backend` (NIXL, Mooncake): the receiver registers its buffer and
   publishes its agent metadata; the sender registers its own, adds the receiver as a peer
-  and writes each round as ONE contiguous segment (post_write), busy-polling to DONE.
+  and writes each round as ONE contiguous segment (post_write), polled to DONE on the
+  daemons' schedule (0.1 ms doubling to 2 ms).
 * TwoSidedLink: a `TwoSidedTransport` (UCX, MPI): the receiver listens, the sender
   connects; each round is ONE tagged message, `send` from the sender's buffer and `recv`
   into the receiver's, on this process's event loop (uvloop), as in the daemons.
@@ -29,6 +30,10 @@ from kvxferd.transceiver.bounce import BounceRegion
 
 #: The daemons give a peer's connect this long (transceiver/staged.py).
 _CONNECT_TIMEOUT_S = 30.0
+#: One-sided completion is polled after 0.1 ms, then twice as late each time up to 2 ms,
+#: as the daemons' writes are (kvxferd.transceiver.writes).
+_POLL_FIRST_S = 0.0001
+_POLL_MAX_S = 0.002
 #: Per round's receive: a generous bound; the sender's own control wait fails the run first.
 _RECV_TIMEOUT_S = 300.0
 
@@ -78,7 +83,14 @@ class OneSidedLink:
         remote = np.array([[self._remote, nbytes]], dtype=np.int64)
         handle, status = backend.post_write(local, remote, self._peer)
         poll = backend.poll
+        pause = _POLL_FIRST_S
         while status is XferStatus.IN_PROGRESS:
+            # Polled as the daemons poll (transceiver/writes.py): a busy poll here would
+            # take a core from the transport's own threads (Mooncake's TCP workers, NIXL's
+            # progress thread) on a small host. A blocking sleep: this loop has nothing else
+            # to do, and uvloop's timers are too coarse for 0.1 ms.
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
             status = poll(handle)
         backend.release(handle)
         if status is not XferStatus.DONE:

@@ -4,8 +4,9 @@ Each round one contiguous write (one `transfer_submit_write`) of Mooncake's tran
 over TCP with P2PHANDSHAKE metadata, from the sender's buffer into the receiver's
 registered one, through kvxferd.backends.mooncake.MooncakeBackend, the daemons' adapter
 (same engine settings, the acknowledged TCP protocol, so DONE means applied at the
-receiver), busy-polled with `transfer_check_status` (kvxferd.bench.bare has the protocol).
-Rounds as over any one-sided backend: at most half the staging region.
+receiver), polled with `transfer_check_status` on the daemons' schedule
+(kvxferd.bench.bare has the protocol). Rounds as over any one-sided backend: at most
+half the staging region.
 """
 
 from __future__ import annotations

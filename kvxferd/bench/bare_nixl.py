@@ -2,7 +2,7 @@
 
 Each round one contiguous NIXL write (one descriptor) from the sender's staging-sized buffer
 into the receiver's registered buffer, through kvxferd.backends.nixl.NixlBackend, the
-daemons' adapter with their agent settings, busy-polled to DONE (kvxferd.bench.bare has
+daemons' adapter with their agent settings, polled to DONE as they poll (kvxferd.bench.bare has
 the protocol). Rounds as the staged runtime cuts them over a one-sided backend: at most
 half the staging region (512 MiB at the default geometry, so an 8000-token request moves
 as 128 + 122 blocks). The PYTHON runtime's baseline stays kvxferd.bench.raw (the request's
