@@ -46,6 +46,19 @@ def admission_text(cfg: KvxferdConfig, settings: ResolvedSettings) -> str:
     )
 
 
+def discovery_text(cfg: KvxferdConfig) -> str:
+    """How peer names resolve (docs/operations.md, "Discovery with etcd")."""
+    d = cfg.daemon
+    if d.discovery == "static" or d.etcd is None:
+        return f"static: {len(d.peers)} peer(s) in daemon.peers; other receives name HOST:PORT"
+    e = d.etcd
+    tls = "TLS" if e.ca_file else "plaintext"
+    return (
+        f"etcd at {', '.join(e.endpoints)} ({tls}), registered as {e.prefix}{d.name} "
+        f"under a {e.lease_ttl_s} s lease"
+    )
+
+
 def explain_lines(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str]:
     """A human explanation of `settings`, one line per list item."""
     lines = [
@@ -64,6 +77,7 @@ def explain_lines(cfg: KvxferdConfig, settings: ResolvedSettings) -> list[str]:
         f"pipelined transfer: {settings.pipelined_reason}",
         f"admission window:   {admission_text(cfg, settings)}",
         f"KV memory:          {memory_text(settings)}",
+        f"discovery:          {discovery_text(cfg)}",
         f"peer fingerprint:   {settings.fingerprint()} "
         f"(backend, runtime and pipelining must match the peer's"
         + (", and so must kv_memory vram)" if settings.kv_memory == "vram" else ")"),

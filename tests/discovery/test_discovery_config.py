@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.config import load_config, load_config_text
+from kvxferd.config import load_config, load_config_text, resolve
 from kvxferd.config.discovery import advertised_address
+from kvxferd.config.explain import explain_lines
 from kvxferd.errors import ConfigError
 
 ETCD = "  discovery: etcd\n  etcd:\n    endpoints: ['127.0.0.1:2379']\n"
@@ -80,3 +81,12 @@ def test_the_advertised_address() -> None:
     assert advertised_address(v6, "[::]:4000") == "[fd00::2]:4000"
     full = etcd.model_copy(update={"advertise_address": "gen-0.svc:47400"})
     assert advertised_address(full, "0.0.0.0:4000") == "gen-0.svc:47400"
+
+
+def test_explain_says_how_names_resolve() -> None:
+    cfg = load_config_text("daemon:\n" + ETCD + "    cluster: prod\n", "d.yaml")
+    (line,) = [x for x in explain_lines(cfg, resolve(cfg)) if x.startswith("discovery:")]
+    assert "etcd at 127.0.0.1:2379 (plaintext)" in line and "/kvxferd/prod/daemons/" in line
+    static = load_config_text("", "d.yaml")
+    lines = explain_lines(static, resolve(static))
+    assert any(x.startswith("discovery:          static") for x in lines)
