@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvxferd.client import AsyncClient
+from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory.heads import TpRank, overlapping_ranks
 from kvxferd.memory.hugepages import HUGE_PAGES_MODES, HugePagesMode
 from kvxferd.memory.layout import KvLayout
@@ -179,6 +179,9 @@ class ReferenceEngine:
         # sends a request only once it was announced (as a real scheduler would).
         self.notify: Callable[[str], None] | None = None
         self.posted: dict[str, asyncio.Event] | None = None
+        # Generation: a receive the daemon refuses (CallError) is recorded as a failed
+        # request with the refusal's code as its reason, instead of ending the run.
+        self.refusals_are_outcomes = False
 
     @property
     def region(self) -> HostRegion | DevicePool | None:
@@ -308,11 +311,23 @@ class ReferenceEngine:
             # Device pools: the zeros must land before the daemon's writes, not after them.
             self.content.synchronize()
             rec.t_start_ns = time.monotonic_ns()
-            for rank in self.ranks:
+            for index, rank in enumerate(self.ranks):
                 peers = peer if peer and len(self.ranks) == 1 else rank.peers
-                await rank.client.recv(
-                    item.request_id, self.pool_id, blocks, peers, item.num_tokens
-                )
+                try:
+                    await rank.client.recv(
+                        item.request_id, self.pool_id, blocks, peers, item.num_tokens
+                    )
+                except CallError as exc:
+                    # A refusal before any rank accepted (the peer named is unknown to
+                    # discovery, say) is this request's outcome when asked for; once a
+                    # rank accepted, the others' receives are in flight: raise as ever.
+                    if not self.refusals_are_outcomes or index > 0:
+                        raise
+                    rec.status, rec.reason, rec.message = Status.FAILED, exc.code, exc.message
+                    rec.t_end_ns = time.monotonic_ns()
+                    if self.notify is not None:
+                        self.notify(item.request_id)  # the context side ends its send too
+                    return rec
             if self.notify is not None:
                 self.notify(item.request_id)  # generation-first: the context may send now
 
@@ -472,6 +487,7 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         else:
             engine.set_context_peers(peers)
             peer = ""
+    engine.refusals_are_outcomes = args.record_refusals
     if args.tokens is not None:
         items = fixed_workload(args.seed, args.requests, args.tokens, args.prefix)
     else:
@@ -538,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", action="store_true")
     p.add_argument("--notify-fd", type=int, help="generation: announce posted receives here")
     p.add_argument("--wait-fd", type=int, help="context: send only announced requests")
+    p.add_argument(
+        "--record-refusals",
+        action="store_true",
+        help="generation: a refused receive is a failed request (reason: the refusal's "
+        "code), not the end of the run",
+    )
     add_memory_args(p)
     add_geometry_args(p)
     args = p.parse_args(argv)

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from kvxferd.sim.cluster import LocalCluster, default_workdir
+from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir
+from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
 from kvxferd.sim.hosts import faults
-from kvxferd.sim.hosts.cluster import HostCluster, wait_clean
+from kvxferd.sim.hosts.cluster import HostCluster, status, wait_clean
 from kvxferd.sim.hosts.network import Network, namespace_problem
 from kvxferd.sim.hosts.traffic import Outcomes, Round, Workload
 
@@ -47,6 +49,11 @@ TPB = int(GEOMETRY["tokens_per_block"])
 # no fault touches (seen here at a load of 16), which would fail requests of routes the
 # test says must all verify. A partition still ends in a heartbeat loss within seconds.
 TIMEOUT_MS = 10000  # kv_transfer_timeout_ms
+# Long: a daemon starved of CPU (two cores shared by many runs) had its keepalive time
+# out and its 10 s lease end while it lived; it left every peer's list for a second
+# and the receives naming it then were refused (peer_unknown). A SIGKILLed daemon's
+# restart waits out the rest of its old lease.
+LEASE_TTL_S = 15
 DAEMON = {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 5000, "drain_timeout_ms": 5000}
 
 
@@ -54,6 +61,9 @@ DAEMON = {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 5000, "drain_tim
 class Cluster:
     net: Network
     hc: HostCluster
+    etcd: EtcdServer | None = None
+    # Each daemon's discovery status while etcd was not there yet (etcd absent at start).
+    before_etcd: dict[str, dict[str, Any]] = field(default_factory=dict)
     rounds: list[Round] = field(default_factory=list)
 
     def workload(self, requests: int = REQUESTS, seed: int = 1) -> Workload:
@@ -63,6 +73,19 @@ class Cluster:
         rnd = Round(self.hc, self.workload(requests, seed))
         self.rounds.append(rnd)
         return rnd
+
+    def names(self) -> list[str]:
+        return sorted(d.name for d in self.hc.all_daemons())
+
+    def wait_members(self, timeout_s: float = 60.0) -> None:
+        """Until every daemon's discovery is up and lists every daemon."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = {d.name: _members(d) for d in self.hc.all_daemons()}
+            if all(names == self.names() for names in seen.values()):
+                return
+            assert time.monotonic() < deadline, f"discovery after {timeout_s} s: {seen}"
+            time.sleep(0.2)
 
     def repair(self) -> list[str]:
         """After a test: heals every host, kills the engines of its rounds that still
@@ -74,12 +97,16 @@ class Cluster:
         for rnd in self.rounds:
             rnd.kill()
         self.rounds.clear()
+        if self.etcd is not None and not self.etcd.alive():
+            self.etcd.start()
         restarted = []
         for inst in self.hc.instances:
             for rank, d in enumerate(inst.daemons):
                 if not d.alive():
                     self.hc.restart(inst, rank)
                     restarted.append(d.name)
+        if self.etcd is not None:
+            self.wait_members()
         return restarted
 
     def iface_bytes(self) -> dict[str, int]:
@@ -87,21 +114,57 @@ class Cluster:
         return {h.name: h.iface_bytes()[0] for h in self.net.hosts}
 
 
+def etcd_problem() -> str | None:
+    if etcd_binary() is None:
+        return "no etcd binary: install Debian's etcd-server (scripts/test-deps.sh)"
+    if importlib.util.find_spec("aetcd") is None:
+        return "no etcd client: the extra `etcd` (scripts/install.sh)"
+    return None
+
+
+def _members(d: DaemonProc) -> list[str]:
+    disc = status(d).get("discovery") or {}
+    return sorted(disc.get("member_names") or []) if disc.get("up") else []
+
+
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
+    """The daemons find each other through etcd alone (no daemon.peers), and start
+    before etcd does: etcd runs in the root namespace, on its veth address, and comes
+    only once every daemon is up. Without etcd here, static peers (and the etcd tests
+    skip)."""
     problem = namespace_problem()
     if problem is not None:
         pytest.skip(f"hosts as network namespaces: {problem}")
     with Network(4) as net:
+        workdir = default_workdir("kvxferd-cluster")
+        etcd = EtcdServer(workdir, host=net.root_address) if etcd_problem() is None else None
         local = LocalCluster(
-            default_workdir("kvxferd-cluster"),
+            workdir,
             geometry=dict(GEOMETRY),
             transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS},
+            etcd=None
+            if etcd is None
+            else {
+                "endpoints": [etcd.endpoint],
+                "cluster": net.prefix,
+                "lease_ttl_s": LEASE_TTL_S,
+                "connect_timeout_ms": 500,
+            },
         )
-        with HostCluster(local, net, daemon_settings=dict(DAEMON)) as hc:
-            hc.plan(contexts=2, ctx_tp=1, generations=2, gen_tp=2)
-            hc.start()
-            yield Cluster(net, hc)
+        try:
+            with HostCluster(local, net, daemon_settings=dict(DAEMON)) as hc:
+                hc.plan(contexts=2, ctx_tp=1, generations=2, gen_tp=2)
+                hc.start()
+                c = Cluster(net, hc, etcd)
+                if etcd is not None:
+                    c.before_etcd = {d.name: dict(status(d)["discovery"]) for d in hc.all_daemons()}
+                    etcd.start()
+                    c.wait_members()
+                yield c
+        finally:
+            if etcd is not None:
+                etcd.kill()
 
 
 @pytest.fixture(autouse=True)

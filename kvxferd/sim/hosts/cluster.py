@@ -7,8 +7,10 @@ Host of a Network (each daemon on the host's address, fixed ports, so a daemon r
 under its name keeps its address), or, without a Network, as plain processes on
 loopback (ports chosen by the kernel).
 
-Discovery is static: every daemon's `daemon.peers` names every daemon of the other
-role, and generation engines name their context peers by daemon name.
+Discovery: with LocalCluster's `etcd` section set, every daemon registers itself in
+etcd (its tensor-parallel rank too) and finds the others there alone (no
+`daemon.peers`); else it is static, every daemon's `daemon.peers` naming every daemon
+of the other role. Generation engines name their context peers by daemon name either way.
 """
 
 from __future__ import annotations
@@ -95,7 +97,11 @@ class HostCluster:
 
     def _launch(self, inst: Instance, rank: int) -> DaemonProc:
         name = inst.rank_name(rank)
-        daemon: dict[str, Any] = {**self.daemon_settings, "peers": self._static_peers(inst.role)}
+        daemon: dict[str, Any] = dict(self.daemon_settings)
+        if self.local.etcd is not None:
+            daemon["etcd"] = {"tp_rank": rank}  # merged into LocalCluster's etcd section
+        else:
+            daemon["peers"] = self._static_peers(inst.role)
         if inst.host is not None:
             daemon["peer_listen"] = inst.peer_address(rank)
             daemon["http"] = f"{inst.host.address}:{HTTP_PORT + rank}"

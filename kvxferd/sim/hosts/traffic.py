@@ -159,6 +159,7 @@ class Round:
                 in_flight=w.in_flight,
                 pool_blocks=w.pool_blocks(w.in_flight),
                 peer=[d.name for d in route.ctx.daemons],
+                record_refusals=True,  # a peer gone from discovery fails its requests
                 **common,
             )
             os.close(wait_r)
