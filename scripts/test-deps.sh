@@ -5,6 +5,8 @@
 #   openssl           (Debian package "openssl")     - the mutual-TLS tests make a test CA
 #   etcd, etcdctl     (Debian "etcd-server", "etcd-client") - tests/discovery start a real
 #                     etcd on loopback (never as a service: the package starts none)
+#   nft, ip, tc       (Debian "nftables", "iproute2")  - tests/cluster make hosts of
+#                     network namespaces and drop packets between them (as root only)
 # Not fatal: the tests that need a missing tool skip (or fail) and say which one.
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
@@ -12,6 +14,8 @@ command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
+command -v tc >/dev/null 2>&1 || need+=(iproute2)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -8,6 +8,9 @@ between the two sides and every byte of every rank's pool is verified.
 `--memory vram` keeps every engine's pools in GPU memory (filled and verified on the
 device) and runs the daemons with engine.kv_memory: vram; it needs cupy and a CUDA device
 here, and says so at once when there is none.
+
+`--cluster NxM` runs N context and M generation instances, each on its own host, with
+requests over every pair (kvxferd.commands.demo_cluster).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import shutil
 import sys
 from typing import Any
 
+from kvxferd.commands.demo_cluster import parse_cluster
 from kvxferd.commands.kv_memory import add_kv_memory_args
 
 EXIT_USAGE = 2
@@ -33,7 +37,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=300, help="number of requests (default 300)")
     p.add_argument("--in-flight", type=int, default=8, help="requests outstanding per engine")
     p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="longest prompt (default 2048; 512 with --cluster)",
+    )
     p.add_argument("--layout", choices=["block-major", "layer-major"], default="block-major")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -86,6 +95,22 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="mutual TLS between the daemons (a test CA and a certificate per daemon, made "
         "with openssl in the demo's directory; docs/operations.md, 'Mutual TLS')",
+    )
+    p.add_argument(
+        "--cluster",
+        type=parse_cluster,
+        default=None,
+        metavar="NxM",
+        help="N context and M generation instances, each on its own host (a network "
+        "namespace when run as root, else loopback), requests over every pair; --requests "
+        "is then the total over all pairs",
+    )
+    p.add_argument(
+        "--hosts",
+        choices=["auto", "netns", "loopback"],
+        default="auto",
+        help="--cluster: each instance in its own network namespace (netns: needs root), "
+        "all on loopback, or netns where it can be made (default auto)",
     )
     p.set_defaults(handler=_demo)
 
@@ -146,6 +171,18 @@ def _vram_transceiver(args: argparse.Namespace, geometry: dict[str, Any]) -> dic
     return {"kv_cache_bounce_size_mb": -(-blocks * layout.block_bytes * args.in_flight // 2**20)}
 
 
+def _cluster_problem(args: argparse.Namespace) -> str | None:
+    """What --cluster does not combine with (None: nothing asked for it does)."""
+    if args.cluster is None:
+        return None
+    for flag, given in (("--memory vram", args.memory == "vram"), ("--tls", args.tls)):
+        if given:
+            return f"--cluster runs host pools over plain TCP; {flag} is for the single pair"
+    if args.max_tokens_in_buffer is not None:
+        return "--cluster does not take --max-tokens-in-buffer"
+    return None
+
+
 def _names(prefix: str, size: int) -> list[str]:
     # One rank keeps the plain name (demo-ctx, demo-gen).
     return [prefix] if size == 1 else [f"{prefix}{r}" for r in range(size)]
@@ -155,10 +192,16 @@ def _demo(args: argparse.Namespace) -> int:
     from kvxferd.bench.fragmented import daemon_status
     from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir, summarise
 
-    problem = _tp_problem(args) or _vram_problem(args)
+    if args.max_tokens is None:
+        args.max_tokens = 512 if args.cluster else 2048
+    problem = _tp_problem(args) or _vram_problem(args) or _cluster_problem(args)
     if problem is not None:
         print(f"kvxferd demo: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if args.cluster is not None:
+        from kvxferd.commands.demo_cluster import run_cluster_demo
+
+        return run_cluster_demo(args)
     workdir = default_workdir("kvxferd-demo")
 
     def say(text: str) -> None:
