@@ -57,7 +57,7 @@ def test_hosts_share_nothing_but_the_wire() -> None:
 def test_leftovers_of_a_dead_run_are_deleted() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid no process has now: a run that crashed
-    name = f"{NAME_BASE}{dead.pid}-h0"
+    name = f"{NAME_BASE}{dead.pid}n0-h0"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         assert name in clean_leftovers()

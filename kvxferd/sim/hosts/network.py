@@ -14,7 +14,7 @@ network namespace, with a private tmpfs on /dev/shm and its own /proc; everythin
 runs (its daemons and its reference engine, which share pools) is entered into the
 holder's namespaces with nsenter.
 
-Names carry the creating process's pid (`kvxh<pid>-...`); a run cleans up the
+Names carry the creating process's pid (`kvxh<pid>n<seq>-...`); a run cleans up the
 namespaces of earlier runs whose process is gone (a crashed or killed run), and its
 own on exit: the holders die with the process that made them (PR_SET_PDEATHSIG, then
 `unshare --kill-child`), which takes every process of the host's PID namespace along.
@@ -23,6 +23,7 @@ own on exit: the holders die with the process that made them (PR_SET_PDEATHSIG, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -36,7 +37,9 @@ from kvxferd.errors import KvxferdError
 from kvxferd.sim.cluster import die_with_parent
 
 NAME_BASE = "kvxh"
-_OWNED_RE = re.compile(rf"^{NAME_BASE}(\d+)-")
+_OWNED_RE = re.compile(rf"^{NAME_BASE}(\d+)n\d+-")
+_ROOT_LINK_RE = re.compile(rf"^{NAME_BASE}(\d+)r\d+$")
+_networks = itertools.count()  # several networks of one process get their own names
 HOST_IFACE = "eth0"
 SHM_SIZE = "2g"
 
@@ -110,7 +113,7 @@ def clean_leftovers() -> list[str]:
         if len(parts) < 2:
             continue
         link = parts[1].split("@")[0]
-        owner = re.match(rf"^{NAME_BASE}(\d+)r$", link)
+        owner = _ROOT_LINK_RE.match(link)
         if owner and not _pid_alive(int(owner.group(1))):
             _run(["ip", "link", "del", link], check=False)
             removed.append(link)
@@ -193,10 +196,14 @@ class Network:
     """`count` hosts on one bridge. Use as a context manager (teardown on any exit)."""
 
     count: int
-    prefix: str = field(default_factory=lambda: f"{NAME_BASE}{os.getpid()}")
+    seq: int = field(default_factory=lambda: next(_networks))
+    prefix: str = ""  # kvxh<pid>n<seq>
     hosts: list[Host] = field(default_factory=list)
     subnet: str = ""
     root_address: str = ""
+
+    def __post_init__(self) -> None:
+        self.prefix = self.prefix or f"{NAME_BASE}{os.getpid()}n{self.seq}"
 
     @property
     def hub(self) -> str:
@@ -204,7 +211,8 @@ class Network:
 
     @property
     def root_link(self) -> str:
-        return f"{self.prefix}r"  # in the root namespace: at most 15 characters
+        # In the root namespace: at most 15 characters (kvxh + 7-digit pid + r + seq).
+        return f"{NAME_BASE}{os.getpid()}r{self.seq}"
 
     def _free_subnet(self) -> str:
         routes = _run(["ip", "-4", "route", "show"], check=False)
@@ -233,8 +241,14 @@ class Network:
         _run(["ip", "-n", hub, "link", "set", "lo", "up"])
         _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", hub, "link", "set", "br0", "up"])
-        _run(["ip", "link", "add", self.root_link, "type", "veth", "peer", "name", "up0"])
-        _run(["ip", "link", "set", "up0", "netns", hub])
+        # The peer end is made in the hub at once: a name in the root namespace would
+        # clash with another run's for a moment.
+        _run(
+            [
+                *("ip", "link", "add", self.root_link, "type", "veth"),
+                *("peer", "name", "up0", "netns", hub),
+            ]
+        )
         _run(["ip", "-n", hub, "link", "set", "up0", "master", "br0", "up"])
         _run(["ip", "addr", "add", f"{self.root_address}/24", "dev", self.root_link])
         _run(["ip", "link", "set", self.root_link, "up"])
