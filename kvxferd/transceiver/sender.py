@@ -81,6 +81,8 @@ class Sender:
         self.accepting = True
         # Every write of this side: post, wait in slices, release until quiescent.
         self.writes = Writes(dataplane, lambda: self.timeouts.slice_s)
+        # A finished request stays until its engine releases it: at 1 in flight, 1 or 2.
+        self.writes.live_requests = lambda: len(self.sessions)
         # A peer can send refused RequestData in a loop: a few lines per peer and
         # reason, then a count (the refusals metric counts every one).
         self.log_limiter = LogLimiter(interval_s=10.0, burst=5)

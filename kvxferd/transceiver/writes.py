@@ -39,6 +39,12 @@ _POLL_MAX_S = 0.002
 # ~15 us for 32 KiB here, against 40-70 us for the hop to the data-plane thread and back;
 # 256 KiB keeps the loop's longest stall near 0.1 ms.
 INLINE_POST_MAX_BYTES = 256 << 10
+# ... and only while the sender holds at most this many requests. NIXL releases the GIL
+# in its post (another thread runs during a 256 MiB one), so with many requests the
+# data-plane thread can copy one while the loop turns the next, where an inline post
+# would stop the loop; alone, a request gains most from skipping the hop (--small at 1 in
+# flight: p50 ~0.3 ms lower, docs/benchmarks.md "Issue 16").
+INLINE_POST_MAX_LIVE = 2
 # How long to keep retrying a release that NIXL refuses before giving up loudly.
 _RELEASE_RETRY_S = 0.01
 _RELEASE_RETRY_MAX_S = 0.2
@@ -67,6 +73,8 @@ class Writes:
         self._dp = dataplane
         self._slice_s = slice_s
         self.open_handles = 0  # posted writes not yet confirmed quiescent
+        # How many requests the sender holds now (None: unknown, taken as few).
+        self.live_requests: Callable[[], int] | None = None
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
 
@@ -97,6 +105,7 @@ class Writes:
                 local_memory == HOST
                 and remote_memory == HOST
                 and nbytes_of(local) <= INLINE_POST_MAX_BYTES
+                and (self.live_requests is None or self.live_requests() <= INLINE_POST_MAX_LIVE)
             )
             try:
                 handle, status = await (self._dp.call_cheap if inline else self._dp.call)(
