@@ -8,7 +8,8 @@
 # Usage (as root, for the hugetlb reservation and the THP switch):
 #   benchmarks/issue16_hugepages.sh [PASSES] [extra kvxferd bench options]
 # FIRST=N numbers the passes from N (to add passes to a directory of earlier ones).
-# hugetlb: `--huge-pages reserve` reserves the pages and restores vm.nr_hugepages itself.
+# hugetlb: `--huge-pages reserve` reserves the pages, lets the host settle (20 s) and
+# restores vm.nr_hugepages itself.
 # THP: shmem_enabled is set to `advise` for that run only and put back at once (and on exit).
 # Without root the hugetlb and THP runs fail with the reason; the 4 KiB runs still count.
 set -euo pipefail
@@ -44,27 +45,4 @@ for pass in $(seq "$first" $((first + passes - 1))); do
     fi
 done
 
-"$python" - "$out" <<'PY'
-import json, pathlib, statistics, sys
-rows = {}
-for f in sorted(pathlib.Path(sys.argv[1]).glob("p*-*.json")):
-    kind = f.stem.split("-", 1)[1]
-    try:
-        doc = json.loads(f.read_text())
-    except ValueError:
-        continue
-    r = doc["results"][0]
-    rows.setdefault(kind, []).append((f.stem, r["gbps"], r["raw_gbps"], r["ratio_to_raw"],
-                                      doc["host"]["loadavg_start"][0]))
-print(f"{'run':<14}{'GB/s':>7}{'raw GB/s':>10}{'vs raw':>8}{'load':>7}")
-for kind, runs in rows.items():
-    for name, g, raw, ratio, load in runs:
-        print(f"{name:<14}{g:>7.2f}{raw:>10.2f}{ratio:>8.2f}{load:>7.2f}")
-print()
-print(f"{'pages':<9}{'runs':>5}{'GB/s median (range)':>24}{'raw GB/s median (range)':>26}{'vs raw median (range)':>24}")
-for kind, runs in rows.items():
-    def col(i):
-        v = [r[i] for r in runs]
-        return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
-    print(f"{kind:<9}{len(runs):>5}{col(1):>24}{col(2):>26}{col(3):>24}")
-PY
+"$python" benchmarks/issue16_summary.py "$out"

@@ -304,6 +304,11 @@ class HugetlbReservation:
         self.problem = ""
         self._before: int | None = None
 
+    @property
+    def changed(self) -> bool:
+        """vm.nr_hugepages was raised (and will be restored)."""
+        return self._before is not None
+
     def __enter__(self) -> HugetlbReservation:
         before = HostPages.read()
         if before.nr_hugepages < 0:
