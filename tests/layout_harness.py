@@ -8,6 +8,7 @@ no __init__.py and holds the suite's conftest.py, so pytest puts it on sys.path.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -157,3 +158,22 @@ def block_id_lists(
     return st.integers(1, max_blocks).flatmap(
         lambda n: st.tuples(st.just(n), st.lists(st.integers(-spill, n + spill), max_size=max_size))
     )
+
+
+def count_calls(fn: Callable[[], object]) -> int:
+    """Python and C function calls made while fn runs (sys.setprofile events): how a test
+    tells a vectorised routine (a fixed number of calls) from a loop over its pieces (one
+    or more per piece) without timing it."""
+    count = 0
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count

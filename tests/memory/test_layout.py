@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_harness import MAJORS, draw_blocks, draw_pools, geometries, tiny_layout
+from layout_harness import MAJORS, count_calls, draw_blocks, draw_pools, geometries, tiny_layout
 
 from kvxferd.errors import KvxferdError
 from kvxferd.memory import (
@@ -312,18 +312,13 @@ def test_bad_destination_id_is_refused() -> None:
 
 def test_pair_segments_is_vectorised() -> None:
     # 64k tokens, 32 tokens/block, 32 layers, K and V: 128k pieces. A Python loop over
-    # pieces takes tens of milliseconds or more; numpy takes a few.
+    # pieces makes at least one Python or C call per piece; numpy makes a fixed number,
+    # whatever the count. Calls are counted, not timed (a timing is a benchmark's job).
     lay_b = KvLayout(32, 2, 8, 128, 32, "float16", BLOCK_MAJOR, 4000)
     lay_l = KvLayout(32, 2, 8, 128, 32, "float16", LAYER_MAJOR, 4000)
     rng = np.random.default_rng(1)
     src_ids = rng.permutation(4000)[:2000]
     dst_ids = rng.permutation(4000)[:2000]
     for a, b in [(lay_b, lay_l), (lay_l, lay_l), (lay_l, lay_b)]:
-        best = min(_timed(lambda a=a, b=b: pair_segments(a, src_ids, b, dst_ids)) for _ in range(3))
-        assert best < 0.05, f"{a.major} -> {b.major}: {best * 1e3:.1f} ms"
-
-
-def _timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+        calls = count_calls(partial(pair_segments, a, src_ids, b, dst_ids))
+        assert calls < 1000, f"{a.major} -> {b.major}: {calls} calls for 128k pieces"
