@@ -87,6 +87,22 @@ class Cluster:
             assert time.monotonic() < deadline, f"discovery after {timeout_s} s: {seen}"
             time.sleep(0.2)
 
+    def wait_old_leases_gone(self, timeout_s: float = LEASE_TTL_S + 15.0) -> None:
+        """Until etcd holds one lease per daemon: a SIGKILLed daemon's lease outlives it
+        by up to its TTL, and when it ends it deletes the restarted daemon's key for a
+        moment (seen here: receives naming it refused, peer_unknown, until it registered
+        again), which a later test must not run into."""
+        if self.etcd is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leases = self.etcd.etcdctl("lease", "list").split()[1:2]
+            if leases == [str(len(self.names()))]:
+                break
+            assert time.monotonic() < deadline, f"etcd leases: {leases}, daemons {self.names()}"
+            time.sleep(0.5)
+        self.wait_members()
+
     def repair(self) -> list[str]:
         """After a test: heals every host, kills the engines of its rounds that still
         run, and starts again any daemon that is not running (the test that lost it
@@ -106,7 +122,7 @@ class Cluster:
                     self.hc.restart(inst, rank)
                     restarted.append(d.name)
         if self.etcd is not None:
-            self.wait_members()
+            self.wait_old_leases_gone()
         return restarted
 
     def iface_bytes(self) -> dict[str, int]:
