@@ -8,7 +8,8 @@ slices as one write per leg since issue 16) and without it (the per-block path: 
 descriptor per (block, layer, K/V, token) of a slice). The order of the six runs rotates
 between passes. Every run verifies every byte; a run that is not all-verified stops the
 script. Reported: GB/s per run and, within a pass, each TP pair's GB/s over 1->1's with the
-same settings; the median and range over passes.
+same settings (the ratio the issue's target is stated in), and the p50 latency; the
+median and range over passes.
 
     .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 120] [--json]
 """
@@ -48,11 +49,14 @@ def main() -> int:
     runs = [(pair, mode) for mode in MODES for pair in PAIRS]
     gbps: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
+    p50: dict[str, list[float]] = {}
     for k in range(args.passes):
         shift = k % len(runs)
         got: dict[tuple[tuple[int, int], str], float] = {}
         for pair, mode in runs[shift:] + runs[:shift]:
-            got[pair, mode] = demo(*pair, mode, args.requests)["gbps"]
+            summary = demo(*pair, mode, args.requests)
+            got[pair, mode] = summary["gbps"]
+            p50.setdefault(f"{pair[0]}->{pair[1]} {mode}", []).append(summary["p50_ms"])
             print(f"pass {k + 1}: {pair[0]}->{pair[1]} {mode}: {got[pair, mode]:.3f} GB/s",
                   file=sys.stderr)  # fmt: skip
         for (pair, mode), value in got.items():
@@ -62,6 +66,7 @@ def main() -> int:
     table = {
         name: {
             "gbps_median": round(statistics.median(gbps[name]), 3),
+            "p50_ms_median": round(statistics.median(p50[name]), 1),
             "ratio_to_equal_median": round(statistics.median(ratios[name]), 3),
             "ratio_range": [round(min(ratios[name]), 3), round(max(ratios[name]), 3)],
         }
@@ -70,10 +75,10 @@ def main() -> int:
     if args.json:
         print(json.dumps({"passes": args.passes, "requests": args.requests, "results": table}))
     else:
-        print(f"{'pair / path':<22} {'GB/s':>7} {'vs 1->1':>8}  range")
+        print(f"{'pair / path':<22} {'GB/s':>7} {'p50 ms':>7} {'vs 1->1':>8}  range")
         for name, row in table.items():
             lo, hi = row["ratio_range"]
-            print(f"{name:<22} {row['gbps_median']:>7.3f} "
+            print(f"{name:<22} {row['gbps_median']:>7.3f} {row['p50_ms_median']:>7.1f} "
                   f"{row['ratio_to_equal_median']:>8.2f}  {lo:.2f}-{hi:.2f}")  # fmt: skip
     return 0
 
