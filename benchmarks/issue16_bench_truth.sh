@@ -61,6 +61,12 @@ done
 import glob, json, statistics, sys
 out = sys.argv[1]
 
+def load(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):  # a run still being written, or one that failed
+        return {"results": [], "bare": [], "host": {"loadavg_start": [float("nan")]}}
+
 def spread(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -69,7 +75,7 @@ def spread(values):
 
 rows = {}
 for path in sorted(glob.glob(f"{out}/issue16_bench_truth_pass*.json")):
-    for r in json.load(open(path))["results"]:
+    for r in load(path)["results"]:
         rows.setdefault(r["config"], []).append(r)
 print("8000 tokens: median (range, passes)")
 for config, rs in rows.items():
@@ -80,21 +86,20 @@ for config, rs in rows.items():
           f"  CPU s/GB {spread([r['cpu_s_per_gb'] for r in rs])}")
 bare = {}
 for path in sorted(glob.glob(f"{out}/issue16_bench_truth_pass*.json")):
-    for b in json.load(open(path)).get("bare", []):
+    for b in load(path).get("bare", []):
         bare.setdefault(b["bare"], []).append(b)
 for name, bs in bare.items():
     print(f"  bare {name:<16} rounds {bs[0]['round_blocks']} blocks, CPU s/GB "
           f"{spread([b['cpu_s_per_gb'] for b in bs])}")
 for f in (1, 32):
-    rs = [json.load(open(p))["results"][0]
-          for p in sorted(glob.glob(f"{out}/issue16_bench_truth_small{f}_pass*.json"))]
+    rs = [r for p in sorted(glob.glob(f"{out}/issue16_bench_truth_small{f}_pass*.json")) for r in load(p)["results"][:1]]
     if rs:
         print(f"--small, {f} in flight: req/s {spread([r['requests_per_s'] for r in rs])}"
               f"  bare req/s {spread([r['bare_requests_per_s'] for r in rs])}"
               f"  vs bare rate {spread([r['ratio_to_bare_rate'] for r in rs])}"
               f"  p50 - bare ms {spread([r['p50_minus_bare_ms'] for r in rs])}"
               f"  CPU ms/req {spread([r['cpu_ms_per_request'] for r in rs])}")
-loads = [json.load(open(p))["host"]["loadavg_start"][0]
+loads = [load(p)["host"]["loadavg_start"][0]
          for p in sorted(glob.glob(f"{out}/issue16_bench_truth_*pass*.json"))]
 print(f"load average at the starts: {min(loads):.1f}-{max(loads):.1f}")
 PYEOF
