@@ -66,6 +66,13 @@ def add_parser(sub: Any) -> None:
         help="staging buffer / admission window in tokens (default: unset)",
     )
     p.add_argument(
+        "--bounce-mb",
+        type=int,
+        default=None,
+        help="kv_cache_bounce_size_mb of every daemon (the PYTHON runtime's bounce buffer, "
+        "which also carries head-split and head-merge; default: unset)",
+    )
+    p.add_argument(
         "--ctx-tp",
         type=int,
         default=1,
@@ -220,6 +227,8 @@ def _demo(args: argparse.Namespace) -> int:
                 "transceiver_runtime": args.runtime,
                 "max_tokens_in_buffer": args.max_tokens_in_buffer,
             }
+            if args.bounce_mb is not None:
+                cluster.transceiver["kv_cache_bounce_size_mb"] = args.bounce_mb
             if args.memory == "vram":
                 cluster.kv_memory, cluster.vram_share = "vram", args.vram_share
                 cluster.transceiver.update(_vram_transceiver(args, cluster.geometry))

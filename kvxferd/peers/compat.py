@@ -20,10 +20,11 @@ def tp_support_problem(role: str, ours: TpRank, theirs: TpRank, pipelined: bool)
     """Why pools of these tensor-parallel sizes cannot exchange KV with these settings.
 
     Head-split and head-merge move each (context rank, generation rank) pair's shared heads
-    as a leg: the PYTHON runtime's per-block path writes them straight between the pools,
-    the staged runtime gathers them through its staging buffers (the PYTHON runtime's bounce
-    buffer is simply not used for such a pair). Pipelined transfer moves one leg per request
-    and is refused here (and again per request, for pools registered after the handshake).
+    as a leg: the PYTHON runtime's per-block path writes them straight between the pools
+    (one descriptor per token's slice), its bounce buffer gathers each leg into one write
+    and scatters it on the other side, and the staged runtime moves each leg's rounds
+    through its staging buffers. Pipelined transfer moves one leg per request and is
+    refused here (and again per request, for pools registered after the handshake).
     """
     if ours.size == theirs.size or not pipelined:
         return None

@@ -8,7 +8,11 @@ in its receive region, and scattered there into the destination blocks.
 
 Bytes in a reservation are packed in the canonical order (logical block,
 layer, K/V), whole blocks, so each side gathers or scatters with its own
-layout and the two never need to know each other's layout.
+layout and the two never need to know each other's layout. Between different
+tensor-parallel sizes each leg (context rank, generation rank) has its own
+reservations and moves only the heads both hold, packed (logical block, layer,
+K/V, token, heads): the side whose pool holds more heads gathers or scatters
+the slice, the other copies whole blocks.
 
 Reservations never queue: a request that finds no room takes the per-block
 path (counted as a fallback), so one large request cannot hold up others. A

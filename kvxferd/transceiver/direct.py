@@ -25,7 +25,7 @@ from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
-from kvxferd.transceiver.legs import TxLeg, split_problem, whole_blocks
+from kvxferd.transceiver.legs import TxLeg, dst_tp, leg_heads, split_problem
 from kvxferd.transceiver.plan import plan_write
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
@@ -110,6 +110,21 @@ def leg_target(
     return dst_layout, info, dst_tp
 
 
+def _leg_heads(s: TxSession, leg: TxLeg) -> tuple[int, int] | Terminal | None:
+    """The heads of our pool a leg moves (None: every head), for its bounce gather; the
+    leg's destination was checked by its plan."""
+    assert s.pool is not None
+    dst_layout, tp = leg.conn.layouts.get(leg.request.pool_id), dst_tp(leg)
+    if not isinstance(dst_layout, KvLayout) or tp is None:
+        return Terminal.peer(
+            Status.FAILED, Reason.UNKNOWN_POOL, f"peer pool {leg.request.pool_id!r} is unknown"
+        )
+    try:
+        return leg_heads(s.pool.layout, s.pool.tp, dst_layout, tp)
+    except LayoutError as exc:
+        return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+
+
 class DirectMover:
     """A SendMover (transceiver/movers.py)."""
 
@@ -154,26 +169,29 @@ class DirectMover:
     async def _bounce_plan(
         self,
         s: TxSession,
+        leg: TxLeg,
         local: np.ndarray,
         remote: np.ndarray,
         blocks: list[int],
         copy_only: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, Reservation | None] | Terminal:
-        """Gather `blocks` (what the receiver takes of ours) into a send reservation when
-        the receiver offered one and it pays off. `copy_only` (must_bounce): the bounce is
-        the only way, so it is taken whatever it costs, waiting for room up to the
-        deadline, and a request it cannot carry ends saying why."""
-        req, bounce, conn = s.request, self.bounce, s.conn
-        assert req is not None and conn is not None and s.pool is not None
+        """Gather `blocks` (what the leg's receiver takes of ours: every head, or the slice
+        of a head-split) into a send reservation when that receiver offered one and it pays
+        off. `copy_only` (must_bounce): the bounce is the only way, so it is taken whatever
+        it costs, waiting for room up to the deadline, and a request it cannot carry ends
+        saying why."""
+        req, bounce, conn = leg.request, self.bounce, leg.conn
+        assert s.pool is not None
         if bounce is None and not copy_only:
             return local, remote, None  # no bounce buffer here: the per-block path
         nbytes = nbytes_of(local)
+        heads = _leg_heads(s, leg)
+        if isinstance(heads, Terminal):
+            return heads
         if copy_only:
-            return await self._copy_only_plan(s, nbytes, blocks)
+            return await self._copy_only_plan(s, leg, nbytes, blocks, heads)
         if (
             bounce is None
-            or len(s.legs) > 1
-            or (s.legs and not whole_blocks(s.pool, s.legs[0]))  # head slices: per block
             or req.bounce_nbytes < nbytes
             or conn.info.bounce_nbytes == 0
             or not s.pool.layout.named  # the copier packs (layer, kv) pieces
@@ -184,26 +202,38 @@ class DirectMover:
         if res is None:
             bounce.fallbacks += 1  # never wait for room: take the per-block path now
             return local, remote, None
-        return await self._gathered(s, blocks, res, nbytes)
+        return await self._gathered(s, leg, blocks, res, nbytes, heads)
 
     async def _gathered(
-        self, s: TxSession, blocks: list[int], res: Reservation, nbytes: int
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        blocks: list[int],
+        res: Reservation,
+        nbytes: int,
+        heads: tuple[int, int] | None,
     ) -> tuple[np.ndarray, np.ndarray, Reservation]:
-        """Gather into the reservation `res`; the one-descriptor write that carries it."""
-        req, bounce, conn = s.request, self.bounce, s.conn
-        assert req is not None and conn is not None and s.pool is not None and bounce is not None
+        """Gather into the reservation `res`; the one-descriptor write that carries it into
+        the reservation the leg's receiver offered."""
+        req, bounce, conn = leg.request, self.bounce, leg.conn
+        assert s.pool is not None and bounce is not None
         bounce.reservations_made += 1
-        await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes)
+        await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes, heads)
         one_local = np.array([[bounce.send.address + res.offset, nbytes]], dtype=np.int64)
         one_remote = np.array([[conn.info.bounce_base + req.bounce_offset, nbytes]], dtype=np.int64)
         return one_local, one_remote, res
 
     async def _copy_only_plan(
-        self, s: TxSession, nbytes: int, blocks: list[int]
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        nbytes: int,
+        blocks: list[int],
+        heads: tuple[int, int] | None,
     ) -> tuple[np.ndarray, np.ndarray, Reservation] | Terminal:
         """The bounce of a request that cannot be written per block, or why it cannot go."""
-        req, bounce, conn = s.request, self.bounce, s.conn
-        assert req is not None and conn is not None and s.pool is not None
+        req, bounce, conn = leg.request, self.bounce, leg.conn
+        assert s.pool is not None
         what = (
             f"pool {s.pool.pool_id!r} here is copy-only"
             if not s.pool.zero_copy
@@ -216,11 +246,6 @@ class DirectMover:
         problem = None
         if bounce is None:
             problem = "this daemon has none (set kv_cache_bounce_size_mb)"
-        elif len(s.legs) > 1 or (s.legs and not whole_blocks(s.pool, s.legs[0])):
-            problem = (
-                "the pools' tensor-parallel heads differ (a head-split or head-merge moves per "
-                "token); use transceiver_runtime CPP"
-            )
         elif not s.pool.layout.named:
             problem = "the pool's layout has no named order (the copier packs its pieces)"
         elif nbytes > bounce.send.nbytes:
@@ -243,7 +268,7 @@ class DirectMover:
         if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
             bounce.send.release(res)
             return s.terminal  # ending it again changes nothing: the first end stands
-        return await self._gathered(s, blocks, res, nbytes)
+        return await self._gathered(s, leg, blocks, res, nbytes, heads)
 
     def _memories(self, s: TxSession, leg: TxLeg) -> tuple[bool, Memory, Memory] | Terminal:
         """(must the leg bounce, our pool's memory, the receiver pool's memory) for a
@@ -294,7 +319,7 @@ class DirectMover:
             reservation = None
             if start == 0 and last:  # the whole request in one write
                 blocks = s.blocks[first:end]
-                bounced_plan = await self._bounce_plan(s, local, remote, blocks, copy_only)
+                bounced_plan = await self._bounce_plan(s, leg, local, remote, blocks, copy_only)
                 if isinstance(bounced_plan, Terminal):
                     s.request_end(bounced_plan)
                     return

@@ -19,9 +19,9 @@ from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
-from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads, whole_blocks_from
+from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
+from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_all, reserve_by
 from kvxferd.transceiver.state import Reason, Status
 
 if TYPE_CHECKING:
@@ -91,28 +91,47 @@ class DirectReceive:
         if s.pool is not None and copy_only(s.pool, conn):
             await self._copy_only_offer(s, conn, deadline)
             return
-        if self.bounce is None or self.pipelined or s.pool is None or conn.info.bounce_nbytes == 0:
+        if self.bounce is None or self.pipelined or s.pool is None or not s.pool.layout.named:
             return
-        if len(s.legs) > 1 or not whole_blocks_from(s.pool, conn) or not s.pool.layout.named:
-            return  # head slices move per token: the per-block path
         layout = s.pool.layout
-        nbytes = len(s.blocks) * layout.block_bytes
-        if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
-            return
-        res = self.bounce.recv.reserve(nbytes)
-        if res is None:
-            self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
-            return
-        self.bounce.reservations_made += 1
-        s.legs[0].res = res
-        s.legs[0].offer = Reservation(res.offset, nbytes)
+        for leg in s.legs:
+            assert leg.conn is not None
+            if leg.conn.info.bounce_nbytes == 0:
+                continue  # that context daemon has no bounce buffer: it writes per block
+            try:
+                heads = rx_leg_heads(s.pool, leg)
+            except LayoutError:
+                continue  # the per-block path names the mismatch when it plans
+            # A head slice arrives as one run per (block, layer, K/V, token): always worth
+            # one write and a scatter (docs/benchmarks.md, issue 16 "tensor parallelism").
+            runs = len(layout.block_segments(s.blocks))
+            if heads is not None:
+                runs = len(s.blocks) * layout.pieces_per_block * layout.tokens_per_block
+            nbytes = len(s.blocks) * leg_block_bytes(layout, heads)
+            if not worth_bouncing(runs, nbytes):
+                continue
+            res = self.bounce.recv.reserve(nbytes)
+            if res is None:
+                self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
+                continue
+            self.bounce.reservations_made += 1
+            leg.res = res
+            leg.offer = Reservation(res.offset, nbytes)
 
     async def _copy_only_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
         """Reserve the whole request in the receive region, waiting for room up to the
         receive's deadline; or end the request saying why it cannot bounce."""
         assert s.pool is not None
         layout = s.pool.layout
-        nbytes = len(s.blocks) * layout.block_bytes
+        try:
+            # One reservation per leg: each context rank of a head-merge sends its slice.
+            sizes = [
+                len(s.blocks) * leg_block_bytes(layout, rx_leg_heads(s.pool, leg)) for leg in s.legs
+            ]
+        except LayoutError as exc:
+            s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
+            return
+        nbytes = sum(sizes)
         what = (
             f"pool {s.pool.pool_id!r} here is copy-only"
             if not s.pool.zero_copy
@@ -129,11 +148,6 @@ class DirectReceive:
             problem = "pipelined transfers write per block; turn enable_pipelined_transfer off"
         elif conn.info.bounce_nbytes == 0:
             problem = f"context daemon {conn.peer.name} has no bounce buffer"
-        elif len(s.legs) > 1 or not whole_blocks_from(s.pool, conn):
-            problem = (
-                "the pools' tensor-parallel heads differ (a head-split or head-merge moves per "
-                "token); use transceiver_runtime CPP"
-            )
         elif not layout.named:
             problem = "the pool's layout has no named order (the copier packs its pieces)"
         elif nbytes > self.bounce.recv.nbytes:
@@ -146,16 +160,18 @@ class DirectReceive:
             return
         assert self.bounce is not None
         region = self.bounce.recv
-        res = await reserve_by(lambda: region.reserve(nbytes), deadline)
-        if res is None:
+        got = await reserve_by(lambda: reserve_all(region, sizes), deadline)
+        if got is None:
             s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_BOUNCE_ROOM))
             return
         if s.terminal is not None:  # ended while it waited: nothing was offered
-            region.release(res)
+            for res in got:
+                region.release(res)
             return
-        self.bounce.reservations_made += 1
-        s.legs[0].res = res
-        s.legs[0].offer = Reservation(res.offset, nbytes)
+        self.bounce.reservations_made += len(got)
+        for leg, res, size in zip(s.legs, got, sizes, strict=True):
+            leg.res = res
+            leg.offer = Reservation(res.offset, size)
 
     async def take_round(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
         await scatter_round(self.bounce, s, leg, first, end, nbytes)

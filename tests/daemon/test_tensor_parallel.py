@@ -524,23 +524,27 @@ def test_split_waits_for_every_generation_rank_within_the_deadline(cluster: Loca
 SMALL = {**GEOMETRY, "num_kv_heads": 2, "head_dim": 16}
 
 
-def test_bounce_buffer_is_bypassed_for_head_slices(cluster: LocalCluster) -> None:
-    """With a bounce buffer configured, a head-split takes the per-block path, even when the
-    generation ranks offered a reservation (the context pool was not known yet)."""
+BOUNCE = {"kv_cache_bounce_size_mb": 8}
+
+
+def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster) -> None:
+    """With a bounce buffer on both sides, a head-split (TP 1 -> 2) gathers each rank's
+    heads into one send reservation and writes it with one descriptor into the reservation
+    that rank offered (even though it offered before the context pool was known), which
+    the rank scatters into its blocks (issue 16). Every byte of both ranks is verified."""
     cluster.geometry = dict(SMALL)
-    bounce = {"kv_cache_bounce_size_mb": 8}
     ctx = cluster.start_daemon(
         "ctx",
         "context",
         engine={"kv_layout": dict(SMALL)},
-        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **bounce},
+        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
     )
     gens = [
         cluster.start_daemon(
             f"gen{r}",
             "generation",
             engine={"tensor_parallel_size": 2, "kv_layout": {**SMALL, "num_kv_heads": 1}},
-            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **bounce},
+            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
         )
         for r in range(2)
     ]
@@ -551,36 +555,92 @@ def test_bounce_buffer_is_bypassed_for_head_slices(cluster: LocalCluster) -> Non
     async def scenario() -> None:
         gs = [await open_small(g, TpRank(r, 2)) for r, g in enumerate(gens)]
         for g in gs:
-            g.alloc.shuffle(5)  # scattered blocks: many small segments, worth bouncing
+            g.alloc.shuffle(5)  # scattered blocks: many small segments
         try:
             n = 32 * 40 + 3  # 41 blocks
             # Posted before the context engine registers its pool.
-            dst = [await g.recv("bypass", n, ctx.peer_address) for g in gs]
+            dst = [await g.recv("split", n, ctx.peer_address) for g in gs]
             wait_for(
                 lambda: status(ctx)["sessions"]["send"].get("ready") == 1,
                 what="both ranks' requests at the context daemon",
             )
             c = await open_small(ctx, TpRank())
             try:
-                await c.send("bypass", n)
-                assert (await _outcomes(c, "bypass")).status == "done"
+                await c.send("split", n)
+                sent = await _outcomes(c, "split")
+                assert sent.status == "done" and sent.nbytes == 41 * c.layout.block_bytes
             finally:
                 await c.close()
             for g, blocks in zip(gs, dst, strict=True):
-                await _done(g, "bypass")
-                result = g.verify("bypass", blocks, n)
+                got = await _done(g, "split")
+                assert got.nbytes == 41 * g.layout.block_bytes
+                result = g.verify("split", blocks, n)
                 assert result.ok, (g.tp, result.first_mismatch)
         finally:
             for g in gs:
                 await g.close()
 
     asyncio.run(scenario())
-    assert status(ctx)["bounce"]["reservations_made"] == 0
+    b = status(ctx)["bounce"]
+    assert b["reservations_made"] == 2 and b["fallbacks"] == 0, b  # one per rank
+    assert b["send_in_use_bytes"] == 0, b
     for g in gens:
         b = status(g)["bounce"]
-        # Offered (the context pool was unknown when it asked), never used, released.
         assert b["reservations_made"] == 1 and b["recv_in_use_bytes"] == 0, b
     for d in (ctx, *gens):
+        assert_clean(d)
+
+
+def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster) -> None:
+    """Head-merge (TP 2 -> 1) through the bounce buffer: the generation daemon offers one
+    reservation per context rank, each rank writes its whole blocks into its own, and the
+    generation daemon scatters each into its half of every token."""
+    cluster.geometry = dict(SMALL)
+    ctxs = [
+        cluster.start_daemon(
+            f"ctx{r}",
+            "context",
+            engine={"tensor_parallel_size": 2, "kv_layout": {**SMALL, "num_kv_heads": 1}},
+            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
+        )
+        for r in range(2)
+    ]
+    gen = cluster.start_daemon(
+        "gen",
+        "generation",
+        engine={"kv_layout": dict(SMALL)},
+        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
+    )
+
+    async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
+        return await RankEngine.open_rank(d, tp, "layer-major", 256, 2 // tp.size, SMALL)
+
+    async def scenario() -> None:
+        cs = [await open_small(c, TpRank(r, 2)) for r, c in enumerate(ctxs)]
+        g = await open_small(gen, TpRank())
+        g.alloc.shuffle(5)
+        try:
+            n = 32 * 40 + 3
+            blocks = await g.recv("merge", n, [c.peer_address for c in ctxs])
+            for c in cs:
+                await c.send("merge", n)
+            got = await _done(g, "merge")
+            assert got.nbytes == 41 * g.layout.block_bytes
+            for c in cs:
+                assert (await _done(c, "merge")).nbytes == 41 * c.layout.block_bytes
+            result = g.verify("merge", blocks, n)
+            assert result.ok, result.first_mismatch
+        finally:
+            for e in (*cs, g):
+                await e.close()
+
+    asyncio.run(scenario())
+    b = status(gen)["bounce"]
+    assert b["reservations_made"] == 2 and b["recv_in_use_bytes"] == 0, b  # one per rank
+    for c in ctxs:
+        b = status(c)["bounce"]
+        assert b["reservations_made"] == 1 and b["send_in_use_bytes"] == 0, b
+    for d in (*ctxs, gen):
         assert_clean(d)
 
 

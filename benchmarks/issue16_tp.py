@@ -1,0 +1,87 @@
+"""Issue 16, tensor parallelism under the PYTHON runtime: head-split (context TP 1 ->
+generation TP 2) and head-merge (2 -> 1) against equal sizes (1 -> 1), in one run.
+
+Each pass runs `kvxferd demo --json` (NIXL, PYTHON runtime, the demo's geometry: 8 layers,
+4 KV heads of 64 fp16 dims, 32 tokens per block, so a head slice is 256 bytes per token)
+for 1->1, 1->2 and 2->1, each with the bounce buffer (`--bounce-mb`, which carries head
+slices as one write per leg since issue 16) and without it (the per-block path: one NIXL
+descriptor per (block, layer, K/V, token) of a slice). The order of the six runs rotates
+between passes. Every run verifies every byte; a run that is not all-verified stops the
+script. Reported: GB/s per run and, within a pass, each TP pair's GB/s over 1->1's with the
+same settings (the ratio the issue's target is stated in), and the p50 latency; the
+median and range over passes.
+
+    .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 120] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+PAIRS = [(1, 1), (1, 2), (2, 1)]
+MODES = {"bounce": ("--bounce-mb", "160"), "per-block": ()}
+
+
+def demo(ctx_tp: int, gen_tp: int, mode: str, requests: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "kvxferd.cli", "demo", "--json", "--runtime", "PYTHON",
+           "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), "--requests", str(requests),
+           *MODES[mode]]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    summary: dict[str, Any] = json.loads(done.stdout)
+    if summary["verified"] != summary["requests"]:
+        raise SystemExit(f"{' '.join(cmd)}: not every request verified: {summary}")
+    return summary
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    runs = [(pair, mode) for mode in MODES for pair in PAIRS]
+    gbps: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    p50: dict[str, list[float]] = {}
+    for k in range(args.passes):
+        shift = k % len(runs)
+        got: dict[tuple[tuple[int, int], str], float] = {}
+        for pair, mode in runs[shift:] + runs[:shift]:
+            summary = demo(*pair, mode, args.requests)
+            got[pair, mode] = summary["gbps"]
+            p50.setdefault(f"{pair[0]}->{pair[1]} {mode}", []).append(summary["p50_ms"])
+            print(f"pass {k + 1}: {pair[0]}->{pair[1]} {mode}: {got[pair, mode]:.3f} GB/s",
+                  file=sys.stderr)  # fmt: skip
+        for (pair, mode), value in got.items():
+            name = f"{pair[0]}->{pair[1]} {mode}"
+            gbps.setdefault(name, []).append(value)
+            ratios.setdefault(name, []).append(value / got[(1, 1), mode])
+    table = {
+        name: {
+            "gbps_median": round(statistics.median(gbps[name]), 3),
+            "p50_ms_median": round(statistics.median(p50[name]), 1),
+            "ratio_to_equal_median": round(statistics.median(ratios[name]), 3),
+            "ratio_range": [round(min(ratios[name]), 3), round(max(ratios[name]), 3)],
+        }
+        for name in gbps
+    }
+    if args.json:
+        print(json.dumps({"passes": args.passes, "requests": args.requests, "results": table}))
+    else:
+        print(f"{'pair / path':<22} {'GB/s':>7} {'p50 ms':>7} {'vs 1->1':>8}  range")
+        for name, row in table.items():
+            lo, hi = row["ratio_range"]
+            print(f"{name:<22} {row['gbps_median']:>7.3f} {row['p50_ms_median']:>7.1f} "
+                  f"{row['ratio_to_equal_median']:>8.2f}  {lo:.2f}-{hi:.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
