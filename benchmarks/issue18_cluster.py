@@ -33,16 +33,9 @@ from kvxferd.sim.etcd_server import EtcdServer
 from kvxferd.sim.hosts import faults
 from kvxferd.sim.hosts.cluster import HostCluster, status, wait_clean
 from kvxferd.sim.hosts.network import Network, namespace_problem
-from kvxferd.sim.hosts.traffic import Round, Workload
+from kvxferd.sim.hosts.traffic import CLUSTER_GEOMETRY, Round, Workload
 
-GEOMETRY = {
-    "num_layers": 2,
-    "num_kv_heads": 4,
-    "head_dim": 32,
-    "tokens_per_block": 16,
-    "dtype": "float16",
-    "layout": "block-major",
-}
+GEOMETRY = CLUSTER_GEOMETRY
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -27,23 +27,14 @@ from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
 from kvxferd.sim.hosts import faults
 from kvxferd.sim.hosts.cluster import HostCluster, status, wait_clean
 from kvxferd.sim.hosts.network import Network, namespace_problem
-from kvxferd.sim.hosts.traffic import Outcomes, Round, Workload
+from kvxferd.sim.hosts.traffic import CLUSTER_GEOMETRY, Outcomes, Round, Workload
 
 if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
     pytest.skip("the cluster tests need NIXL (scripts/install.sh)", allow_module_level=True)
 
 REQUESTS = int(os.environ.get("KVXFERD_CLUSTER_REQUESTS", "60"))
 
-# Small blocks (16 KB per rank), so that a request is a few of them and the suite moves
-# many requests rather than many bytes.
-GEOMETRY: dict[str, Any] = {
-    "num_layers": 2,
-    "num_kv_heads": 4,
-    "head_dim": 32,
-    "tokens_per_block": 16,
-    "dtype": "float16",
-    "layout": "block-major",
-}
+GEOMETRY = CLUSTER_GEOMETRY
 TPB = int(GEOMETRY["tokens_per_block"])
 # Generous: on two shared cores a starved daemon misses 1.5 s of heartbeats between hosts
 # no fault touches (seen here at a load of 16), which would fail requests of routes the

@@ -30,6 +30,17 @@ from typing import Any
 from kvxferd.sim.cluster import ClusterError
 from kvxferd.sim.hosts.cluster import HostCluster, Instance
 
+# The cluster tests' and benchmark's geometry: small blocks (16 KB per rank at TP 2), so
+# a request is a few of them and a run moves many requests rather than many bytes.
+CLUSTER_GEOMETRY: dict[str, Any] = {
+    "num_layers": 2,
+    "num_kv_heads": 4,
+    "head_dim": 32,
+    "tokens_per_block": 16,
+    "dtype": "float16",
+    "layout": "block-major",
+}
+
 TERMINAL = ("done", "failed", "cancelled", "timed_out")
 
 
