@@ -17,8 +17,8 @@ os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
 os.environ.setdefault("UCX_TLS", "^cma")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from mpi4py import MPI
 
 
 def main() -> None:
