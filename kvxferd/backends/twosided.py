@@ -1,4 +1,4 @@
-"""What the staged runtime needs from a two-sided transport (UCX today).
+"""What the staged runtime needs from a two-sided transport (UCX, MPI).
 
 Two-sided backends move each round as a tagged message between the two
 daemons' staging buffers; they have no one-sided memory registration, so the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
@@ -33,7 +33,9 @@ class TwoSidedTransport(Protocol):
         """Receive the message `tag` from the peer into `out`; returns its size.
 
         `timeout_s` None: no bound (kv_transfer_timeout_ms null). On expiry
-        TransferTimeoutError, and nothing can land in `out` afterwards.
+        TransferTimeoutError, and nothing can land in `out` afterwards. Any other
+        failure leaves `out` alone too, unless `lent_until(error)` says how long the
+        transport may still write there.
         """
         ...
 
@@ -71,6 +73,14 @@ def connect_failures(
             f"{transport} connect to {peer_key} at {address} failed ({why(exc)}); "
             "is the peer running?"
         ) from exc
+
+
+def lent_until(exc: BaseException) -> asyncio.Future[Any] | None:
+    """For a recv that failed after its payload began landing in `out` (MPI): a future
+    done once the transport can no longer write there (it may never be); None when
+    nothing can land in `out` any more."""
+    fut = getattr(exc, "out_lent_until", None)
+    return fut if isinstance(fut, asyncio.Future) and not fut.done() else None
 
 
 def round_tag(rx_token: int, first_block: int) -> int:

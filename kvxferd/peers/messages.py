@@ -105,6 +105,9 @@ class Info(_Msg, tag="info"):
     # it writes into that region.
     bounce_memory: str = "host"
     bounce_device: int = 0
+    # The staged runtime's receiver places each round at Result.round_offset in its
+    # reservation (absent: at its start), so senders may pipeline rounds into it.
+    round_offsets: bool = False
 
 
 class Ready(_Msg, tag="ready"):
@@ -176,6 +179,9 @@ class Result(_AboutReceive, tag="result"):
     # (from block 0, whatever the receive's block_start), as in RoundAck.end_block.
     first_block: int = 0
     end_block: int = 0
+    # Staged rounds to a receiver whose Info says `round_offsets`: where in the
+    # reservation the round lies (bytes from its start); 0 otherwise.
+    round_offset: int = 0
 
 
 class RoundAck(_AboutReceive, tag="round_ack"):

@@ -169,6 +169,7 @@ class PeerRoutes:
             # (it does not start without them): what a peer names when it writes there.
             bounce_memory="vram" if d.bounce and d.settings.kv_memory == "vram" else "host",
             bounce_device=d.settings.cuda_device if d.settings.kv_memory == "vram" else 0,
+            round_offsets=True,  # transceiver/staged_rx.py places rounds where they say
             process=process.me(),
             wall_ms=int(time.time() * 1e3),
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import mmap
 import os
 from collections.abc import Callable
@@ -176,7 +177,10 @@ class BounceRegion:
         if self._backing is not None:
             self._backing.close()
         if self._map is not None:
-            self._map.close()
+            # A transport may still hold a view (an MPI receive from a peer that died
+            # mid-message never ends): the mapping then goes when the process does.
+            with contextlib.suppress(BufferError):
+                self._map.close()
 
 
 def worth_bouncing(descriptors: int, nbytes: int) -> bool:

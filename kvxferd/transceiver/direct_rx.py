@@ -37,11 +37,17 @@ def copy_only(pool: LocalPool, conn: PeerConnection) -> bool:
 
 
 async def scatter_round(
-    bounce: BounceBuffers | None, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int
+    bounce: BounceBuffers | None,
+    s: RxSession,
+    leg: RxLeg,
+    first: int,
+    end: int,
+    nbytes: int,
+    offset: int = 0,
 ) -> None:
-    """Move one round of a leg's bytes from its reservation into the request's logical
-    blocks [first, end) (only into the heads that leg holds); or end the request saying
-    why the round does not fit."""
+    """Move one round of a leg's bytes from its reservation (from `offset` on) into the
+    request's logical blocks [first, end) (only into the heads that leg holds); or end the
+    request saying why the round does not fit."""
     res = leg.res
     if bounce is None or res is None or s.pool is None:
         raise RuntimeError("the peer bounced a request that has no reservation here")
@@ -52,19 +58,22 @@ async def scatter_round(
         return
     expected = (end - first) * leg_block_bytes(s.pool.layout, heads)
     ours = (s.block_start, s.block_start + len(s.blocks))  # the logical blocks we hold
-    if not ours[0] <= first < end <= ours[1] or nbytes != expected or nbytes > res.nbytes:
+    fits = offset >= 0 and offset + nbytes <= res.nbytes
+    if not ours[0] <= first < end <= ours[1] or nbytes != expected or not fits:
         held = f"(we hold [{ours[0]}, {ours[1]}))" if s.block_start else f"of {len(s.blocks)}"
         s.request_end(
             Terminal.peer(
                 Status.FAILED,
                 Reason.TRANSFER_ERROR,
                 f"the peer reported blocks [{first}, {end}) {held} with "
-                f"{nbytes} bytes; {expected} expected, at most {res.nbytes} reserved",
+                f"{nbytes} bytes at offset {offset}; {expected} expected, {res.nbytes} "
+                "reserved",
             )
         )
         return
     dst = s.blocks[first - s.block_start : end - s.block_start]
-    await bounce.scatter(res, nbytes, s.pool.region.array, s.pool.layout, dst, heads)
+    at = Reservation(res.offset + offset, nbytes)
+    await bounce.scatter(at, nbytes, s.pool.region.array, s.pool.layout, dst, heads)
 
 
 class DirectReceive:
@@ -173,8 +182,10 @@ class DirectReceive:
             leg.res = res
             leg.offer = Reservation(res.offset, size)
 
-    async def take_round(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
-        await scatter_round(self.bounce, s, leg, first, end, nbytes)
+    async def take_round(
+        self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int, offset: int = 0
+    ) -> None:
+        await scatter_round(self.bounce, s, leg, first, end, nbytes, offset)
 
     async def round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         """A bounce never has more than one round."""

@@ -59,10 +59,17 @@ class TxLeg:
         return max(start, self.request.block_start), end
 
     def written(
-        self, request_id: str, nbytes: int, last: bool, bounced: bool, span: tuple[int, int]
+        self,
+        request_id: str,
+        nbytes: int,
+        last: bool,
+        bounced: bool,
+        span: tuple[int, int],
+        offset: int = 0,
     ) -> Result:
         """The Result telling this leg's receiver that `nbytes` are in place: the logical
-        blocks `span` (first, end), or (0, 0) for the whole request."""
+        blocks `span` (first, end), or (0, 0) for the whole request; a staged round at
+        `offset` in the receiver's reservation."""
         return Result(
             request_id=request_id,
             rx_token=self.request.rx_token,
@@ -72,6 +79,7 @@ class TxLeg:
             bounced=bounced,
             first_block=span[0],
             end_block=span[1],
+            round_offset=offset,
         )
 
     def dst_blocks(self, first: int, end: int) -> list[int]:

@@ -81,9 +81,11 @@ class RecvMover(Protocol):
         """Set each leg's reservation (leg.res) and the part offered with the RequestData
         (leg.offer), or none; or end the request saying why (waits up to `deadline`)."""
 
-    async def take_round(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
-        """Bring a reported round (the request's logical blocks [first, end)) into the
-        blocks, or end the request saying why."""
+    async def take_round(
+        self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int, offset: int = 0
+    ) -> None:
+        """Bring a reported round (the request's logical blocks [first, end), at `offset`
+        in the leg's reservation) into the blocks, or end the request saying why."""
 
     async def round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         """A round that was not the leg's last is in the blocks: let its sender go on."""

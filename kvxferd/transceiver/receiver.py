@@ -227,7 +227,7 @@ class Receiver:
             first, end = msg.first_block, msg.end_block
             if not end:  # the whole request: our blocks
                 first, end = s.block_start, s.block_start + len(s.blocks)
-            s.rounds.append((leg, first, end, msg.nbytes, msg.last))
+            s.rounds.append((leg, first, end, msg.nbytes, msg.last, msg.round_offset))
             s.wake.set()
         elif msg.last:
             self._leg_delivered(s, leg, msg.status, msg.message)
@@ -370,8 +370,8 @@ class Receiver:
     async def _await_result(self, s: RxSession, deadline: float) -> None:
         while s.terminal is None:
             while s.rounds and s.terminal is None:
-                leg, first, end, nbytes, last = s.rounds.pop(0)
-                await self.mover.take_round(s, leg, first, end, nbytes)
+                leg, first, end, nbytes, last, offset = s.rounds.pop(0)
+                await self.mover.take_round(s, leg, first, end, nbytes, offset)
                 if s.terminal is not None:
                     return
                 if last:

@@ -200,8 +200,8 @@ class RxSession(_Session):
     deadline: float = math.inf  # monotonic; set at admission (the per-task timeout)
     legs: list[RxLeg] = field(default_factory=list)
     # Rounds reported in a leg's reservation and not yet scattered, in arrival order:
-    # (leg, first, end, nbytes, last).
-    rounds: list[tuple[RxLeg, int, int, int, bool]] = field(default_factory=list)
+    # (leg, first, end, nbytes, last, offset in the reservation).
+    rounds: list[tuple[RxLeg, int, int, int, bool, int]] = field(default_factory=list)
 
     @property
     def conn(self) -> PeerConnection | None:

@@ -4,9 +4,18 @@ KV moves through preallocated staging buffers instead of straight into the
 destination blocks: the context side gathers a round of whole blocks into its
 send staging region, the bytes cross into a reservation the generation side
 made in its receive staging region, and the generation side scatters them into
-the destination blocks. A request larger than its reservation moves in rounds;
-the receiver acknowledges each round (RoundAck) once scattered, so the same
-reservation takes the next one.
+the destination blocks.
+
+A request moves in rounds of a few MiB (staging.ROUND_BYTES, at most half the
+reservation) through the receiver's reservation used as a ring
+(staging.plan_rounds): each round lies in the slots right after the one before
+it (Result.round_offset), and the receiver acknowledges each round (RoundAck)
+once scattered. While round k moves, round k+1 is gathered into a send
+reservation of its own, and the receiver scatters round k-1 (two-sided: it has
+posted the receive of round k too); a round goes into slots that held earlier
+blocks only once those were acknowledged. A receiver whose Info lacks
+`round_offsets` gets one round per reservation, each after the previous one's
+acknowledgement, as before.
 
 With different tensor-parallel sizes each (context rank, generation rank) leg
 moves only the heads both hold: a round of a leg is its blocks' shared heads,
@@ -50,7 +59,7 @@ from kvxferd.transceiver.direct import leg_target, peer_memory
 from kvxferd.transceiver.legs import TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import NO_ROOM, reserve_by
+from kvxferd.transceiver.staging import NO_ROOM, plan_rounds, reserve_by, round_blocks
 from kvxferd.transceiver.state import Reason, SessionState, Status
 from kvxferd.transceiver.writes import Writes
 
@@ -70,6 +79,9 @@ def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) 
 # Opening the UCX endpoint to a peer the handshake already vouched for.
 _CONNECT_TIMEOUT_S = 10.0
 
+# Two-sided rounds of one leg being sent at once (docs/benchmarks.md, issue 16).
+_TWO_SIDED_IN_FLIGHT = 2
+
 
 class StagedMover:
     """The staged runtime's SendMover (transceiver/movers.py). Context side: for every leg
@@ -88,6 +100,8 @@ class StagedMover:
         self.transport: TwoSidedTransport | None = None
         # Peers whose transport endpoint is open.
         self._connected: set[str] = set()
+        # Two-sided rounds being sent, per request.
+        self._sending: dict[TxSession, int] = {}
 
     def routes(self) -> dict[type, Route]:
         return {RoundAck: self.on_round_ack}
@@ -141,15 +155,16 @@ class StagedMover:
                 return
             geometry.append(checked)
         staging = self.bounce
-        deadline = s.deadline if s.deadline is not None else math.inf
         s.advance(SessionState.TRANSFERRING)  # status and metrics see staged rounds too
-        # Legs one after the other: each receiver's reservation is its own, and one send
-        # reservation at a time per request leaves room to the other requests.
+        # Legs one after the other: each receiver's reservation is its own, and two send
+        # reservations of a few MiB at a time per request (one moving, the next being
+        # gathered) leave room to the other requests.
         for leg, (heads, leg_bytes) in zip(legs, geometry, strict=True):
             if s.terminal is not None:
                 return  # ended between legs (a cancel, a receiver gone): write no more
-            per_round = min(leg.request.bounce_nbytes, staging.send.nbytes) // leg_bytes
-            if per_round < 1 or leg.conn.info.bounce_nbytes == 0:
+            ring = leg.request.bounce_nbytes // leg_bytes  # the receiver's reservation
+            fits = staging.send.nbytes // leg_bytes  # what one send reservation can take
+            if min(ring, fits) < 1 or leg.conn.info.bounce_nbytes == 0:
                 s.request_end(
                     Terminal.peer(
                         Status.FAILED,
@@ -160,17 +175,21 @@ class StagedMover:
                     )
                 )
                 return
+            if leg.conn.info.round_offsets:
+                # Rounds of a few MiB through the reservation as a ring: the gather of the
+                # next, the move of this one and the receiver's scatter of the one before
+                # overlap.
+                per_round = min(round_blocks(ring, leg_bytes), fits)
+            else:
+                # A receiver that takes every round at its reservation's start: one round
+                # at a time, each once the one before it was scattered.
+                ring = per_round = min(ring, fits)
             # Rounds count the request's logical blocks (Result.first_block); none before
             # the receiver's block_start.
             first, _ = leg.span(start, end)
-            while first < end:
-                if s.terminal is not None:
-                    return
-                stop = min(end, first + per_round)
-                final = stop == end and last
-                if not await self._one_round(s, leg, heads, first, stop, final, deadline):
-                    return
-                first = stop
+            rounds = plan_rounds(first, end, ring, per_round)
+            if rounds and not await self._rounds(s, leg, heads, leg_bytes, rounds, ring, last):
+                return
             if last:  # its last Result went out: it has all it asked for
                 leg.served = True
                 if len(s.legs) > 1:
@@ -178,62 +197,228 @@ class StagedMover:
         if s.terminal is None:
             s.written = end
 
-    async def _one_round(
+    async def _rounds(
         self,
         s: TxSession,
         leg: TxLeg,
         heads: tuple[int, int] | None,
-        first: int,
-        stop: int,
+        leg_bytes: int,
+        rounds: list[tuple[int, int, int]],
+        ring: int,
+        last: bool,
+    ) -> bool:
+        """Move one slice of a leg round by round (staging.plan_rounds), gathering the next
+        round into a send reservation of its own while this one moves; False when the
+        request ended."""
+        deadline = s.deadline if s.deadline is not None else math.inf
+        base = rounds[0][0]
+        # Two-sided: the next round is announced and sent while this one is still being
+        # received, so the receiver has its receive posted when this one ends (a send
+        # completes only once the receiver took it). One-sided: one write at a time,
+        # its Result after it.
+        depth = _TWO_SIDED_IN_FLIGHT if self.transport is not None else 1
+        ahead: asyncio.Task[Reservation | None] | None = self._gather_ahead(
+            s, heads, leg_bytes, rounds[0], deadline
+        )
+        moving: list[tuple[asyncio.Task[bool], Reservation]] = []
+        ok = True
+        try:
+            for i, (first, stop, slot) in enumerate(rounds):
+                assert ahead is not None
+                # Shielded: a cancel must not free a reservation its copy still writes.
+                res = await asyncio.shield(ahead)
+                ahead = None
+                if res is None or s.terminal is not None:
+                    if res is not None:
+                        self.bounce.send.release(res)
+                    ok = False
+                    break
+                if i + 1 < len(rounds):
+                    ahead = self._gather_ahead(s, heads, leg_bytes, rounds[i + 1], deadline)
+                final = last and i == len(rounds) - 1
+                announced = asyncio.Event()
+                move = asyncio.ensure_future(
+                    self._one_round(
+                        s,
+                        leg,
+                        res,
+                        (first, stop, slot),
+                        (base, ring, leg_bytes),
+                        final,
+                        deadline,
+                        announced,
+                    )
+                )
+                moving.append((move, res))
+                # The next round's move starts once this one is announced (its Result out
+                # first: rounds are announced in order) and fewer than `depth` move.
+                waiter = asyncio.ensure_future(announced.wait())
+                try:
+                    await asyncio.wait({move, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                while moving and (len(moving) >= depth or moving[0][0].done()):
+                    done, res_done = moving.pop(0)
+                    try:
+                        ok = await asyncio.shield(done)
+                    finally:
+                        if done.done():
+                            self.bounce.send.release(res_done)  # quiescent: the move ended
+                        else:
+                            moving.insert(0, (done, res_done))
+                    if not ok:
+                        break
+                if not ok:
+                    break
+            while ok and moving:
+                done, res_done = moving[0]
+                ok = await asyncio.shield(done)
+                moving.pop(0)
+                self.bounce.send.release(res_done)
+            if not ok:
+                return False
+            if not last:
+                # The next slice starts at the reservation's start again: every round of
+                # this one must have been scattered first.
+                why = "kv_transfer_timeout_ms elapsed waiting for the receiver to take a round"
+                while leg.acked_block < rounds[-1][1] and s.terminal is None:
+                    if not await s.wait_wake(deadline, Reason.SENDER_DEADLINE, why):
+                        return False
+            return s.terminal is None
+        except asyncio.CancelledError:
+            for move, _ in moving:
+                move.cancel()  # each quiesces its transfer
+            raise
+        finally:
+            await self._settle_moves(moving)
+            if ahead is not None:
+                await self._settle(ahead)
+
+    async def _settle_moves(self, moving: list[tuple[asyncio.Task[bool], Reservation]]) -> None:
+        """Moves still running when the slice ends early: each runs to its end (an announced
+        round is sent even when the request ended: its receiver waits for it), or to its
+        quiescence when cancelled; its send reservation is freed then."""
+        cancelled = False
+        for move, res in moving:
+            while not move.done():
+                try:
+                    await asyncio.wait({move})
+                except asyncio.CancelledError:
+                    cancelled = True
+            if not move.cancelled():
+                move.exception()  # retrieved: the slice already failed
+            self.bounce.send.release(res)
+        moving.clear()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _gather_ahead(
+        self,
+        s: TxSession,
+        heads: tuple[int, int] | None,
+        leg_bytes: int,
+        rnd: tuple[int, int, int],
+        deadline: float,
+    ) -> asyncio.Task[Reservation | None]:
+        """Reserve room for a round in the send region and gather it there (None: no room
+        before the deadline, and the request ended)."""
+        assert s.pool is not None
+        pool, staging = s.pool, self.bounce
+        first, stop, _ = rnd
+        nbytes = (stop - first) * leg_bytes
+
+        async def gather() -> Reservation | None:
+            res = await reserve_by(lambda: staging.send.reserve(nbytes), deadline)
+            if res is None:
+                s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, NO_ROOM))
+                return None
+            try:
+                await staging.gather(
+                    pool.region.array, pool.layout, s.blocks[first:stop], res, nbytes, heads
+                )
+            except BaseException:
+                staging.send.release(res)
+                raise
+            return res
+
+        return asyncio.ensure_future(gather())
+
+    async def _settle(self, task: asyncio.Task[Reservation | None]) -> None:
+        """A gather started for a round that will not move: free its reservation once the
+        copy into it finished (a cancel waits for that too, then goes on)."""
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                cancelled = True
+        if not task.cancelled() and task.exception() is None:
+            res = task.result()
+            if res is not None:
+                self.bounce.send.release(res)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _one_round(
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        res: Reservation,
+        rnd: tuple[int, int, int],
+        ring: tuple[int, int, int],
         last: bool,
         deadline: float,
+        announced: asyncio.Event,
     ) -> bool:
+        """Move one gathered round (`rnd`: first, stop, slot) into its slot of the receiver's
+        reservation (`ring`: the slice's first block, the reservation's blocks, bytes per
+        block) once the receiver scattered what that slot held before."""
         assert s.pool is not None and self.bounce is not None
         staging = self.bounce
-        nbytes = (stop - first) * leg_block_bytes(s.pool.layout, heads)
-        res = await reserve_by(lambda: staging.send.reserve(nbytes), deadline)
-        if res is None:
-            s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, NO_ROOM))
+        first, stop, slot = rnd
+        base, ring_blocks, leg_bytes = ring
+        nbytes = (stop - first) * leg_bytes
+        why = "kv_transfer_timeout_ms elapsed waiting for the receiver to take a round"
+        need = stop - ring_blocks  # the blocks before it held this round's slots
+        while need > base and leg.acked_block < need and s.terminal is None:
+            if not await s.wait_wake(deadline, Reason.SENDER_DEADLINE, why):
+                return False
+        if s.terminal is not None:
             return False
-        result = leg.written(s.request_id, nbytes, last, True, (first, stop))
-        try:
-            await staging.gather(
-                s.pool.region.array, s.pool.layout, s.blocks[first:stop], res, nbytes, heads
-            )
-            if self.transport is not None:
-                if not await self._send_two_sided(s, leg, res, result, deadline):
-                    return False
-            else:
-                info = leg.conn.info
-                remote_memory = peer_memory(info.bounce_memory, info.bounce_device)
-                if remote_memory is None:
-                    s.request_end(
-                        Terminal.peer(
-                            Status.FAILED,
-                            Reason.BLOCK_MISMATCH,
-                            f"the receiver announced its staging in memory "
-                            f"{info.bounce_memory!r}, which this build does not know "
-                            "(host or vram)",
-                        )
+        offset = slot * leg_bytes
+        result = leg.written(s.request_id, nbytes, last, True, (first, stop), offset)
+        if self.transport is not None:
+            if not await self._send_two_sided(s, leg, res, result, deadline, announced):
+                return False
+        else:
+            info = leg.conn.info
+            remote_memory = peer_memory(info.bounce_memory, info.bounce_device)
+            if remote_memory is None:
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.BLOCK_MISMATCH,
+                        f"the receiver announced its staging in memory "
+                        f"{info.bounce_memory!r}, which this build does not know "
+                        "(host or vram)",
                     )
-                    return False
-                local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
-                remote = np.array(
-                    [[info.bounce_base + leg.request.bounce_offset, nbytes]],
-                    dtype=np.int64,
                 )
-                status = await self.writes.post_and_wait(
-                    s,
-                    local,
-                    remote,
-                    leg.conn,
-                    local_memory=staging.send.memory,
-                    remote_memory=remote_memory,
-                )
-                if status is not XferStatus.DONE or s.terminal is not None:
-                    return False
-        finally:
-            staging.send.release(res)  # both paths return only once the bytes are quiescent
+                return False
+            local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
+            remote = np.array(
+                [[info.bounce_base + leg.request.bounce_offset + offset, nbytes]],
+                dtype=np.int64,
+            )
+            status = await self.writes.post_and_wait(
+                s,
+                local,
+                remote,
+                leg.conn,
+                local_memory=staging.send.memory,
+                remote_memory=remote_memory,
+            )
+            if status is not XferStatus.DONE or s.terminal is not None:
+                return False
         if time.monotonic() > deadline:
             late = "a round completed after kv_transfer_timeout_ms; not reported as success"
             s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, late))
@@ -247,22 +432,24 @@ class StagedMover:
             )
             s.mark_told(leg)
             return False
-        if last:
-            return True
-        # The receiver's reservation is reused: wait until it scattered this round.
-        why = "kv_transfer_timeout_ms elapsed waiting for the receiver to take a round"
-        while leg.acked_block < stop and s.terminal is None:
-            if not await s.wait_wake(deadline, Reason.SENDER_DEADLINE, why):
-                return False
         return s.terminal is None
 
     async def _send_two_sided(
-        self, s: TxSession, leg: TxLeg, res: Reservation, result: Result, deadline: float
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        res: Reservation,
+        result: Result,
+        deadline: float,
+        announced: asyncio.Event,
     ) -> bool:
-        """Announce the round (the receiver then receives it by tag), then send it."""
+        """Announce the round (the receiver then receives it by tag; `announced` is set),
+        then send it."""
         assert self.transport is not None and self.bounce is not None
         conn = leg.conn
-        s.posting = True  # from here a cancel answers "busy"
+        # From here a cancel answers "busy", until no round of the request is sending.
+        self._sending[s] = self._sending.get(s, 0) + 1
+        s.posting = True
         try:
             try:
                 if conn.key not in self._connected:
@@ -281,6 +468,7 @@ class StagedMover:
                     )
                     s.mark_told(leg)
                     return False
+                announced.set()
                 # Announced: the round goes out even if the request ends now. The receiver
                 # waits for it by tag, and two-sided bytes land only in its own posted
                 # receive, so sending cannot touch memory it handed back.
@@ -306,7 +494,11 @@ class StagedMover:
                 s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
                 return False
         finally:
-            s.posting = False
+            left = self._sending.pop(s) - 1
+            if left:
+                self._sending[s] = left
+            else:
+                s.posting = False
         return s.terminal is None
 
     def forget_peer(self, peer_key: str) -> None:

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import math
 import time
+from typing import Any
 
-from kvxferd.backends.twosided import TwoSidedTransport, round_tag
+from kvxferd.backends.twosided import TwoSidedTransport, lent_until, round_tag
 from kvxferd.errors import KvxferdError, PeerLostError, TransferError, TransferTimeoutError
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
@@ -27,6 +28,15 @@ from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staged import refuse_device_staging
 from kvxferd.transceiver.staging import NO_ROOM, blocks_per_round, reserve_all, reserve_by
 from kvxferd.transceiver.state import Reason, Status
+
+# Announced two-sided rounds whose receives are posted while the one before them is
+# scattered (the sender has at most this many ahead of the receiver's acknowledgements
+# in a reservation of two rounds or more).
+_RECEIVE_AHEAD = 2
+
+
+def _key(s: RxSession, leg: RxLeg, first: int) -> tuple[int, int, int]:
+    return (s.rx_token, id(leg), first)
 
 
 class StagedReceive:
@@ -40,6 +50,10 @@ class StagedReceive:
         # The two-sided transport once started (UCX, MPI); None: one-sided writes.
         self.transport: TwoSidedTransport | None = None
         self._drops: set[asyncio.Task[None]] = set()
+        # Receives of announced rounds posted ahead of their turn, by _key; and the keys of
+        # those handed to the transport with their reservation when a receive ended.
+        self._early: dict[tuple[int, int, int], asyncio.Future[int]] = {}
+        self._gone: set[tuple[int, int, int]] = set()
 
     def attach(self, transport: TwoSidedTransport) -> None:
         refuse_device_staging(transport, self.bounce)
@@ -96,41 +110,85 @@ class StagedReceive:
             leg.res = res
             leg.offer = Reservation(res.offset, nbytes)
 
-    async def take_round(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> None:
-        if self.transport is not None and not await self._receive(s, leg, first, end, nbytes):
-            return
-        await scatter_round(self.bounce, s, leg, first, end, nbytes)
+    async def take_round(
+        self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int, offset: int = 0
+    ) -> None:
+        if self.transport is not None:
+            recv = self._early.pop(_key(s, leg, first), None)
+            if recv is None:
+                recv = self._post(s, leg, first, end, nbytes, offset, True)
+            if recv is None:
+                return
+            # The rounds announced after this one start landing while it is scattered.
+            self._receive_ahead(s)
+            if not await self._received(s, leg, recv, first, end, nbytes):
+                return
+        await scatter_round(self.bounce, s, leg, first, end, nbytes, offset)
 
-    async def _receive(self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int) -> bool:
-        """Receive an announced two-sided round into the leg's reservation; False when the
-        request ended (saying why)."""
-        assert self.transport is not None and leg.conn is not None
-        if leg.res is None or not 0 < nbytes <= leg.res.nbytes:
-            s.request_end(
-                Terminal.peer(
-                    Status.FAILED,
-                    Reason.TRANSFER_ERROR,
-                    f"round of blocks [{first}, {end}) announced {nbytes} bytes, "
-                    f"{leg.res.nbytes if leg.res else 0} reserved",
+    def _receive_ahead(self, s: RxSession) -> None:
+        """Post the receives of the next announced rounds (their slots of the reservation
+        are free: the sender sends into a slot only once we acknowledged what it held)."""
+        for leg, first, end, nbytes, _last, offset in s.rounds[:_RECEIVE_AHEAD]:
+            key = _key(s, leg, first)
+            if key not in self._early:
+                recv = self._post(s, leg, first, end, nbytes, offset, False)
+                if recv is not None:
+                    self._early[key] = recv
+
+    def _post(
+        self,
+        s: RxSession,
+        leg: RxLeg,
+        first: int,
+        end: int,
+        nbytes: int,
+        offset: int,
+        now: bool,
+    ) -> asyncio.Future[int] | None:
+        """Start receiving an announced two-sided round into its slot of the leg's
+        reservation. A round that does not fit there: None, and when it is to be taken
+        `now` the request ends saying why (else it is left for its turn)."""
+        assert self.transport is not None
+        res = leg.res
+        if (
+            leg.conn is None
+            or res is None
+            or not (nbytes > 0 and 0 <= offset <= res.nbytes - nbytes)
+        ):
+            if now:
+                s.request_end(
+                    Terminal.peer(
+                        Status.FAILED,
+                        Reason.TRANSFER_ERROR,
+                        f"round of blocks [{first}, {end}) announced {nbytes} bytes at offset "
+                        f"{offset}, {res.nbytes if res else 0} reserved",
+                    )
                 )
-            )
-            return False
-        out = self.bounce.recv.view(leg.res, nbytes).data
+            return None
+        out = self.bounce.recv.view(Reservation(res.offset + offset, nbytes), nbytes).data
         # Bounded by what is left of the receive's own deadline: the outcome is due then.
         # The transport bounds only the wait for the round to start arriving; one that
         # stalls mid-message (its sender stopped) it gives a grace past that before it
-        # lets go of our buffer. The receive does not wait for that grace: it ends at
-        # its deadline and leaves the reservation to the transport until it lets go.
+        # lets go of our buffer.
         left = s.deadline - time.monotonic()
         bound = None if left == math.inf else max(0.0, left)
-        recv = asyncio.ensure_future(
+        return asyncio.ensure_future(
             self.transport.recv(leg.conn.key, round_tag(s.rx_token, first), out, bound)
         )
+
+    async def _received(
+        self, s: RxSession, leg: RxLeg, recv: asyncio.Future[int], first: int, end: int, nbytes: int
+    ) -> bool:
+        """Wait for a round's receive; False when the request ended (saying why). The
+        receive does not wait past its deadline for the transport's grace: it ends then and
+        leaves the reservation to the transport until it lets go."""
+        left = s.deadline - time.monotonic()
+        bound = None if left == math.inf else max(0.0, left)
         try:
             await asyncio.wait({recv}, timeout=bound)
         finally:
             if not recv.done():  # past the deadline mid-message, or the task cancelled
-                self._leave_to_transport(recv, leg)
+                self._leave_to_transport([recv, *self._pop_early(s, leg)], leg)
         if not recv.done():
             s.request_end(
                 Terminal.timed_out(
@@ -142,15 +200,11 @@ class StagedReceive:
             return False
         try:
             got = recv.result()
-        except TransferTimeoutError as exc:
-            s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, str(exc)))
-            return False
-        except PeerLostError as exc:
-            s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
-            return False
         except TransferError as exc:
-            s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
-            return False
+            lent = lent_until(exc)
+            if lent is not None:  # its payload may still land in the reservation (MPI)
+                self._leave_to_transport([lent, *self._pop_early(s, leg)], leg)
+            return self._failed(s, exc)
         if got != nbytes:
             s.request_end(
                 Terminal.peer(
@@ -162,20 +216,47 @@ class StagedReceive:
             return False
         return True
 
-    def _leave_to_transport(self, recv: asyncio.Future[int], leg: RxLeg) -> None:
-        """A round's receive still in progress when the receive ends: its staging
-        reservation is released only once the transport returns (it may still be writing
-        there), not with the session."""
+    @staticmethod
+    def _failed(s: RxSession, exc: TransferError) -> bool:
+        if isinstance(exc, TransferTimeoutError):
+            s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, str(exc)))
+        elif isinstance(exc, PeerLostError):
+            s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+        else:
+            s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+        return False
+
+    def _leave_to_transport(self, receives: list[asyncio.Future[Any]], leg: RxLeg) -> None:
+        """Receives of a leg's rounds still in progress (or still lent their bytes) when
+        the receive ends: its staging reservation is released only once the transport let
+        go of every one (it may still be writing there), not with the session."""
         res, leg.res = leg.res, None
         region = self.bounce.recv
         assert res is not None
+        left = len(receives)
 
-        def done(fut: asyncio.Future[int]) -> None:
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the receive already ended, the error is moot
-            region.release(res)
+        def done(fut: asyncio.Future[Any]) -> None:
+            nonlocal left
+            # Retrieved: the receive already ended, the error is moot, unless it says the
+            # transport may still write the reservation.
+            exc = None if fut.cancelled() else fut.exception()
+            lent = None if exc is None else lent_until(exc)
+            if lent is not None:
+                lent.add_done_callback(done)
+                return
+            left -= 1
+            if left == 0:
+                region.release(res)
 
-        recv.add_done_callback(done)
+        for recv in receives:
+            recv.add_done_callback(done)
+
+    def _pop_early(self, s: RxSession, leg: RxLeg) -> list[asyncio.Future[int]]:
+        """The receives posted ahead for that leg, handed over (their rounds are not
+        dropped: they are being received)."""
+        keys = [k for k in self._early if k[0] == s.rx_token and k[1] == id(leg)]
+        self._gone.update(keys)
+        return [self._early.pop(k) for k in keys]
 
     async def round_done(self, s: RxSession, leg: RxLeg, end: int) -> None:
         assert leg.conn is not None
@@ -194,10 +275,18 @@ class StagedReceive:
         """Rounds announced but not received: their senders wait for them to be taken."""
         if self.transport is None:
             return
-        for leg, first, _end, nbytes, _last in s.rounds:
+        for leg, first, _end, nbytes, _last, _offset in s.rounds:
+            key = _key(s, leg, first)
+            if key in self._early or key in self._gone:
+                continue  # posted ahead: being received into the reservation
             if leg.conn is not None:
                 self._drop_round(leg.conn.key, round_tag(s.rx_token, first), nbytes)
         s.rounds.clear()
+        for leg in s.legs:
+            early = self._pop_early(s, leg)
+            if early and leg.res is not None:
+                self._leave_to_transport(early, leg)
+        self._gone = {k for k in self._gone if k[0] != s.rx_token}
 
     def _drop_round(self, peer_key: str, tag: int, nbytes: int) -> None:
         """Take a two-sided round nobody will scatter: received into scratch memory if it is

@@ -74,6 +74,43 @@ def reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | N
     return got
 
 
+# Staged rounds of about this many bytes (at least one block, at most half the
+# receiver's reservation): the gather of the next round, the move of this one and
+# the scatter of the previous one then overlap, and a round's fixed costs (a
+# Result, a RoundAck, a post) stay small. Measured in docs/benchmarks.md (issue 16).
+ROUND_BYTES = 16 << 20
+
+
+def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) -> int:
+    """Blocks per round in a reservation of `ring_blocks` blocks: about `target` bytes, at
+    least one block, at most half the reservation (so one round lands while the one before
+    it is scattered)."""
+    k = max(1, target // max(1, block_bytes))
+    if ring_blocks >= 2:
+        k = min(k, ring_blocks // 2)
+    return max(1, min(k, ring_blocks))
+
+
+def plan_rounds(
+    first: int, end: int, ring_blocks: int, per_round: int
+) -> list[tuple[int, int, int]]:
+    """The rounds (first, stop, slot) of the blocks [first, end) through a reservation of
+    `ring_blocks` blocks used as a ring: each round of at most `per_round` blocks lies at
+    block `slot` of the reservation, right after the one before it, and never wraps (a
+    round that would is cut at the reservation's end). A round may land once the receiver
+    scattered every block before `stop - ring_blocks` (the blocks that held its slots)."""
+    if ring_blocks < 1 or per_round < 1:
+        raise ValueError(f"rounds of {per_round} blocks through {ring_blocks} blocks")
+    rounds: list[tuple[int, int, int]] = []
+    b = first
+    while b < end:
+        slot = (b - first) % ring_blocks
+        stop = min(end, b + per_round, b + ring_blocks - slot)
+        rounds.append((b, stop, slot))
+        b = stop
+    return rounds
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
 

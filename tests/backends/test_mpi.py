@@ -53,9 +53,9 @@ def test_both_sides_run_under_a_process_manager_of_their_own(
 
 
 def test_cancelled_recv_leaves_the_buffer_alone(shared_pair: tuple[Child, Child]) -> None:
-    """A recv cancelled while its payload is still coming never writes `out`,
-    then or later: the payload goes to a scratch buffer that recv copies
-    from only when it returns the size."""
+    """A recv cancelled before its message came never writes `out`, then or
+    later: the payload is received into `out` only by a recv that found its
+    header there."""
     rx, tx = shared_pair
     size = 32 * MIB
     recv = rx.submit("recv", peer=tx.key, tag=4, size=size, deadline=30, keep="c")

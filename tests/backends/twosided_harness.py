@@ -34,6 +34,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from kvxferd.backends.twosided import lent_until
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
 MIB = 1 << 20
@@ -168,6 +170,8 @@ async def child_main(
             res["ok"] = True
         except (Exception, asyncio.CancelledError) as exc:
             res = {"ok": False, "error": type(exc).__name__, "msg": str(exc)}
+            # The transport says it may still write `out` (twosided.lent_until).
+            res["lent"] = lent_until(exc) is not None
             if "keep" in cmd and cmd["keep"] in buffers:
                 # The buffer as it was when the call returned.
                 res["digest"] = hashlib.sha256(buffers[cmd["keep"]]).hexdigest()

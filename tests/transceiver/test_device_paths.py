@@ -325,6 +325,7 @@ def _conn(
             bounce_memory=bounce_memory,
             bounce_device=bounce_device,
             transport_address="",
+            round_offsets=False,  # one round per reservation: one post to look at
         ),
         agent_name="gen",
         closed=asyncio.Event(),

@@ -1,14 +1,18 @@
 """How the staged runtime sizes one reservation per leg: every leg's reservation a whole
-number of that leg's blocks, all of them (each rounded up to whole pages) within the region."""
+number of that leg's blocks, all of them (each rounded up to whole pages) within the region;
+and how a request's blocks are cut into rounds through it."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN
-from kvxferd.transceiver.staging import blocks_per_round
+from kvxferd.transceiver.staging import blocks_per_round, plan_rounds, round_blocks
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 @pytest.mark.parametrize(
@@ -29,3 +33,34 @@ def test_blocks_per_round(region: int, blocks: int, legs: list[int], expected: i
     assert k == expected
     pages = sum(-(-k * b // RESERVATION_ALIGN) * RESERVATION_ALIGN for b in legs)
     assert pages <= region
+
+
+@pytest.mark.parametrize(
+    ("first", "end", "ring", "per_round"),
+    [(0, 10, 10, 5), (3, 17, 5, 2), (0, 7, 4, 4), (2, 3, 8, 4), (0, 9, 1, 1), (5, 30, 6, 4)],
+)
+def test_rounds_tile_the_blocks_through_the_ring_without_wrapping(
+    first: int, end: int, ring: int, per_round: int
+) -> None:
+    rounds = plan_rounds(first, end, ring, per_round)
+    assert rounds[0][0] == first and rounds[-1][1] == end
+    for (b, stop, slot), (nxt, _, nxt_slot) in itertools.pairwise(rounds):
+        assert nxt == stop  # in order, no gap
+        assert nxt_slot == (slot + stop - b) % ring  # right after the one before, in the ring
+    for b, stop, slot in rounds:
+        assert 0 < stop - b <= per_round
+        assert slot == (b - first) % ring and slot + stop - b <= ring  # never wraps
+
+
+@pytest.mark.parametrize(
+    ("ring", "block", "expected"),
+    [
+        (250, 4 * MIB, 4),  # 16 MiB rounds of 4 MiB blocks
+        (6, 4 * MIB, 3),  # at most half the reservation, so two rounds overlap
+        (1, 4 * MIB, 1),  # a reservation of one block: one block a round
+        (250, 64 * MIB, 1),  # a block larger than the target: one block a round
+        (1000, 256 * KIB, 64),
+    ],
+)
+def test_round_size(ring: int, block: int, expected: int) -> None:
+    assert round_blocks(ring, block, 16 * MIB) == expected

@@ -18,8 +18,8 @@ link       the links to peers: TCP rendezvous, MPI accept/connect in
            threads, the TCP connection that tells a dead peer.
 wire       what crosses: rendezvous frames, the 24-byte message header,
            the per-link data tags.
-transport  MpiTransport: send/recv, scratch buffers, deadlines, late
-           messages, progress.
+transport  MpiTransport: send/recv, deadlines, late messages.
+progress   the thread that drives payloads while they move.
 
 Surviving a peer's death
 ------------------------

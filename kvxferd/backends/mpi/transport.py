@@ -8,14 +8,19 @@ a time.
 
 Receive deadlines and late messages
 -----------------------------------
-The payload is received into a private scratch buffer and copied into `out`
-only once complete, on the event loop, right before `recv` returns. An MPI
-receive cannot be taken back once it has matched a message (MPI_Cancel only
-cancels unmatched ones) and, as link.py says, one from a dead peer never
-ends: going through scratch is what guarantees that nothing lands in `out`
-after `recv` returned, timed out, was cancelled or failed. An abandoned
-receive keeps its scratch buffer until MPI is done with it (forever, if the
-peer died mid-message). The price is one memcpy per message.
+The payload is received straight into `out` (the staging reservation: no
+copy), and only once its header has arrived, so a receive whose deadline
+passes before the message came has posted nothing that could write there.
+An MPI receive cannot be taken back once it has matched a message (MPI_Cancel
+only cancels unmatched ones) and, as link.py says, one from a dead peer never
+ends. So a recv that gives up mid-payload (the peer lost or stalled, see
+below) raises an error whose `out_lent_until` (twosided.lent_until) is a
+future that completes only once MPI is done with `out` (never, if the peer
+died mid-message): until then `out` stays lent to MPI, and the staged runtime
+keeps that reservation out of use. A recv cancelled mid-payload waits up to
+`stall_grace_s` for it, then closes the link; MPI may still write into `out`
+after that, which is why the staged runtime never cancels a recv (it leaves
+it to end by itself).
 
 The deadline bounds the wait for the header; a message whose header came in
 time gets `stall_grace_s` more to arrive whole, after which the link is
@@ -30,20 +35,22 @@ receiver took it). If it must give up first, it raises PeerLostError when
 the link is lost; when its task is cancelled it waits `stall_grace_s` for
 MPI to finish, then closes the link, so the peer fails that receive instead
 of using it. MPI cannot abort a send: in both cases it may go on reading
-`data` for a message that was mid-way, into the peer's scratch buffer only,
-which that peer drops.
+`data` for a message that was mid-way, into the peer's receive buffer, which
+the peer's recv has given up on and keeps lent until MPI ends it.
 
 Progress
 --------
-MPI moves data only inside MPI calls. Everything runs on the daemon's event
-loop, except MPI_Comm_accept/connect (threads; MPI_THREAD_MULTIPLE): waits
-test their requests, yielding to the loop between tests, and spin (yield
-only) for up to 2 s while a payload moves (two bare processes here: 0.5 GB/s
-when tested every millisecond; 1.3 over shared memory and 2.0 over TCP when
-both sides spin); other waits back off to one test a millisecond. While a
-link exists a background tick calls MPI every 5 ms (reading headers,
-draining late messages), so that what one side queued moves even when
-neither side waits on it: about 1.5 % of a core per idle daemon here.
+MPI moves data only inside MPI calls. Payloads (both directions) are driven
+by a progress thread (progress.py) that tests them back to back while any
+moves and resolves their futures on the loop; the event loop only awaits
+those futures, looking every few milliseconds whether the link was lost.
+Headers, rendezvous and late messages stay on the loop (MPI_Comm_accept/
+connect in threads of their own; MPI_THREAD_MULTIPLE): a recv waiting for
+its header yields to the loop for a few tests, then tests once every
+`_POLL_MAX_SLEEP_S`. While a link exists a background tick calls MPI every
+5 ms (reading headers, draining late messages), so that what one side queued
+moves even when neither side waits on it: about 1.5 % of a core per idle
+daemon here.
 """
 
 from __future__ import annotations
@@ -62,50 +69,42 @@ import numpy as np
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
 from kvxferd.backends.mpi.link import Link, Links, Peer
+from kvxferd.backends.mpi.progress import Progress
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 log = logging.getLogger("kvxferd.backends.mpi")
 
-# Waiting: the first polls only yield to the loop, later ones sleep this long.
+# Waiting for a header: the first polls only yield to the loop, later ones sleep this long.
 _POLL_SPINS = 32
 _POLL_MAX_SLEEP_S = 0.001
 # While a link exists, MPI is called this often regardless (see "Progress").
 _TICK_S = 0.005
-# A transfer spins while its payload moves, for up to this long, then backs off.
-_PAYLOAD_SPIN_S = 2.0
+# While the progress thread moves a payload, the loop looks this often whether its
+# link was lost, the peer removed or the stall limit passed.
+_CHECK_S = 0.005
 # A payload still arriving when its link is lost gets this long to complete.
 _LOST_GRACE_S = 0.1
 # Receives abandoned for a peer that is gone may never end: look at them rarely.
 _STUCK_PERIOD_S = 0.5
-# Scratch buffers kept for reuse (each up to the largest message received).
-_SCRATCH_KEEP = 4
+
+
+def _lent(exc: TransferError, done: asyncio.Future[int]) -> TransferError:
+    """`exc`, saying that MPI may write the recv's `out` until `done` (twosided.lent_until)."""
+    done.add_done_callback(_retrieved)
+    exc.out_lent_until = done  # type: ignore[attr-defined]
+    return exc
+
+
+def _retrieved(fut: asyncio.Future[int]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # the recv already failed: its late outcome is moot
 
 
 def _flat(buf: memoryview, what: str) -> memoryview:
     if not buf.c_contiguous:
         raise TransferError(f"MPI {what} needs a contiguous buffer")
     return buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
-
-
-class _ScratchPool:
-    """Receive buffers, reused: a fresh one costs a page fault per 4 KiB."""
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
-
-    def take(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        # By index: list.remove would compare arrays element by element.
-        fits = [i for i, b in enumerate(self._free) if nbytes <= b.nbytes <= 2 * nbytes + (1 << 20)]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
-
-    def give(self, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self._free.append(buf)
-        if len(self._free) > _SCRATCH_KEEP:
-            smallest = min(range(len(self._free)), key=lambda i: self._free[i].nbytes)
-            self._free.pop(smallest)
 
 
 @dataclass(eq=False)
@@ -139,7 +138,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         self._links = Links(self.key, self._runtime, self._start_ticker)
         self._zombies: list[_Zombie] = []
         self._ticker: asyncio.Task[None] | None = None
-        self._scratch = _ScratchPool()
+        self._progress: Progress | None = None
 
     # -- set-up ------------------------------------------------------------
 
@@ -219,52 +218,49 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         except Exception as exc:
             self._park(reqs, [header, payload], peer, link)
             raise self._mpi_error(exc, peer, link, what) from exc
-        loop = asyncio.get_running_loop()
-        spin_until = loop.time() + _PAYLOAD_SPIN_S
+        done = self._progress_of(rt).watch(reqs, keep=(header, payload))
         try:
             while True:
-                try:
-                    if MPI.Request.Testall(reqs):
-                        return
-                except Exception as exc:
-                    self._park(reqs, [header, payload], peer, link)
-                    raise self._mpi_error(exc, peer, link, what) from exc
+                await asyncio.wait({done}, timeout=_CHECK_S)
+                if done.done():
+                    try:
+                        done.result()
+                    except Exception as exc:
+                        raise self._mpi_error(exc, peer, link, what) from exc
+                    return
                 if link.lost is not None or self._links.peers.get(peer_key) is not peer:
-                    self._park(reqs, [header, payload], peer, link)
+                    # The request stays with the progress thread until MPI ends it.
+                    done.add_done_callback(_retrieved)
                     raise PeerLostError(
                         f"MPI {what} to {peer_key}: peer lost ({link.lost or 'removed'})"
                     )
-                # MPI moves the bytes only while we call in: spin while it may.
-                await asyncio.sleep(0.0 if loop.time() < spin_until else _POLL_MAX_SLEEP_S)
         except asyncio.CancelledError:
-            await self._quiesce_send(reqs, [header, payload], peer, link)
+            await self._quiesce_send(done, peer, link)
             raise
 
-    async def _quiesce_send(
-        self, reqs: list[Any], bufs: list[object], peer: Peer, link: Link
-    ) -> None:
+    async def _quiesce_send(self, done: asyncio.Future[int], peer: Peer, link: Link) -> None:
         """The task in send was cancelled: give MPI `stall_grace_s` to finish with
         the buffer, then close the link (the peer fails its receive)."""
-        MPI = self._rt.MPI if self._rt else None
         loop = asyncio.get_running_loop()
         limit = loop.time() + self._stall_grace_s
-        while loop.time() < limit and link.lost is None:
-            try:
-                if MPI is None or MPI.Request.Testall(reqs):
-                    return
-            except Exception:
-                break
-            try:
-                await asyncio.sleep(_POLL_MAX_SLEEP_S)
-            except asyncio.CancelledError:
-                continue
+        while loop.time() < limit and link.lost is None and not done.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({done}, timeout=_CHECK_S)
+        if done.done():
+            if not done.cancelled():
+                done.exception()  # retrieved: the send was given up anyway
+            return
         log.warning(
             "MPI: a send to %s was cancelled and not done %.1fs later; closing the link",
             peer.key,
             self._stall_grace_s,
         )
         self._links.drop_links(peer, "a cancelled send did not finish", link.writer)
-        self._park(reqs, bufs, peer, link)
+
+    def _progress_of(self, rt: Runtime) -> Progress:
+        if self._progress is None:
+            self._progress = Progress(rt.MPI)
+        return self._progress
 
     async def recv(self, peer_key: str, tag: int, out: memoryview, timeout_s: float | None) -> int:
         """Receive the message with `tag` from that peer into `out`; returns its size.
@@ -319,55 +315,71 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         queue.popleft()
         if not queue:
             del peer.pending[tag]
-        scratch = self._scratch.take(nbytes)
         what = f"recv of tag {tag}"
+        target = out[:nbytes]
         try:
-            req = link.comm.Irecv([scratch, nbytes, MPI.BYTE], 0, data_tag)
+            req = link.comm.Irecv([target, nbytes, MPI.BYTE], 0, data_tag)
         except Exception as exc:
-            self._scratch.give(scratch)
             raise self._mpi_error(exc, peer, link, what) from exc
         limit = (
             math.inf if deadline == math.inf else max(deadline, loop.time()) + self._stall_grace_s
         )
-        status = MPI.Status()
-        spin_until = loop.time() + _PAYLOAD_SPIN_S
+        done = self._progress_of(rt).watch([req], MPI.Status(), keep=target)
         lost_at: float | None = None
         try:
             while True:
-                try:
-                    if req.Test(status):
-                        break
-                except Exception as exc:
-                    self._park([req], scratch, peer, link)
-                    raise self._mpi_error(exc, peer, link, what) from exc
+                await asyncio.wait({done}, timeout=_CHECK_S)
+                if done.done():
+                    break
                 removed = self._links.peers.get(peer.key) is not peer
                 if link.lost is not None and lost_at is None and not removed:
                     # What the peer sent before it went (or closed right after
                     # its send returned) may still be here: a moment to take it.
                     lost_at = loop.time()
                 if removed or (lost_at is not None and loop.time() - lost_at > _LOST_GRACE_S):
-                    self._park([req], scratch, peer, link)
-                    raise PeerLostError(
-                        f"MPI {what} from {peer.key}: peer lost mid-message "
-                        f"({link.lost or 'removed'})"
+                    raise _lent(
+                        PeerLostError(
+                            f"MPI {what} from {peer.key}: peer lost mid-message "
+                            f"({link.lost or 'removed'})"
+                        ),
+                        done,
                     )
                 if loop.time() > limit:
                     self._links.drop_links(peer, "a message stalled", link.writer)
-                    self._park([req], scratch, peer, link)
-                    raise PeerLostError(
-                        f"MPI {what} from {peer.key}: stalled mid-message "
-                        f"{self._stall_grace_s:g}s past the deadline; link closed"
+                    raise _lent(
+                        PeerLostError(
+                            f"MPI {what} from {peer.key}: stalled mid-message "
+                            f"{self._stall_grace_s:g}s past the deadline; link closed"
+                        ),
+                        done,
                     )
-                # The payload is on its way: MPI moves it only while we call in.
-                await asyncio.sleep(0.0 if loop.time() < spin_until else _POLL_MAX_SLEEP_S)
         except asyncio.CancelledError:
-            # MPI may still write into scratch, never into `out`.
-            self._park([req], scratch, peer, link)
+            await self._quiesce_recv(done, peer, link)
             raise
-        got = int(status.Get_count(MPI.BYTE))
-        out[:got] = scratch[:got].data
-        self._scratch.give(scratch)
-        return got
+        try:
+            return done.result()
+        except Exception as exc:
+            raise self._mpi_error(exc, peer, link, what) from exc
+
+    async def _quiesce_recv(self, done: asyncio.Future[int], peer: Peer, link: Link) -> None:
+        """A recv cancelled mid-payload: MPI writes `out` until the request ends. Give it
+        `stall_grace_s`, then close the link (the module docstring says what is left)."""
+        loop = asyncio.get_running_loop()
+        limit = loop.time() + self._stall_grace_s
+        while loop.time() < limit and not done.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({done}, timeout=_CHECK_S)
+        if done.done():
+            if not done.cancelled():
+                done.exception()
+            return
+        log.warning(
+            "MPI: a recv from %s was cancelled mid-message and not done %.1fs later; "
+            "closing the link",
+            peer.key,
+            self._stall_grace_s,
+        )
+        self._links.drop_links(peer, "a cancelled recv did not finish", link.writer)
 
     def _pump(self, peer: Peer, rt: Runtime) -> None:
         """Read the headers that arrived from the peer into its pending table."""
@@ -495,4 +507,6 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                 await self._ticker
         self._links.drop_all("transport closed")
         self._tags.clear()
+        if self._progress is not None:
+            self._progress.close()
         await asyncio.sleep(0)

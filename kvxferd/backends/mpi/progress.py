@@ -1,0 +1,125 @@
+"""A thread that drives MPI while payloads move, off the event loop.
+
+MPI moves a message's bytes only inside MPI calls. Polling them from the
+daemon's event loop meant either spinning the loop (every other request and
+peer message then waits behind it) or testing once a millisecond (0.5 GB/s
+between two bare processes here). Instead each payload request is handed to
+this thread, which tests every request it holds, one pass after another, and
+settles each one's future on the event loop (call_soon_threadsafe) once MPI is
+done with its buffer. It runs only while it holds requests and sleeps on a
+condition otherwise; while it holds some it yields the GIL after each pass, so
+the event loop keeps running beside it.
+
+A request given to the thread stays with it until MPI completes it, whatever
+the caller does meanwhile: its future is also how long its buffer stays lent to
+MPI (transport.py: a receive given up mid-message keeps its staging bytes lent
+until then). MPI_THREAD_MULTIPLE (bootstrap.py) allows MPI calls from this
+thread beside the event loop's; no request is touched by both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# While requests are held: a pass over them, then this pause (0: just yield
+# the GIL). Measured with `kvxferd bench --configs mpi-cpp` (docs/benchmarks.md,
+# issue 16): spinning moves the most; MPI over shared memory needs both sides
+# to call in while the bytes move.
+_PASS_PAUSE_S = 0.0
+
+
+@dataclass(eq=False)
+class _Watched:
+    reqs: list[Any]
+    status: Any
+    keep: object  # the buffers MPI uses, alive as long as it may
+    fut: asyncio.Future[int]
+    loop: asyncio.AbstractEventLoop
+
+
+class Progress:
+    """Completes MPI requests in a background thread; see the module docstring."""
+
+    def __init__(self, MPI: Any) -> None:
+        self._MPI = MPI
+        self._cond = threading.Condition()
+        self._new: list[_Watched] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def watch(
+        self, reqs: list[Any], status: Any = None, keep: object = None
+    ) -> asyncio.Future[int]:
+        """A future for `reqs` (posted, not touched again by the caller; `keep`: their
+        buffers): the byte count of `status` (an MPI.Status for a single request, or
+        None: 0) once all completed, or the MPI error that ended them."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("MPI progress thread closed")
+            self._new.append(_Watched(reqs, status, keep, fut, loop))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvxferd-mpi-progress", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        return fut
+
+    def close(self) -> None:
+        """Stop the thread once it holds no request (requests MPI never completes keep
+        it, a daemon thread, until the process exits)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        MPI = self._MPI
+        held: list[_Watched] = []
+        while True:
+            with self._cond:
+                while not held and not self._new:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                held.extend(self._new)
+                self._new.clear()
+            _one_pass(MPI, held)
+            time.sleep(_PASS_PAUSE_S)  # lets the event loop's thread take the GIL
+
+
+def _one_pass(MPI: Any, held: list[_Watched]) -> None:
+    """Test every held request once; settle and drop those that ended. A function of its
+    own so that no finished request (nor the buffer it kept) stays referenced from the
+    thread's frame: a staging region cannot be unmapped while a view of it lives."""
+    for w in list(held):
+        try:
+            one = len(w.reqs) == 1
+            done = w.reqs[0].Test(w.status) if one else MPI.Request.Testall(w.reqs)
+        except Exception as exc:
+            held.remove(w)
+            _settle(w, 0, exc)
+            continue
+        if done:
+            held.remove(w)
+            count = 0 if w.status is None else int(w.status.Get_count(MPI.BYTE))
+            _settle(w, count, None)
+
+
+def _settle(w: _Watched, count: int, error: BaseException | None) -> None:
+    def settle() -> None:
+        if w.fut.done():
+            return
+        if error is None:
+            w.fut.set_result(count)
+        else:
+            w.fut.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # the loop is gone
+        w.loop.call_soon_threadsafe(settle)
