@@ -45,7 +45,14 @@ TIMEOUT_MS = 10000  # kv_transfer_timeout_ms
 # and the receives naming it then were refused (peer_unknown). A SIGKILLed daemon's
 # restart waits out the rest of its old lease.
 LEASE_TTL_S = 15
-DAEMON = {"heartbeat_interval_ms": 500, "heartbeat_timeout_ms": 5000, "drain_timeout_ms": 5000}
+# KVXFERD_CLUSTER_HEARTBEAT_TIMEOUT_MS: the daemons' heartbeat timeout (1500 is what first
+# showed the link-flap fencing hole, docs/operations.md); the default stays generous.
+HEARTBEAT_TIMEOUT_MS = int(os.environ.get("KVXFERD_CLUSTER_HEARTBEAT_TIMEOUT_MS", "5000"))
+DAEMON = {
+    "heartbeat_interval_ms": 500,
+    "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+    "drain_timeout_ms": 5000,
+}
 
 
 @dataclass
