@@ -141,7 +141,9 @@ def _members(d: DaemonProc) -> list[str]:
     return sorted(disc.get("member_names") or []) if disc.get("up") else []
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster's daemons (and their heartbeats) end with tests/cluster,
+# rather than sharing the 2 CI cores with every test that runs after it.
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     """The daemons find each other through etcd alone (no daemon.peers), and start
     before etcd does: etcd runs in the root namespace, on its veth address, and comes
