@@ -21,7 +21,7 @@ from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_all, reserve_by
+from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, offer_legs, reserve_all, reserve_by
 from kvxferd.transceiver.state import Reason, Status
 
 if TYPE_CHECKING:
@@ -177,10 +177,7 @@ class DirectReceive:
             for res in got:
                 region.release(res)
             return
-        self.bounce.reservations_made += len(got)
-        for leg, res, size in zip(s.legs, got, sizes, strict=True):
-            leg.res = res
-            leg.offer = Reservation(res.offset, size)
+        offer_legs(self.bounce, s.legs, got, sizes)
 
     async def take_round(
         self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int, offset: int = 0

@@ -26,7 +26,13 @@ from kvxferd.transceiver.direct_rx import scatter_round
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staged import refuse_device_staging
-from kvxferd.transceiver.staging import NO_ROOM, blocks_per_round, reserve_all, reserve_by
+from kvxferd.transceiver.staging import (
+    NO_ROOM,
+    blocks_per_round,
+    offer_legs,
+    reserve_all,
+    reserve_by,
+)
 from kvxferd.transceiver.state import Reason, Status
 
 # Announced two-sided rounds whose receives are posted while the one before them is
@@ -105,10 +111,7 @@ class StagedReceive:
         if got is None:
             s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_ROOM))
             return
-        self.bounce.reservations_made += len(got)
-        for leg, res, nbytes in zip(s.legs, got, wanted, strict=True):
-            leg.res = res
-            leg.offer = Reservation(res.offset, nbytes)
+        offer_legs(self.bounce, s.legs, got, wanted)
 
     async def take_round(
         self, s: RxSession, leg: RxLeg, first: int, end: int, nbytes: int, offset: int = 0

@@ -15,7 +15,7 @@ import mmap
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,10 @@ from kvxferd.memory.hugepages import (
 )
 from kvxferd.memory.memfd import MemfdError, MemfdRegion
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
+
+if TYPE_CHECKING:
+    from kvxferd.transceiver.bounce import BounceBuffers
+    from kvxferd.transceiver.legs import RxLeg
 
 DEFAULT_STAGING_TOKENS = 8192
 
@@ -72,6 +76,17 @@ def reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | N
             return None
         got.append(res)
     return got
+
+
+def offer_legs(
+    bounce: BounceBuffers, legs: list[RxLeg], got: list[Reservation], sizes: list[int]
+) -> None:
+    """Give each leg its reservation and offer it `size` bytes of it (the RequestData's
+    bounce_offset/bounce_nbytes), counting the reservations made."""
+    bounce.reservations_made += len(got)
+    for leg, res, size in zip(legs, got, sizes, strict=True):
+        leg.res = res
+        leg.offer = Reservation(res.offset, size)
 
 
 # Staged rounds of about this many bytes (at least one block, at most half the
