@@ -9,7 +9,9 @@ Calls raise `CallError` (with the daemon's error `code`) when the daemon refuses
 them; nothing a call did is then left half-done. Every accepted recv or send
 produces exactly one `Outcome`, available through `wait` or `poll`. A failure
 whose blocks a write may still reach says `blocks_held`; those blocks may be
-reused only after `wait_released` returns (the daemon proved no write can land).
+reused only after `wait_released` returns (the daemon proved no write can land). A send
+may say it too: its write to another host ended in flight and is drained, still reading
+those blocks, until `released` (how "drained").
 
 Request ids are unique per context instance only: a generation engine may receive the
 same id from two context instances at once. Those receives are told apart by their
@@ -194,11 +196,12 @@ class AsyncClient:
 
     def _on_outcome(self, outcome: Outcome) -> None:
         rid, peer = outcome.request_id, outcome.peer
-        if outcome.side == "recv":
-            # A new outcome is a new request under this id: an earlier release is not its.
-            _discard(self._released, rid, peer)
-            if outcome.blocks_held:
-                self._held.setdefault(rid, set()).add(peer)
+        # A new outcome is a new request under this id: an earlier release is not its.
+        # Either side may hold blocks: a receive that a write may still reach, a send
+        # whose drained write still reads them.
+        _discard(self._released, rid, peer)
+        if outcome.blocks_held:
+            self._held.setdefault(rid, set()).add(peer)
         self._outcomes.setdefault((rid, outcome.side), {})[peer] = outcome
         _wake(self._waiters, rid, peer, outcome)
 

@@ -161,7 +161,8 @@ class Reply(_Msg, tag="reply"):
 
 class ReleasedMsg(_Msg, tag="released"):
     """Blocks of a request reported with `blocks_held` are back: no write can land there.
-    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent). `peer`: the
+    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent; for a send,
+    drained: its write that ended in flight reached done or error). `peer`: the
     receive's context peer (as its Outcome.peer); "" from older daemons."""
 
     request_id: str

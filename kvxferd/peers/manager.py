@@ -147,6 +147,8 @@ class PeerManager:
         # Waits until nothing that incarnation asked for can still be written (our
         # transfers for it released); True when so. Backs a quiescent refusal.
         self.settle_incarnation: Callable[[PeerIdentity], Awaitable[bool]] | None = None
+        # Awaited before a closed connection's agent is evicted (it may wait long).
+        self.before_evict: Callable[[PeerConnection], Awaitable[None]] | None = None
 
     # ------------------------------------------------------------- listening
 
@@ -487,6 +489,11 @@ class PeerManager:
             for address, c in list(self._by_address.items()):
                 if c is conn:
                     del self._by_address[address]
+            if self.before_evict is not None:
+                # Writes to that daemon still drained (transceiver/tx_drains.py) need its
+                # agent: NIXL forgets the handles of an evicted agent while UCX's bytes
+                # stay in our socket, so the eviction waits for them.
+                await self.before_evict(conn)
             if not any(c.agent_name == conn.agent_name for c in self.connections.values()):
                 with contextlib.suppress(KvxferdError):
                     await self._dp.call(self._dp.backend.remove_peer, conn.agent_name)

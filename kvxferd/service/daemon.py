@@ -257,6 +257,8 @@ class Daemon:
             peer.name, peer.incarnation
         )
         self.receiver.on_hold_released = self.calls.hold_released
+        self.sender.on_pool_user_left = self.calls.pool_user_left
+        self.peers.before_evict = self.sender.drained_into
 
     # ------------------------------------------------------------- lifecycle
 
@@ -399,6 +401,7 @@ class Daemon:
         log.info("draining: %d request(s) in flight", active)
         await asyncio.gather(self.sender.drain(deadline), self.receiver.drain(deadline))
         await self._wait_holds(deadline)
+        await self._wait_drains(deadline)
         log.info("drained; closing the engine API")
         await self.api.close()
         log.info("closing peer connections")
@@ -438,6 +441,25 @@ class Daemon:
                 hold.blocks,
                 ", ".join(leg.key for leg in hold.pending),
                 extra={"request_id": hold.request_id},
+            )
+
+    async def _wait_drains(self, deadline: float) -> None:
+        """Shutdown: writes drained rather than cancelled (tx_drains.py) get until the
+        drain deadline; what is left is reported, as holds are."""
+        drains = self.sender.writes.drains
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                drains.wait(drains.active), max(0.0, deadline - time.monotonic())
+            )
+        for drain in await self.sender.close_drains():
+            log.error(
+                "request %s: shutting down with its write to %s still in flight (drained "
+                "for %.1f s); its source blocks may still be read, and the receiver keeps "
+                "its own blocks held",
+                shown(drain.request_id),
+                drain.peer_name,
+                drain.held_ms / 1e3,
+                extra={"request_id": drain.request_id},
             )
 
     # ---------------------------------------------------------------- status

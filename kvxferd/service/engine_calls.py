@@ -389,8 +389,13 @@ class EngineCalls:
 
     def hold_released(self, hold: Hold, how: str) -> None:
         """A held pool of a gone engine goes once its last hold is released."""
-        pool = hold.pool
-        if pool is None or pool.users or self._d.draining:
+        if hold.pool is not None:
+            self.pool_user_left(hold.pool)
+
+    def pool_user_left(self, pool: LocalPool) -> None:
+        """A pool's hold or drained write ended: a gone engine's pool goes once it has no
+        user left."""
+        if pool.users or self._d.draining:
             return
         owner = pool.owner
         gone = isinstance(owner, EngineConnection) and owner.closed

@@ -109,6 +109,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
         "open_transfer_handles": daemon.sender.writes.open_handles,
+        # Writes ended in flight to another host, waited out rather than cancelled.
+        "drains": daemon.sender.writes.drains.status(),
         # Context side: receives of other daemons waiting for the send to say whose request
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),

@@ -298,6 +298,9 @@ class ReferenceEngine:
             outcomes = await self._each(send)
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
+            rec.blocks_held = any(o.blocks_held for o in outcomes)
+            # A write drained rather than cancelled still reads these blocks.
+            blocks = self._give_later(item.request_id, blocks, outcomes)
         finally:
             self.alloc.give(blocks)
         return rec
@@ -337,8 +340,7 @@ class ReferenceEngine:
             outcomes = await self._each(wait)
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
-            held = [r for r, o in zip(self.ranks, outcomes, strict=True) if o.blocks_held]
-            rec.blocks_held = bool(held)
+            rec.blocks_held = any(o.blocks_held for o in outcomes)
             if rec.status == Status.DONE:
                 rec.verified = True
                 for rank in self.ranks:
@@ -352,16 +354,22 @@ class ReferenceEngine:
                         break
             for rank in self.ranks:
                 await rank.client.release(item.request_id)
-            if held:
-                # A write may still land in these blocks: they go back to the free list
-                # only when every rank's daemon says so, never on a timer.
-                task = asyncio.create_task(self._give_when_released(item.request_id, blocks, held))
-                self._returning.add(task)
-                task.add_done_callback(self._returning.discard)
-                blocks = []
+            blocks = self._give_later(item.request_id, blocks, outcomes)
         finally:
             self.alloc.give(blocks)
         return rec
+
+    def _give_later(self, request_id: str, blocks: list[int], outcomes: list[Outcome]) -> list[int]:
+        """The blocks to give back now: none when a rank's outcome held them (a write may
+        still land there, or a drained write still read them); those go back to the free
+        list only when every such rank's daemon says so, never on a timer."""
+        held = [r for r, o in zip(self.ranks, outcomes, strict=True) if o.blocks_held]
+        if not held:
+            return blocks
+        task = asyncio.create_task(self._give_when_released(request_id, blocks, held))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
+        return []
 
     async def _give_when_released(
         self, request_id: str, blocks: list[int], held: list[Rank]

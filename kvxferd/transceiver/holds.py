@@ -9,7 +9,7 @@ writes into those). Each context daemon that may still write is a *pending leg* 
 the hold. A leg is *fenced*, and never ends on a timer, when:
 
 - it answers our Abort with AbortAck (it sends that only once its transfers are
-  released; over TCP not yet a proof, see below), on the old connection or on a new
+  quiescent: see below for TCP), on the old connection or on a new
   one with the same incarnation;
 - its process is gone: same kernel and pid namespace, watched through a pidfd
   (kvxferd.peers.process); a stopped process is not gone;
@@ -21,24 +21,12 @@ back-off, and sends the Aborts again on every new connection of the same
 incarnation. When the last leg of a hold is fenced, its memory is handed back
 (`on_released`: the engine hears a `released` event).
 
-An open hole over TCP (docs/operations.md, "A fencing hole"). Over UCX's TCP transport a
-put is bytes in the writer's socket, and the receiver's UCX progress thread copies each
-one to the address it names, whether that memory is still registered or mapped or not:
-nothing on this side refuses a late put. The writer answers AbortAck once it released
-(cancelled) its in-flight NIXL handle; that drops what UCX had not yet handed to the
-socket, not the bytes already in the kernel's send buffer, which a healed link
-retransmits on UCX's connection, after the AbortAck crossed on the peer channel (seen:
-SIGSEGV in uct_tcp_iface_progress once the pool was deregistered,
-benchmarks/results/2026-12-01/issue18_link_flap_segfault.txt). Measured, and so no
-fence: this side evicting the writer's agent (NIXL remove_remote_agent, done when the
-peer connection closes) leaves UCX's sockets to the writer ESTABLISHED (24 s until the
-end of a run, `ss -tn` in the host's namespace), and the crash came after it. What does
-close it in that test: the writer waiting for the in-flight handle to reach DONE (NIXL
-ends a transfer with an endpoint flush: every put acknowledged by the receiver after it
-copied it) or ERROR before it releases it and answers; that delays the sender's outcome
-while the receiver is stopped, which promise 1 forbids, so it waits for the sender to
-report such a request with its blocks held instead (the measured patch:
-benchmarks/results/2026-12-01/issue18_writer_drain.patch).
+Over TCP an AbortAck is a fence only because the writer drains, never cancels, a write
+to another host that was in flight when its request ended (transceiver/tx_drains.py):
+its kernel's send buffer would otherwise deliver bytes after the AbortAck once a cut
+link heals (docs/operations.md, "Drained writes"). Measured, and so no fence: this side
+evicting the writer's agent (NIXL remove_remote_agent, done when the peer connection
+closes): UCX's sockets to the writer stayed ESTABLISHED and the crashes came after it.
 """
 
 from __future__ import annotations

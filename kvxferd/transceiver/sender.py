@@ -51,6 +51,7 @@ from kvxferd.transceiver.sessions import (
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.timeouts import SenderTimeouts
 from kvxferd.transceiver.tx_chunks import check_send, session_for_send
+from kvxferd.transceiver.tx_drains import Drain, Drains
 from kvxferd.transceiver.tx_matching import Matching
 from kvxferd.transceiver.tx_peer_ends import PeerEnds
 from kvxferd.transceiver.writes import Writes
@@ -90,7 +91,14 @@ class Sender:
         self._matching = Matching(
             self.sessions, lambda: self.accepting, self._count_refusal, self.log_limiter
         )
-        self._ends = PeerEnds(self.sessions, self._matching, self.log_limiter)
+        self._ends = PeerEnds(self.sessions, self._matching, self.log_limiter, self.writes.drains)
+        # Writes drained rather than cancelled (tx_drains.py): the engine hears `released`
+        # when each ends, and the Aborts owed to its receivers go out then.
+        self.writes.drains.on_end = self._drained
+        self._owed_aborts: set[asyncio.Task[None]] = set()
+        # Told of a pool one of whose users left (a drain ended): a gone engine's pool set
+        # aside meanwhile may go now.
+        self.on_pool_user_left: Callable[[LocalPool], None] | None = None
         make = mover or SEND_MOVERS["PYTHON"]
         self.mover: SendMover = make(self.writes, bounce, pipelined, self._matching.match)
         # Pipelined: the timeout read at a request's first chunk, until its last chunk
@@ -158,6 +166,10 @@ class Sender:
         return "cancelled"
 
     def release(self, request_id: str) -> None:
+        s = self.sessions.get(request_id)
+        if s is not None and s.engine is not None and s.finished and s.held:
+            s.forget = True  # the id stays taken until the blocks are back
+            return
         release_finished(self.sessions, request_id, "send")
 
     # ----------------------------------------------------------- peer messages
@@ -207,6 +219,18 @@ class Sender:
             )
         else:
             s.request_end(shutdown)
+
+    async def drained_into(self, conn: PeerConnection) -> None:
+        """Until no write into `conn`'s daemon incarnation is drained any more."""
+        await Drains.wait(self.writes.drains.of(conn.peer.name, conn.peer.incarnation))
+
+    async def close_drains(self) -> list[Drain]:
+        """Shutdown: stop draining (the drains left are returned) and the Aborts owed."""
+        left = await self.writes.drains.close()
+        for task in list(self._owed_aborts):
+            task.cancel()
+        await asyncio.gather(*self._owed_aborts, return_exceptions=True)
+        return left
 
     def active_count(self) -> int:
         return sum(1 for s in self.sessions.values() if s.engine is not None and not s.finished)
@@ -279,17 +303,44 @@ class Sender:
         term = s.terminal
         assert term is not None
         await self._matching.tell_turned_away(s)
-        # The peers are always told; the write is already quiescent here.
+        # The peers are always told, once the write is quiescent: now, or for a drained
+        # write when its drain ends (an Abort says nothing more of it can land).
         if term.status != Status.DONE and s.request and s.conn and not s.peer_told:
-            if s.legs:
-                await abort_legs(s.request_id, s.legs, None, term.reason, term.message)
+            if s.held:
+                task = asyncio.create_task(self._abort_when_drained(s, term), name="owed-abort")
+                self._owed_aborts.add(task)
+                task.add_done_callback(self._owed_aborts.discard)
             else:
-                await s.conn.send(
-                    Abort(
-                        request_id=s.request_id,
-                        rx_token=s.request.rx_token,
-                        reason=term.reason,
-                        message=term.message,
-                    )
+                await self._abort_receivers(s, term)
+        # A drained write still reads the blocks: the engine hears `released` for them.
+        conclude(s, "send", s.pool, log, blocks_held=s.held)
+
+    async def _abort_receivers(self, s: TxSession, term: Terminal) -> None:
+        assert s.request is not None and s.conn is not None
+        if s.legs:
+            await abort_legs(s.request_id, s.legs, None, term.reason, term.message)
+        else:
+            await s.conn.send(
+                Abort(
+                    request_id=s.request_id,
+                    rx_token=s.request.rx_token,
+                    reason=term.reason,
+                    message=term.message,
                 )
-        conclude(s, "send", s.pool, log)
+            )
+
+    async def _abort_when_drained(self, s: TxSession, term: Terminal) -> None:
+        await Drains.wait(s.draining)
+        await self._abort_receivers(s, term)
+
+    def _drained(self, drain: Drain) -> None:
+        """A drained write ended: its session's blocks are back once its last drain is."""
+        s = self.sessions.get(drain.request_id)
+        if s is not None and drain in s.draining and not s.held:
+            told_held = s.outcome is not None and s.outcome.blocks_held
+            if told_held and s.engine is not None and drain.how != "shutdown":
+                s.engine.released(s.request_id, "send", "drained", drain.held_ms)
+            if s.forget:
+                del self.sessions[s.request_id]
+        if drain.pool is not None and self.on_pool_user_left is not None:
+            self.on_pool_user_left(drain.pool)

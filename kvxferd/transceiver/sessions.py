@@ -21,6 +21,7 @@ from kvxferd.service.logs import TEXT_LIMIT, shown
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.state import Fault, Outcome, Reason, SessionState, Status
+from kvxferd.transceiver.tx_drains import Drain
 
 
 class EngineLink(Protocol):
@@ -152,6 +153,15 @@ class TxSession(_Session):
     contenders: list[TxLeg] = field(default_factory=list)
     # Receivers the send turned away, to be told (by the session's task) before it works.
     turned_away: list[tuple[TxLeg, str, str]] = field(default_factory=list)
+    # Its write that ended in flight to another host, drained (transceiver/tx_drains.py).
+    draining: list[Drain] = field(default_factory=list)
+    # Released by the engine while drained: the id stays taken until the blocks are back.
+    forget: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Ended, but a drained write may still read its blocks."""
+        return any(not d.ended.is_set() for d in self.draining)
 
     @property
     def writing(self) -> bool:
@@ -340,6 +350,12 @@ def conclude(
         session.engine.deliver(session.outcome)
 
 
+_HELD_UNTIL = {
+    "recv": "; blocks held until the writer is fenced",
+    "send": "; blocks held until its write in flight is drained",
+}
+
+
 def _log_outcome(
     session: _Session,
     side: str,
@@ -357,7 +373,7 @@ def _log_outcome(
         shown(term.reason, quote=False),
         term.fault,
         f": {shown(term.message, TEXT_LIMIT, quote=False)}" if term.message else "",
-        "; blocks held until the writer is fenced" if blocks_held else "",
+        _HELD_UNTIL[side] if blocks_held else "",
         extra={"request_id": session.request_id},
     )
 

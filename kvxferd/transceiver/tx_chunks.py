@@ -96,10 +96,16 @@ def _session_of_chunk(
         # A send starting again at token 0 is a second request under the same id:
         # refuse the call and leave the first alone.
         if s.engine is not engine or s.finished or token_start == 0:
+            held = s.finished and s.held
             raise RequestError(
                 "duplicate_request",
                 f"request {request_id!r} is already active or finished on this daemon; "
-                "release it before reusing the id",
+                + (
+                    "its write is still drained (blocks_held): the id is free again at "
+                    "its `released` event"
+                    if held
+                    else "release it before reusing the id"
+                ),
             )
         if s.last_seen:
             _reject_chunk(s, "a chunk arrived after the one marked last")

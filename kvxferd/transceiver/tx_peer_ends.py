@@ -18,6 +18,7 @@ from kvxferd.peers.messages import Abort, AbortAck, CancelAnswer, CancelRequest
 from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.transceiver.sessions import Terminal, TxSession, settle
 from kvxferd.transceiver.state import Reason, Status
+from kvxferd.transceiver.tx_drains import Drains
 from kvxferd.transceiver.tx_matching import Matching
 
 log = logging.getLogger("kvxferd.sender")
@@ -27,11 +28,16 @@ class PeerEnds:
     """The peer-ended requests of the coordinator's sessions (`sessions`, shared with it)."""
 
     def __init__(
-        self, sessions: dict[str, TxSession], matching: Matching, log_limiter: LogLimiter
+        self,
+        sessions: dict[str, TxSession],
+        matching: Matching,
+        log_limiter: LogLimiter,
+        drains: Drains,
     ) -> None:
         self.sessions = sessions
         self._matching = matching
         self.log_limiter = log_limiter
+        self._drains = drains
 
     async def on_abort(self, conn: PeerConnection, msg: Abort) -> None:
         if self._matching.drop_contender(conn, msg.request_id, msg.rx_token):
@@ -70,7 +76,10 @@ class PeerEnds:
                 s.mark_told(leg)
                 if s.task is not None:
                     await asyncio.shield(s.task)
-        # Acknowledge in every case: an unknown token has nothing in flight.
+        # Acknowledge in every case: an unknown token has nothing in flight. A write of
+        # this request into that daemon being drained (tx_drains.py) is still in flight:
+        # the AbortAck waits for it, however long, since it is the receiver's fence.
+        await Drains.wait(self._drains.of(conn.peer.name, conn.peer.incarnation, msg.request_id))
         await conn.send(AbortAck(request_id=msg.request_id, rx_token=msg.rx_token))
 
     async def _quiesce_elsewhere(self, conn: PeerConnection, msg: Abort) -> None:
@@ -124,6 +133,7 @@ class PeerEnds:
         ):
             return False
         await settle(mine)
+        await Drains.wait(self._drains.of(name, incarnation))
         return all(s.xfer is None for s in mine)
 
     async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:

@@ -27,6 +27,7 @@ from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.postguard import PostRefused, post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.state import Reason, SessionState, Status
+from kvxferd.transceiver.tx_drains import Drains, cancel_may_leak
 
 log = logging.getLogger("kvxferd.sender")
 
@@ -79,6 +80,8 @@ class Writes:
         self.live_requests: Callable[[], int] | None = None
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
+        # Writes ended in flight to another host, waited out rather than cancelled.
+        self.drains = Drains(self._poll, self._release)
 
     async def post_and_wait(
         self,
@@ -136,7 +139,19 @@ class Writes:
                 )
             return status
         finally:
-            await self.quiesce(s)
+            live = s.xfer
+            if (
+                status is XferStatus.IN_PROGRESS
+                and live is not None
+                and not live.released
+                and cancel_may_leak(conn)
+            ):
+                # Ended while in flight to another host: drained, never cancelled
+                # (tx_drains.py); the request ends now with its blocks held.
+                s.draining.append(self.drains.start(s.request_id, conn, live, s.pool))
+                s.xfer = None
+            else:
+                await self.quiesce(s)
             s.posting = False
 
     def _post_if_wanted(
@@ -209,6 +224,13 @@ class Writes:
         handle = s.xfer
         if handle is None:
             return
+        await self._release(handle, s.request_id)
+        s.xfer = None
+
+    async def _poll(self, handle: XferHandle) -> XferStatus:
+        return await self._dp.call_cheap(self._dp.backend.poll, handle)
+
+    async def _release(self, handle: XferHandle, request_id: str) -> None:
         backend = self._dp.backend
         pause = _RELEASE_RETRY_S
         while not handle.released:  # an inline completion was released in the post
@@ -221,10 +243,9 @@ class Writes:
                 log.log(
                     level,
                     "request %s: release refused, retrying: %s",
-                    shown(s.request_id),
+                    shown(request_id),
                     shown(exc, TEXT_LIMIT),
                 )
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _RELEASE_RETRY_MAX_S)
-        s.xfer = None
         self.open_handles -= 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from conftest import (
     REQUESTS,
     Cluster,
@@ -62,12 +61,6 @@ def _wait(predicate: object, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.xfail(
-    reason="the same open fencing hole as test_link_down_and_up: a clean-clone CI run saw "
-    "gen0's daemon die of SIGSEGV in UCX's TCP progress after the partition healed "
-    "(docs/operations.md, 'Known problem (a fencing hole, open)')",
-    strict=False,
-)
 def test_partition_and_heal(cluster: Cluster) -> None:
     """ctx0 and gen0 cannot reach each other for a while; the three other routes go on,
     the cut one fails with reasons, and after healing every route serves again."""
@@ -136,12 +129,6 @@ def test_rate_limit(cluster: Cluster) -> None:
     assert_clean(cluster)
 
 
-@pytest.mark.xfail(
-    reason="open fencing hole: after a link down/up, UCX's TCP progress thread copied a "
-    "late put into a pool deregistered after the writer's AbortAck (segmentation fault; "
-    "also with the 5 s heartbeat timeout used here, 3 runs of 5; docs/operations.md)",
-    strict=False,
-)
 def test_link_down_and_up(cluster: Cluster) -> None:
     """gen1's link goes down mid-round and comes back: its receives fail with reasons,
     gen0's go on, and then gen1 serves again."""

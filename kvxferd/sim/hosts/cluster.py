@@ -198,6 +198,9 @@ def leftovers(d: DaemonProc) -> list[str]:
     holds = doc["holds"]
     if holds["requests"] or holds["blocks"]:
         found.append(f"{holds['requests']} holds of {holds['blocks']} blocks (unfenced)")
+    drains = doc.get("drains", {}).get("active", 0)
+    if drains:
+        found.append(f"{drains} writes still drained (tx_drains.py)")
     if doc.get("contending_receives"):
         found.append(f"{doc['contending_receives']} contending receives")
     return found
