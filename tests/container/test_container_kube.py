@@ -128,11 +128,13 @@ def played(image: str, tmp_path: Path) -> Iterator[list[Path]]:
                     podman("volume", "rm", "-f", doc["metadata"]["name"], check=False)
 
 
-def _play(played: list[Path], tmp_path: Path, name: str, docs: list[dict[str, Any]]) -> None:
+def _play(
+    played: list[Path], tmp_path: Path, name: str, docs: list[dict[str, Any]], *opts: str
+) -> None:
     path = tmp_path / name
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     played.append(path)
-    podman("kube", "play", str(path), timeout=180)
+    podman("kube", "play", *opts, str(path), timeout=180)
 
 
 def test_manifests_declare_probes_scrape_and_config(image: str) -> None:
@@ -208,3 +210,111 @@ def test_kube_play_prefill_and_decode_exchange_verified_kv(
     assert touch.returncode != 0 and "Read-only" in touch.stderr
     logs = podman("logs", sidecar).stderr + podman("logs", sidecar).stdout
     assert any(x.startswith("{") and '"ready"' in x for x in logs.splitlines()), logs[-2000:]
+
+
+def _etcd_block(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's commented `discovery: etcd` block, uncommented: what an operator
+    switching to etcd does, so the block the manifest documents is the one played."""
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    lines = cm["data"]["kvxferd.yaml"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# discovery: etcd")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    block = []
+    for line in lines[start:]:
+        if not line.strip().startswith("#"):
+            break
+        block.append(line[indent + 2 :])
+    found: dict[str, Any] = yaml.safe_load("\n".join(block))
+    assert found["discovery"] == "etcd" and found["etcd"]["endpoints"], found
+    return found
+
+
+KUBE_NETWORK = "podman-default-kube-network"  # where `podman kube play` puts its pods
+
+
+def _kube_gateway() -> tuple[str, int]:
+    """The gateway (the host, as the pods reach it) and prefix of kube play's network,
+    made first if no kube play has run on this machine yet."""
+    if podman("network", "exists", KUBE_NETWORK, check=False).returncode != 0:
+        podman("network", "create", KUBE_NETWORK)
+    doc = json.loads(podman("network", "inspect", KUBE_NETWORK).stdout)[0]
+    subnet = doc["subnets"][0]
+    return subnet["gateway"], int(subnet["subnet"].split("/")[1])
+
+
+def test_kube_play_with_etcd_discovery(played: list[Path], tmp_path: Path) -> None:
+    """The manifests' own `discovery: etcd` block, played: no daemon.peers anywhere; the
+    decode daemon finds ctx0 through etcd, and every byte verifies. Only what a cluster
+    provides changes: etcd is Debian's etcd-server on the host (a cluster's Service
+    kvxferd-etcd), and each pod gets a fixed IP that its daemon advertises (a cluster's
+    headless Service). The prefill daemon starts before etcd does, and registers once
+    etcd comes (a daemon must not need etcd to start)."""
+    import random
+
+    from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (Debian etcd-server: scripts/test-deps.sh)")
+    suffix = f"-e{RUN_ID}"
+    secret = _renamed(_load("secret.yaml"), suffix)
+    prefill = _renamed(_load("prefill.yaml"), suffix)
+    decode = _renamed(_load("decode.yaml"), suffix)
+    prefill_pod, decode_pod = _pod(prefill)["metadata"]["name"], _pod(decode)["metadata"]["name"]
+    _play(played, tmp_path, "secret.yaml", secret)
+    gateway, prefix = _kube_gateway()
+    assert prefix <= 24, "the test picks pod IPs in the last octet"
+    base = gateway.rsplit(".", 1)[0]
+    last = random.Random(RUN_ID).sample(range(100, 250), 2)
+    ips = {"prefill": f"{base}.{last[0]}", "decode": f"{base}.{last[1]}"}
+    etcd = EtcdServer(tmp_path / "etcd", host=gateway)
+    (tmp_path / "etcd").mkdir()
+    cluster = f"kube{os.getpid()}"
+    for side, docs in (("prefill", prefill), ("decode", decode)):
+        _secret_as_host_path(docs, secret[0], tmp_path)
+        _shm_from_the_pod(docs)
+        config = _config(docs)
+        config["daemon"].pop("peers", None)
+        config["daemon"].update(_etcd_block(docs))
+        # Where a cluster has the Service kvxferd-etcd and a headless Service per pod.
+        config["daemon"]["etcd"].update(
+            endpoints=[etcd.endpoint], cluster=cluster, advertise_address=ips[side]
+        )
+        _set_config(docs, config)
+    try:
+        _play(played, tmp_path, "prefill.yaml", prefill, "--ip", ips["prefill"])
+        assert pod_ip(prefill_pod) == ips["prefill"]
+        address = f"{ips['prefill']}:{HTTP_PORT}"
+
+        def ready() -> bool | None:
+            try:  # refused until the sidecar listens
+                return http_get(address, "/readyz")[0] == 200 or None
+            except OSError:
+                return None
+
+        poll("prefill's daemon ready without etcd", ready, 120)
+        etcd.start()
+
+        def registered() -> bool | None:
+            doc = json.loads(http_get(address, "/v1/status")[1])
+            return doc["discovery"].get("registered") or None
+
+        poll("prefill's daemon registered once etcd came", registered, 60)
+        _play(played, tmp_path, "decode.yaml", decode, "--ip", ips["decode"])
+
+        def exited(container: str) -> dict[str, Any] | None:
+            state = container_state(container)
+            return None if state.get("Running") or not state.get("FinishedAt") else state
+
+        for pod in (prefill_pod, decode_pod):
+            state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
+            assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
+        summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
+        assert summary["requests"] == 16
+        assert summary["verified"] == 16, summary
+        for side in ("prefill", "decode"):
+            text = http_get(f"{ips[side]}:{HTTP_PORT}", "/metrics")[1]
+            assert metric(text, "kvxferd_discovery_up") == 1
+            assert metric(text, "kvxferd_discovery_registered") == 1
+            assert metric(text, "kvxferd_discovery_members") == 2
+    finally:
+        etcd.kill()
