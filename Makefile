@@ -31,7 +31,7 @@ test: $(STAMP)
 	./scripts/test-deps.sh
 	./scripts/container-deps.sh
 	./scripts/install-vllm.sh
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=30
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks
