@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvxferd.peers.backoff import DialBackoff
     from kvxferd.service.view import DaemonView
     from kvxferd.transceiver.holds import HoldKeeper
+    from kvxferd.transceiver.tx_drains import Drains
 
 
 class LiveCollector:
@@ -67,6 +68,7 @@ class LiveCollector:
             "Posted writes not yet confirmed quiescent.",
             d.sender.writes.open_handles,
         )
+        yield from _drain_families(d.sender.writes.drains)
         yield from _dial_backoff_families(d.peers.dial_backoff)
         yield from _discovery_families(d.discovery.state)
         yield from _bounce_families(getattr(d, "bounce", None))
@@ -146,6 +148,30 @@ def _dial_backoff_families(backoff: DialBackoff) -> Iterable[Metric]:
     dials.add_metric(["failed"], backoff.dials_failed_total)
     dials.add_metric(["refused_in_backoff"], backoff.refused_total)
     yield dials
+
+
+def _drain_families(drains: Drains) -> Iterable[Metric]:
+    """Writes to another host that ended in flight, waited out (transceiver/tx_drains.py)."""
+    yield _gauge(
+        "kvxferd_drained_writes",
+        "Writes that ended in flight to another host, not released until the transport "
+        "reports them done or failed (their send's blocks stay lent).",
+        len(drains.active),
+    )
+    yield _gauge(
+        "kvxferd_drained_writes_oldest_seconds",
+        "Age of the oldest drained write (0: none).",
+        max((d.held_ms / 1e3 for d in drains.active), default=0.0),
+    )
+    ended = CounterMetricFamily(
+        "kvxferd_drained_writes_ended",
+        "Drained writes ended, by what the backend reported (DONE, ERROR, poll_failed, "
+        "shutdown).",
+        labels=["how"],
+    )
+    for how, count in sorted(drains.ended_total.items()):
+        ended.add_metric([how], count)
+    yield ended
 
 
 def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:

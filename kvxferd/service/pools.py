@@ -294,10 +294,17 @@ class PoolRegistry:
     async def deregister(self, pool_id: str) -> None:
         pool = self.get(pool_id)
         if pool.users:
+            drained = sum(1 for user in pool.users if user.startswith("tx-drain:"))
             raise PoolError(
                 "pool_busy",
-                f"pool {pool_id!r} still has {len(pool.users)} active request(s); "
-                "wait for their outcomes or cancel them first",
+                f"pool {pool_id!r} still has {len(pool.users)} active request(s)"
+                + (
+                    f", {drained} of them a drained write whose blocks are held until its "
+                    "`released` event"
+                    if drained
+                    else ""
+                )
+                + "; wait for their outcomes (and releases) or cancel them first",
             )
         del self.pools[pool_id]
         if pool.zero_copy:  # a copy-only device pool was never registered with the backend
