@@ -163,15 +163,12 @@ def _drain_families(drains: Drains) -> Iterable[Metric]:
         "Age of the oldest drained write (0: none).",
         max((d.held_ms / 1e3 for d in drains.active), default=0.0),
     )
-    ended = CounterMetricFamily(
+    yield _counts_by_how(
         "kvxferd_drained_writes_ended",
         "Drained writes ended, by what the backend reported (DONE, ERROR, poll_failed, "
         "shutdown).",
-        labels=["how"],
+        drains.ended_total,
     )
-    for how, count in sorted(drains.ended_total.items()):
-        ended.add_metric([how], count)
-    yield ended
 
 
 def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
@@ -207,15 +204,19 @@ def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
         oldest.add_metric([peer], row["oldest_s"])
     yield by_peer
     yield oldest
-    released = CounterMetricFamily(
+    yield _counts_by_how(
         "kvxferd_holds_released",
         "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted, "
         "peer_quiescent).",
-        labels=["how"],
+        holds.released_total,
     )
-    for how, count in sorted(holds.released_total.items()):
-        released.add_metric([how], count)
-    yield released
+
+
+def _counts_by_how(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["how"])
+    for how, count in sorted(counts.items()):
+        family.add_metric([how], count)
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

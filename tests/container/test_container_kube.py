@@ -110,6 +110,22 @@ def _report(container: str) -> dict[str, Any]:
     return report
 
 
+def _assert_workload_verified(prefill_pod: str, decode_pod: str) -> None:
+    """Both engines exited 0 and all 16 requests verified: the decode engine checks every
+    byte and exits once its workload is done."""
+
+    def exited(container: str) -> dict[str, Any] | None:
+        state = container_state(container)
+        return None if state.get("Running") or not state.get("FinishedAt") else state
+
+    for pod in (prefill_pod, decode_pod):
+        state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
+        assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
+    summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
+    assert summary["requests"] == 16
+    assert summary["verified"] == 16, summary
+
+
 @pytest.fixture
 def played(image: str, tmp_path: Path) -> Iterator[list[Path]]:
     """The files played (in order); each is taken down and its pods removed at the end."""
@@ -183,17 +199,7 @@ def test_kube_play_prefill_and_decode_exchange_verified_kv(
     _play(played, tmp_path, "decode.yaml", decode)
     decode_ip = pod_ip(decode_pod)
 
-    # The decode engine verifies every byte and exits once its workload is done.
-    def exited(container: str) -> dict[str, Any] | None:
-        state = container_state(container)
-        return None if state.get("Running") or not state.get("FinishedAt") else state
-
-    for pod in (prefill_pod, decode_pod):
-        state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
-        assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
-    summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
-    assert summary["requests"] == 16
-    assert summary["verified"] == 16, summary
+    _assert_workload_verified(prefill_pod, decode_pod)
 
     # The probes' and Prometheus's view: the pod IP, the port the annotations name.
     for ip, side in ((prefill_ip, "send"), (decode_ip, "recv")):
@@ -300,17 +306,7 @@ def test_kube_play_with_etcd_discovery(played: list[Path], tmp_path: Path) -> No
 
         poll("prefill's daemon registered once etcd came", registered, 60)
         _play(played, tmp_path, "decode.yaml", decode, "--ip", ips["decode"])
-
-        def exited(container: str) -> dict[str, Any] | None:
-            state = container_state(container)
-            return None if state.get("Running") or not state.get("FinishedAt") else state
-
-        for pod in (prefill_pod, decode_pod):
-            state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
-            assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
-        summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
-        assert summary["requests"] == 16
-        assert summary["verified"] == 16, summary
+        _assert_workload_verified(prefill_pod, decode_pod)
         for side in ("prefill", "decode"):
             text = http_get(f"{ips[side]}:{HTTP_PORT}", "/metrics")[1]
             assert metric(text, "kvxferd_discovery_up") == 1
