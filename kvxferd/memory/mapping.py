@@ -41,6 +41,10 @@ class MappedRegion:
         # The region's one long-lived export of the mapping; close() drops it before closing.
         # A huge-page mapping may be longer than `nbytes` (whole huge pages): the view is not.
         self._view: npt.NDArray[np.uint8] | None = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        # A mapping does not move: its address is read once. `ndarray.ctypes` builds an object
+        # per call, which was 3 % of a context daemon's samples under small requests (every
+        # request computes its descriptors from the pool's base; docs/benchmarks.md).
+        self._address = int(self._view.ctypes.data)
 
     # -- properties --------------------------------------------------------------------------
 
@@ -64,7 +68,9 @@ class MappedRegion:
     @property
     def address(self) -> int:
         """The mapping's base address, for registering it with a backend."""
-        return int(self.array.ctypes.data)
+        if self._view is None:
+            raise self._error(f"{self._kind} {self._label!r} is closed")
+        return self._address
 
     # -- lifecycle ---------------------------------------------------------------------------
 
