@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -359,7 +360,8 @@ class DirectMover:
                 )
             finally:
                 if reservation is not None and self.bounce is not None:
-                    self.bounce.send.release(reservation)  # the write is quiescent now
+                    # Once the write is quiescent: now, or when its drain ends.
+                    s.when_quiescent(partial(self.bounce.send.release, reservation))
             if status is not XferStatus.DONE or s.terminal is not None:
                 return
             if s.deadline is not None and time.monotonic() > s.deadline:

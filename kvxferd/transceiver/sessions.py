@@ -163,6 +163,23 @@ class TxSession(_Session):
         """Ended, but a drained write may still read its blocks."""
         return any(not d.ended.is_set() for d in self.draining)
 
+    def when_quiescent(self, release: Callable[[], None]) -> None:
+        """Hand back memory the session's writes read from (a bounce or staging
+        reservation): now, or once every drained write of it ended."""
+        live = [d for d in self.draining if not d.ended.is_set()]
+        if not live:
+            release()
+            return
+        left = [len(live)]
+
+        def one_ended() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                release()
+
+        for drain in live:
+            drain.then.append(one_ended)
+
     @property
     def writing(self) -> bool:
         return self.posting or self.xfer is not None

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -262,8 +263,8 @@ class StagedMover:
                     try:
                         ok = await asyncio.shield(done)
                     finally:
-                        if done.done():
-                            self.bounce.send.release(res_done)  # quiescent: the move ended
+                        if done.done():  # the move ended: its write is quiescent or drained
+                            s.when_quiescent(partial(self.bounce.send.release, res_done))
                         else:
                             moving.insert(0, (done, res_done))
                     if not ok:
@@ -274,7 +275,7 @@ class StagedMover:
                 done, res_done = moving[0]
                 ok = await asyncio.shield(done)
                 moving.pop(0)
-                self.bounce.send.release(res_done)
+                s.when_quiescent(partial(self.bounce.send.release, res_done))
             if not ok:
                 return False
             if not last:
@@ -290,11 +291,13 @@ class StagedMover:
                 move.cancel()  # each quiesces its transfer
             raise
         finally:
-            await self._settle_moves(moving)
+            await self._settle_moves(s, moving)
             if ahead is not None:
                 await self._settle(ahead)
 
-    async def _settle_moves(self, moving: list[tuple[asyncio.Task[bool], Reservation]]) -> None:
+    async def _settle_moves(
+        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]
+    ) -> None:
         """Moves still running when the slice ends early: each runs to its end (an announced
         round is sent even when the request ended: its receiver waits for it), or to its
         quiescence when cancelled; its send reservation is freed then."""
@@ -307,7 +310,7 @@ class StagedMover:
                     cancelled = True
             if not move.cancelled():
                 move.exception()  # retrieved: the slice already failed
-            self.bounce.send.release(res)
+            s.when_quiescent(partial(self.bounce.send.release, res))
         moving.clear()
         if cancelled:
             raise asyncio.CancelledError

@@ -68,6 +68,8 @@ class Drain:
     since: float = field(default_factory=time.monotonic)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     how: str = ""  # what the backend reported at the end: DONE, ERROR or poll_failed
+    # Run when it ends: hand back what the write read from (TxSession.when_quiescent).
+    then: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def held_ms(self) -> float:
@@ -171,6 +173,9 @@ class Drains:
             self.active.remove(drain)
         if drain.pool is not None:
             drain.pool.users.discard(drain.mark)
+        for release in drain.then:
+            release()
+        drain.then.clear()
         how = drain.how = drain.how or "shutdown"
         self.ended_total[how] = self.ended_total.get(how, 0) + 1
         log.info(

@@ -18,6 +18,7 @@ from typing import Any
 from kvxferd.backends.base import XferHandle, XferStatus
 from kvxferd.errors import TransferError
 from kvxferd.peers import process
+from kvxferd.transceiver.sessions import TxSession
 from kvxferd.transceiver.tx_drains import Drain, Drains, cancel_may_leak
 
 
@@ -139,3 +140,24 @@ def test_only_a_peer_on_another_kernel_or_pid_namespace_may_leak() -> None:
     assert cancel_may_leak(conn(proc=process.ProcessInfo("another-boot", me.pid_ns, 1, 1)))
     assert cancel_may_leak(conn(proc=process.ProcessInfo(me.boot_id, "pid:[1]", 1, 1)))
     assert cancel_may_leak(conn(proc=None))  # unknown: assumed remote
+
+
+def test_memory_a_drained_write_reads_goes_back_when_every_drain_ended() -> None:
+    """A bounce or staging reservation is handed back once the session's writes are all
+    quiescent: at once without a drain, else when the last of its drains ends."""
+
+    async def run() -> None:
+        backend = Backend()
+        drains = Drains(backend.poll, backend.release)
+        s = TxSession("r1", None)
+        back: list[str] = []
+        s.when_quiescent(lambda: back.append("now"))
+        assert back == ["now"]
+        s.draining = [drains.start("r1", conn(), handle(), None) for _ in range(2)]
+        s.when_quiescent(lambda: back.append("later"))
+        assert back == ["now"] and s.held
+        backend.status = XferStatus.ERROR
+        await asyncio.wait_for(Drains.wait(s.draining), 10.0)
+        assert back == ["now", "later"] and not s.held
+
+    asyncio.run(run())
