@@ -14,7 +14,8 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from kvxferd.config.fields import NAME_PATTERN, SECTION_CONFIG, parse_hostport
-from kvxferd.errors import ConfigError
+from kvxferd.errors import ConfigError, StartupError
+from kvxferd.hostport import source_address_towards
 
 # What etcd grants with its default flags (election timeout 1 s): asking for less is
 # silently granted 2 s, so a smaller setting would only mislead.
@@ -29,8 +30,14 @@ def _endpoint(value: str) -> str:
     return value
 
 
+# advertise_address: this host's address on the route to etcd (ADVERTISE_AUTO).
+ADVERTISE_AUTO = "auto"
+
+
 def _advertise(value: str) -> str:
-    """ "host:port", or a bare host (the port is the peer listener's own)."""
+    """ "host:port", a bare host (the port is the peer listener's own), or "auto"."""
+    if value == ADVERTISE_AUTO:
+        return value
     if value.startswith("[") or value.count(":") == 1:
         host, _ = parse_hostport(value, min_port=1)
     else:
@@ -81,8 +88,10 @@ class EtcdSection(BaseModel):
         default=None,
         min_length=1,
         description="Address other daemons dial for this one's peer listener: host:port, or "
-        "a host alone (the port is the listener's own, useful with port 0). null: the actual "
-        "listen address; required when daemon.peer_listen is a wildcard (0.0.0.0 or [::]).",
+        "a host alone (the port is the listener's own, useful with port 0), or auto: this "
+        "host's address on the route to the first etcd endpoint that resolves (a pod's "
+        "own IP in Kubernetes). null: the actual listen address; required when "
+        "daemon.peer_listen is a wildcard (0.0.0.0 or [::]).",
     )
     tp_rank: int = Field(
         default=0,
@@ -189,6 +198,23 @@ def advertised_address(etcd: EtcdSection, listen_address: str) -> str:
                 problems=[],
             )
         return listen_address
-    if given.startswith("[") or given.count(":") == 1:
+    if given == ADVERTISE_AUTO:
+        given = _route_to_etcd(etcd)
+    elif given.startswith("[") or given.count(":") == 1:
         return given
     return f"[{given}]:{listen_port}" if ":" in given else f"{given}:{listen_port}"
+
+
+def _route_to_etcd(etcd: EtcdSection) -> str:
+    """advertise_address auto: the source address towards the first endpoint that
+    resolves; a clear error naming each endpoint's problem when none does."""
+    problems = []
+    for endpoint in etcd.endpoints:
+        try:
+            return source_address_towards(endpoint)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{endpoint}: {exc}")
+    raise StartupError(
+        "daemon.etcd.advertise_address auto: no route to any etcd endpoint to take this "
+        f"host's address from ({'; '.join(problems)}); set the address itself"
+    )

@@ -238,25 +238,22 @@ def _etcd_block(docs: list[dict[str, Any]]) -> dict[str, Any]:
 KUBE_NETWORK = "podman-default-kube-network"  # where `podman kube play` puts its pods
 
 
-def _kube_gateway() -> tuple[str, int]:
-    """The gateway (the host, as the pods reach it) and prefix of kube play's network,
+def _kube_gateway() -> str:
+    """The gateway of kube play's network (the host, as the pods reach it), the network
     made first if no kube play has run on this machine yet."""
     if podman("network", "exists", KUBE_NETWORK, check=False).returncode != 0:
         podman("network", "create", KUBE_NETWORK)
     doc = json.loads(podman("network", "inspect", KUBE_NETWORK).stdout)[0]
-    subnet = doc["subnets"][0]
-    return subnet["gateway"], int(subnet["subnet"].split("/")[1])
+    return str(doc["subnets"][0]["gateway"])
 
 
 def test_kube_play_with_etcd_discovery(played: list[Path], tmp_path: Path) -> None:
     """The manifests' own `discovery: etcd` block, played: no daemon.peers anywhere; the
     decode daemon finds ctx0 through etcd, and every byte verifies. Only what a cluster
     provides changes: etcd is Debian's etcd-server on the host (a cluster's Service
-    kvxferd-etcd), and each pod gets a fixed IP that its daemon advertises (a cluster's
-    headless Service). The prefill daemon starts before etcd does, and registers once
-    etcd comes (a daemon must not need etcd to start)."""
-    import random
-
+    kvxferd-etcd). Each daemon advertises its pod's IP (`advertise_address: auto`, as
+    the block says). The prefill daemon starts before etcd does, and registers once etcd
+    comes (a daemon must not need etcd to start)."""
     from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
 
     if etcd_binary() is None:
@@ -267,28 +264,23 @@ def test_kube_play_with_etcd_discovery(played: list[Path], tmp_path: Path) -> No
     decode = _renamed(_load("decode.yaml"), suffix)
     prefill_pod, decode_pod = _pod(prefill)["metadata"]["name"], _pod(decode)["metadata"]["name"]
     _play(played, tmp_path, "secret.yaml", secret)
-    gateway, prefix = _kube_gateway()
-    assert prefix <= 24, "the test picks pod IPs in the last octet"
-    base = gateway.rsplit(".", 1)[0]
-    last = random.Random(RUN_ID).sample(range(100, 250), 2)
-    ips = {"prefill": f"{base}.{last[0]}", "decode": f"{base}.{last[1]}"}
+    gateway = _kube_gateway()
     etcd = EtcdServer(tmp_path / "etcd", host=gateway)
     (tmp_path / "etcd").mkdir()
     cluster = f"kube{os.getpid()}"
-    for side, docs in (("prefill", prefill), ("decode", decode)):
+    for docs in (prefill, decode):
         _secret_as_host_path(docs, secret[0], tmp_path)
         _shm_from_the_pod(docs)
         config = _config(docs)
         config["daemon"].pop("peers", None)
         config["daemon"].update(_etcd_block(docs))
-        # Where a cluster has the Service kvxferd-etcd and a headless Service per pod.
-        config["daemon"]["etcd"].update(
-            endpoints=[etcd.endpoint], cluster=cluster, advertise_address=ips[side]
-        )
+        assert config["daemon"]["etcd"]["advertise_address"] == "auto"
+        # Where a cluster has the Service kvxferd-etcd.
+        config["daemon"]["etcd"].update(endpoints=[etcd.endpoint], cluster=cluster)
         _set_config(docs, config)
     try:
-        _play(played, tmp_path, "prefill.yaml", prefill, "--ip", ips["prefill"])
-        assert pod_ip(prefill_pod) == ips["prefill"]
+        _play(played, tmp_path, "prefill.yaml", prefill)
+        ips = {"prefill": pod_ip(prefill_pod)}
         address = f"{ips['prefill']}:{HTTP_PORT}"
 
         def ready() -> bool | None:
@@ -305,9 +297,12 @@ def test_kube_play_with_etcd_discovery(played: list[Path], tmp_path: Path) -> No
             return doc["discovery"].get("registered") or None
 
         poll("prefill's daemon registered once etcd came", registered, 60)
-        _play(played, tmp_path, "decode.yaml", decode, "--ip", ips["decode"])
+        _play(played, tmp_path, "decode.yaml", decode)
+        ips["decode"] = pod_ip(decode_pod)
         _assert_workload_verified(prefill_pod, decode_pod)
         for side in ("prefill", "decode"):
+            doc = json.loads(http_get(f"{ips[side]}:{HTTP_PORT}", "/v1/status")[1])
+            assert doc["discovery"]["member_names"] == ["ctx0", "gen0"], doc["discovery"]
             text = http_get(f"{ips[side]}:{HTTP_PORT}", "/metrics")[1]
             assert metric(text, "kvxferd_discovery_up") == 1
             assert metric(text, "kvxferd_discovery_registered") == 1

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvxferd.config import load_config, load_config_text, resolve
-from kvxferd.config.discovery import advertised_address
+from kvxferd.config.discovery import EtcdSection, advertised_address
 from kvxferd.config.explain import explain_lines
-from kvxferd.errors import ConfigError
+from kvxferd.errors import ConfigError, StartupError
 
 ETCD = "  discovery: etcd\n  etcd:\n    endpoints: ['127.0.0.1:2379']\n"
 
@@ -90,3 +90,17 @@ def test_explain_says_how_names_resolve() -> None:
     static = load_config_text("", "d.yaml")
     lines = explain_lines(static, resolve(static))
     assert any(x.startswith("discovery:          static") for x in lines)
+
+
+def test_advertise_auto_is_the_address_on_the_route_to_etcd() -> None:
+    """In a pod, the pod's IP; here, with etcd on loopback, the loopback address."""
+    auto = EtcdSection(endpoints=["127.0.0.1:2379"], advertise_address="auto")
+    assert advertised_address(auto, "0.0.0.0:4000") == "127.0.0.1:4000"
+    # The first endpoint that resolves gives the route; the others are not asked.
+    later = EtcdSection(
+        endpoints=["no-such-host.invalid:2379", "127.0.0.1:2379"], advertise_address="auto"
+    )
+    assert advertised_address(later, "[::]:4001") == "127.0.0.1:4001"
+    nowhere = EtcdSection(endpoints=["no-such-host.invalid:2379"], advertise_address="auto")
+    with pytest.raises(StartupError, match=r"no route to any etcd endpoint.*no-such-host"):
+        advertised_address(nowhere, "0.0.0.0:4000")
