@@ -403,6 +403,11 @@ class BounceBuffers:
         )
         self.reservations_made = 0
         self.fallbacks = 0
+        # Copies made, and tensor-parallel legs moved with one side's copy only
+        # (DirectMover._one_sided): what an operator or a test reads the path from.
+        self.gathers = 0
+        self.scatters = 0
+        self.one_sided_legs = 0
 
     async def gather(
         self,
@@ -416,6 +421,7 @@ class BounceBuffers:
         """Gather `blocks` (only the pool's heads [start, end) when `heads` is given) into
         the send reservation."""
         out = self.send.view(res, nbytes)
+        self.gathers += 1
         if heads is None:
             await self._off_loop(self.copier.gather, pool, layout, blocks, out)
         else:
@@ -433,6 +439,7 @@ class BounceBuffers:
         """Scatter the receive reservation into `blocks` (only into the pool's heads
         [start, end) when `heads` is given)."""
         packed = self.recv.view(res, nbytes)
+        self.scatters += 1
         if heads is None:
             await self._off_loop(self.copier.scatter, packed, pool, layout, blocks)
         else:
@@ -451,6 +458,9 @@ class BounceBuffers:
             "recv_reservations": self.recv.reservations,
             "reservations_made": self.reservations_made,
             "fallbacks": self.fallbacks,
+            "gathers": self.gathers,
+            "scatters": self.scatters,
+            "one_sided_legs": self.one_sided_legs,
             "pages": self.send.pages.to_status() if self.send.pages is not None else None,
         }
 

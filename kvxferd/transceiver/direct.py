@@ -26,6 +26,7 @@ from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.legs import TxLeg, dst_tp, leg_heads, split_problem
 from kvxferd.transceiver.plan import plan_write
 from kvxferd.transceiver.sessions import Terminal, TxSession
@@ -126,6 +127,16 @@ def _leg_heads(s: TxSession, leg: TxLeg) -> tuple[int, int] | Terminal | None:
         return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
 
+def _packed(base: int, runs: np.ndarray) -> np.ndarray:
+    """Descriptors for `runs`' lengths laid back to back from `base` (packed order)."""
+    out = np.empty_like(runs)
+    out[:, 1] = runs[:, 1]
+    out[0, 0] = base
+    np.cumsum(runs[:-1, 1], out=out[1:, 0])
+    out[1:, 0] += base
+    return out
+
+
 class DirectMover:
     """A SendMover (transceiver/movers.py)."""
 
@@ -166,6 +177,138 @@ class DirectMover:
             )
         except LayoutError as exc:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+
+    def _check_leg(self, s: TxSession, start: int, end: int, leg: TxLeg) -> Terminal | None:
+        """Why a leg's write of blocks [start, end) cannot be planned, or None: its target,
+        both sides' block ids, and the pair's geometry on one block. A whole plan of a head
+        slice is ~2 ms per 64 blocks here, and the write plans again what it needs."""
+        assert s.pool is not None
+        target = leg_target(s, start, end, leg, self.pipelined)
+        if isinstance(target, Terminal):
+            return target
+        dst_layout, info, tp = target
+        first, end = leg.span(start, end)
+        try:
+            s.pool.layout.check_blocks(s.blocks[first:end])
+            dst_layout.check_blocks(leg.dst_blocks(first, end))
+            plan_write(
+                s.pool.layout,
+                s.pool.base,
+                s.blocks[first : first + 1],
+                dst_layout,
+                info.base,
+                leg.dst_blocks(first, first + 1),
+                s.pool.tp,
+                tp,
+            )
+        except LayoutError as exc:
+            return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+        return None
+
+    async def _leg_plan(
+        self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool, copy_only: bool
+    ) -> tuple[np.ndarray, np.ndarray, Reservation | None, bool] | Terminal:
+        """One leg's write of blocks [start, end): (local, remote, our send reservation or
+        None, whether it goes into the receiver's reservation), or why the request ends.
+        Only a whole request (one write) bounces."""
+        first, _ = leg.span(start, end)
+        whole = start == 0 and last
+        if whole and not copy_only:
+            one_sided = await self._one_sided(s, leg, first, end)
+            if one_sided is not None:
+                return one_sided
+        plan = self._plan(s, start, end, leg)
+        if isinstance(plan, Terminal):
+            return plan
+        local, remote = plan
+        if whole:
+            bounced = await self._bounce_plan(s, leg, local, remote, s.blocks[first:end], copy_only)
+            if isinstance(bounced, Terminal):
+                return bounced
+            local, remote, reservation = bounced
+            return local, remote, reservation, reservation is not None
+        if copy_only:
+            # Config resolution refuses pipelining with device pools; this guard keeps a
+            # slice off the copy-only blocks.
+            return Terminal.local(
+                Status.FAILED,
+                Reason.BLOCK_MISMATCH,
+                f"blocks [{start}, {end}) of a request into or out of a copy-only pool cannot "
+                "be written on their own (only a whole request bounces); turn "
+                "enable_pipelined_transfer off",
+            )
+        return local, remote, None, False
+
+    async def _one_sided(
+        self, s: TxSession, leg: TxLeg, first: int, end: int
+    ) -> tuple[np.ndarray, np.ndarray, Reservation | None, bool] | None:
+        """A head-split or head-merge leg moved with one copy on one side, not one on each:
+        (local, remote, our send reservation or None, whether the write goes into the
+        receiver's reservation); None when this does not apply or pay (the two-sided
+        bounce or the per-block path then moves it).
+
+        Split (the receiver holds a slice of our heads): we gather the slice into our send
+        region, packed as the receiver's whole blocks, and write it straight into the
+        receiver's blocks, one descriptor per run of its pool (bounced=False: nothing for
+        it to scatter). Merge (we hold a slice of the receiver's heads): our whole blocks go
+        straight from our pool into the reservation the receiver offered, where it scatters
+        them into its heads. Either way the other side's copy is gone: on two cores, where
+        both engines and all daemons share the CPU, one copy of every byte fewer (docs/
+        benchmarks.md, issue 16 "tensor parallelism"). Taken only where the side written
+        without a copy has few runs (worth_bouncing says no); the packed order is the one
+        the two-sided bounce already agrees on (kvxferd.transceiver.copyplan)."""
+        assert s.pool is not None
+        bounce, req, conn = self.bounce, leg.request, leg.conn
+        tp, dst_layout, info = (
+            dst_tp(leg),
+            conn.layouts.get(req.pool_id),
+            conn.pools.get(req.pool_id),
+        )
+        if bounce is None or tp is None or not isinstance(dst_layout, KvLayout) or info is None:
+            return None
+        if not s.pool.layout.named or not dst_layout.named or tp.size == s.pool.tp.size:
+            return None
+        heads = _leg_heads(s, leg)
+        if isinstance(heads, Terminal):
+            return None  # the per-block plan names the problem
+        blocks = s.blocks[first:end]
+        if heads is not None and tuple(heads) == (0, s.pool.layout.num_kv_heads):
+            heads = None  # every head of ours: whole blocks
+        try:
+            if heads is not None and tp.size > s.pool.tp.size:
+                runs = copy_plan(dst_layout, leg.dst_blocks(first, end)).segments()
+            elif heads is None and tp.size < s.pool.tp.size:
+                runs = copy_plan(s.pool.layout, blocks).segments()
+            else:
+                return None
+        except LayoutError:
+            return None
+        nbytes = int(runs[:, 1].sum())
+        if worth_bouncing(len(runs), nbytes):
+            return None  # that side is fragmented: a packed write both sides copy pays
+        if heads is None:  # merge: out of our blocks into the receiver's reservation
+            if req.bounce_nbytes < nbytes or conn.info.bounce_nbytes == 0:
+                return None
+            local = runs.copy()
+            local[:, 0] += s.pool.base
+            bounce.one_sided_legs += 1
+            return local, _packed(conn.info.bounce_base + req.bounce_offset, runs), None, True
+        # split: gathered here, into the receiver's blocks
+        if nbytes > bounce.send.nbytes or not info.writable:
+            return None
+        res = bounce.send.reserve(nbytes)
+        if res is None:
+            return None  # no room now: the two-sided plan falls back as it always did
+        bounce.reservations_made += 1
+        try:
+            await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes, heads)
+        except BaseException:
+            bounce.send.release(res)
+            raise
+        remote = runs.copy()
+        remote[:, 0] += info.base
+        bounce.one_sided_legs += 1
+        return _packed(bounce.send.address + res.offset, runs), remote, res, False
 
     async def _bounce_plan(
         self,
@@ -286,12 +429,12 @@ class DirectMover:
         assert s.conn is not None and s.request is not None
         legs = s.legs or [TxLeg(s.conn, s.request)]
         if len(legs) > 1 and end > start:
-            for leg in legs:  # every plan first: a bad leg fails the request before any write
-                if leg.span(start, end)[0] >= end:
+            for leg in legs:  # every leg checked first: a bad one fails the request before
+                if leg.span(start, end)[0] >= end:  # any write
                     continue  # all before its block_start: nothing to plan for it
-                plan = self._plan(s, start, end, leg)
-                if isinstance(plan, Terminal):
-                    s.request_end(plan)
+                problem = self._check_leg(s, start, end, leg)
+                if problem is not None:
+                    s.request_end(problem)
                     return
         for leg in legs:
             if s.terminal is not None:
@@ -307,45 +450,30 @@ class DirectMover:
         if first >= end and not last:
             return  # the slice is all before the receiver's block_start: nothing for it
         if end > first:
-            plan = self._plan(s, start, end, leg)
-            if isinstance(plan, Terminal):
-                s.request_end(plan)
+            target = leg_target(s, start, end, leg, self.pipelined)
+            if isinstance(target, Terminal):
+                s.request_end(target)
                 return
-            local, remote = plan
             memories = self._memories(s, leg)
             if isinstance(memories, Terminal):
                 s.request_end(memories)
                 return
             copy_only, local_memory, remote_memory = memories
-            reservation = None
-            if start == 0 and last:  # the whole request in one write
-                blocks = s.blocks[first:end]
-                bounced_plan = await self._bounce_plan(s, leg, local, remote, blocks, copy_only)
-                if isinstance(bounced_plan, Terminal):
-                    s.request_end(bounced_plan)
-                    return
-                local, remote, reservation = bounced_plan
-            elif copy_only:
-                # Only a whole request bounces; config resolution refuses pipelining with
-                # device pools, and this guard keeps a slice off the copy-only blocks.
-                s.request_end(
-                    Terminal.local(
-                        Status.FAILED,
-                        Reason.BLOCK_MISMATCH,
-                        f"blocks [{start}, {end}) of a request into or out of a copy-only "
-                        "pool cannot be written on their own (only a whole request "
-                        "bounces); turn enable_pipelined_transfer off",
-                    )
-                )
+            planned = await self._leg_plan(s, leg, start, end, last, copy_only)
+            if isinstance(planned, Terminal):
+                s.request_end(planned)
                 return
-            if reservation is not None:
+            local, remote, reservation, into_bounce = planned
+            if reservation is not None:  # we write out of our send region
                 assert self.bounce is not None
                 local_memory = self.bounce.send.memory
+            if into_bounce:  # into the reservation the receiver offered
                 bounce_memory = peer_memory(
                     leg.conn.info.bounce_memory, leg.conn.info.bounce_device
                 )
                 if bounce_memory is None:
-                    self.bounce.send.release(reservation)
+                    if reservation is not None and self.bounce is not None:
+                        self.bounce.send.release(reservation)
                     s.request_end(_unknown_memory("bounce region", leg.conn.info.bounce_memory))
                     return
                 remote_memory = bounce_memory
@@ -373,7 +501,7 @@ class DirectMover:
                 )
                 return
             nbytes = nbytes_of(local)
-            bounced = reservation is not None
+            bounced = into_bounce  # the receiver scatters out of its reservation
             s.nbytes += nbytes
         elif first > start:
             # The last slice, all before the receiver's block_start: nothing to write, but

@@ -527,11 +527,23 @@ SMALL = {**GEOMETRY, "num_kv_heads": 2, "head_dim": 16}
 BOUNCE = {"kv_cache_bounce_size_mb": 8}
 
 
-def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster) -> None:
+# The layout of both sides' pools, and which path a tensor-parallel leg then takes: many
+# 1 KiB (layer, K/V) pieces (layer-major) are gathered on one side and scattered on the
+# other; whole 16-32 KiB blocks (block-major) are written straight into or out of the
+# pool on the side that holds fewer heads, with one copy only (DirectMover._one_sided).
+PATHS = pytest.mark.parametrize(
+    "major", ["layer-major", "block-major"], ids=["two-sided", "one-sided"]
+)
+
+
+@PATHS
+def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster, major: str) -> None:
     """With a bounce buffer on both sides, a head-split (TP 1 -> 2) gathers each rank's
-    heads into one send reservation and writes it with one descriptor into the reservation
+    heads into one send reservation and writes it as one descriptor into the reservation
     that rank offered (even though it offered before the context pool was known), which
-    the rank scatters into its blocks (issue 16). Every byte of both ranks is verified."""
+    the rank scatters into its blocks (issue 16); or, block-major, straight into the
+    rank's blocks, one descriptor per block, with nothing for it to scatter. Every byte of
+    both ranks is verified."""
     cluster.geometry = dict(SMALL)
     ctx = cluster.start_daemon(
         "ctx",
@@ -550,7 +562,7 @@ def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster) -> N
     ]
 
     async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
-        return await RankEngine.open_rank(d, tp, "layer-major", 256, 2 // tp.size, SMALL)
+        return await RankEngine.open_rank(d, tp, major, 256, 2 // tp.size, SMALL)
 
     async def scenario() -> None:
         gs = [await open_small(g, TpRank(r, 2)) for r, g in enumerate(gens)]
@@ -581,20 +593,26 @@ def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster) -> N
                 await g.close()
 
     asyncio.run(scenario())
+    one_sided = major == "block-major"
     b = status(ctx)["bounce"]
     assert b["reservations_made"] == 2 and b["fallbacks"] == 0, b  # one per rank
+    assert b["gathers"] == 2 and b["one_sided_legs"] == (2 if one_sided else 0), b
     assert b["send_in_use_bytes"] == 0, b
     for g in gens:
         b = status(g)["bounce"]
-        assert b["reservations_made"] == 1 and b["recv_in_use_bytes"] == 0, b
+        assert b["scatters"] == (0 if one_sided else 1) and b["recv_in_use_bytes"] == 0, b
+        if not one_sided:
+            assert b["reservations_made"] == 1, b
     for d in (ctx, *gens):
         assert_clean(d)
 
 
-def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster) -> None:
+@PATHS
+def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster, major: str) -> None:
     """Head-merge (TP 2 -> 1) through the bounce buffer: the generation daemon offers one
-    reservation per context rank, each rank writes its whole blocks into its own, and the
-    generation daemon scatters each into its half of every token."""
+    reservation per context rank, each rank writes its whole blocks into its own (gathered
+    first, or, block-major, straight out of its pool), and the generation daemon scatters
+    each into its half of every token."""
     cluster.geometry = dict(SMALL)
     ctxs = [
         cluster.start_daemon(
@@ -613,7 +631,7 @@ def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster) -> N
     )
 
     async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
-        return await RankEngine.open_rank(d, tp, "layer-major", 256, 2 // tp.size, SMALL)
+        return await RankEngine.open_rank(d, tp, major, 256, 2 // tp.size, SMALL)
 
     async def scenario() -> None:
         cs = [await open_small(c, TpRank(r, 2)) for r, c in enumerate(ctxs)]
@@ -635,11 +653,14 @@ def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster) -> N
                 await e.close()
 
     asyncio.run(scenario())
+    one_sided = major == "block-major"
     b = status(gen)["bounce"]
     assert b["reservations_made"] == 2 and b["recv_in_use_bytes"] == 0, b  # one per rank
+    assert b["scatters"] == 2, b
     for c in ctxs:
         b = status(c)["bounce"]
-        assert b["reservations_made"] == 1 and b["send_in_use_bytes"] == 0, b
+        assert b["gathers"] == (0 if one_sided else 1) and b["send_in_use_bytes"] == 0, b
+        assert b["one_sided_legs"] == (1 if one_sided else 0), b
     for d in (*ctxs, gen):
         assert_clean(d)
 
