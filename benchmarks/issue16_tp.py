@@ -12,12 +12,18 @@ same settings (the ratio the issue's target is stated in), and the p50 latency; 
 median and range over passes.
 
     .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 120] [--json]
+        [--modes bounce per-block] [--base DIR]
+
+`--base DIR` adds the mode "bounce@base": the same bounce runs from another checkout
+(e.g. `git worktree add DIR COMMIT`, its .venv the same), within each pass, so that a
+change is measured against the commit before it on the same noisy host.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,11 +33,20 @@ PAIRS = [(1, 1), (1, 2), (2, 1)]
 MODES = {"bounce": ("--bounce-mb", "160"), "per-block": ()}
 
 
-def demo(ctx_tp: int, gen_tp: int, mode: str, requests: int) -> dict[str, Any]:
+def demo(
+    ctx_tp: int, gen_tp: int, mode: str, requests: int, base: str | None = None
+) -> dict[str, Any]:
+    flags = MODES[mode.removesuffix("@base")]
     cmd = [sys.executable, "-m", "kvxferd.cli", "demo", "--json", "--runtime", "PYTHON",
            "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), "--requests", str(requests),
-           *MODES[mode]]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+           *flags]  # fmt: skip
+    env, cwd = None, None
+    if mode.endswith("@base"):
+        assert base is not None
+        env, cwd = {**os.environ, "PYTHONPATH": base}, base
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd=cwd
+    )
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-3000:]}")
     summary: dict[str, Any] = json.loads(done.stdout)
@@ -45,8 +60,11 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--base", help="a checkout to compare with (adds the mode bounce@base)")
     args = p.parse_args()
-    runs = [(pair, mode) for mode in MODES for pair in PAIRS]
+    modes = list(args.modes) + (["bounce@base"] if args.base else [])
+    runs = [(pair, mode) for mode in modes for pair in PAIRS]
     gbps: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     p50: dict[str, list[float]] = {}
@@ -54,7 +72,7 @@ def main() -> int:
         shift = k % len(runs)
         got: dict[tuple[tuple[int, int], str], float] = {}
         for pair, mode in runs[shift:] + runs[:shift]:
-            summary = demo(*pair, mode, args.requests)
+            summary = demo(*pair, mode, args.requests, args.base)
             got[pair, mode] = summary["gbps"]
             p50.setdefault(f"{pair[0]}->{pair[1]} {mode}", []).append(summary["p50_ms"])
             print(f"pass {k + 1}: {pair[0]}->{pair[1]} {mode}: {got[pair, mode]:.3f} GB/s",
