@@ -173,7 +173,16 @@ class EtcdDiscovery:
                 )
         deadline: float | None = None
         first_left, first_at = 0, 0.0  # the holder's TTL when first seen, and when
+        refreshed = time.monotonic()
         while True:
+            if deadline is not None and time.monotonic() - refreshed >= self.cfg.lease_ttl_s / 3:
+                # Waiting out a holder can take a whole TTL, and our lease, granted before
+                # the wait, gets no keepalive until we serve: refresh it, or it ends a few
+                # seconds after we registered and deletes our key (seen: a restarted daemon
+                # left discovery 3.5 s after registering; receives naming it were refused).
+                refreshed = time.monotonic()
+                if await self.client.keepalive(self._lease) <= 0:
+                    self._lease, _ = await self.client.grant(self.cfg.lease_ttl_s)
             holder = await self.client.put_if_absent(self.key, self._value, self._lease)
             if holder is None or holder.lease == self._lease:
                 break

@@ -44,8 +44,7 @@ def test_context_daemon_killed_and_restarted(cluster: Cluster) -> None:
     # round's receives, which name it).
     new = cluster.hc.restart(ctx1, 0)
     assert new.name == "ctx1" and status(new)["incarnation"] != old
-    # Not before the killed daemon's lease ended: its end deletes the restarted daemon's
-    # key for a moment (a discovery bug seen here), refusing the receives naming ctx1.
+    # Once the killed daemon's lease ended and the restarted one registered in its place.
     cluster.wait_old_leases_gone()
     again = cluster.round(requests=max(8, REQUESTS // 2), seed=9).start()
     out = rnd.finish()

@@ -4,6 +4,7 @@ holds and of what a daemon's discovery knows."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,3 +35,17 @@ def members(d: DaemonProc) -> list[str]:
     """The names the daemon's discovery knows ([] while it is down)."""
     disc = status(d)["discovery"]
     return list(disc["member_names"]) if disc["up"] else []
+
+
+def key_lease(etcd: EtcdServer, name: str) -> int:
+    """The lease a daemon's key is attached to (0: none, or no key)."""
+    doc = json.loads(etcd.etcdctl("get", PREFIX + name, "-w", "json"))
+    kvs = doc.get("kvs") or [{}]
+    return int(kvs[0].get("lease", 0))
+
+
+def lease_left(etcd: EtcdServer, lease: int) -> int:
+    """Seconds left on `lease` as etcd reports them (-1: it has ended)."""
+    out = etcd.etcdctl("lease", "timetolive", f"{lease:x}")
+    match = re.search(r"remaining\((-?\d+)s\)", out)
+    return int(match.group(1)) if match else -1

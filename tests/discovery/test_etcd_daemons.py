@@ -4,6 +4,7 @@ refusal of a live name, leaving when the lease ends."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from daemon_harness import (
@@ -14,7 +15,7 @@ from daemon_harness import (
     status,
     wait_for,
 )
-from discovery_harness import LEASE_TTL_S, keys, members
+from discovery_harness import LEASE_TTL_S, key_lease, keys, lease_left, members
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
@@ -97,3 +98,14 @@ def test_a_killed_daemon_restarted_under_its_name_registers_after_its_old_lease(
     again = cluster.start_daemon("ctx", "context", daemon=longer, timeout_s=40)
     logged(again, "is held in etcd by incarnation", old)
     assert keys(etcd)["ctx"]["incarnation"] == status(again)["incarnation"] != old
+    # Its own lease, granted before it waited, was kept alive meanwhile: the key stays
+    # under that lease until the daemon's keepalive refreshes it (the TTL left goes up).
+    # Before, the lease ended seconds after the registration and took the key with it.
+    lease = key_lease(etcd, "ctx")
+    first = lease_left(etcd, lease)
+    deadline = time.monotonic() + 3 * 6
+    while (left := lease_left(etcd, lease)) <= first:
+        assert key_lease(etcd, "ctx") == lease, "the restarted daemon's key lost its lease"
+        assert left > 0 and time.monotonic() < deadline, f"lease {lease:x}: {left} s left"
+        first = min(first, left)
+        time.sleep(0.2)
