@@ -21,10 +21,13 @@ import math
 import os
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxferd.commands.demo_cluster import parse_cluster
 from kvxferd.commands.kv_memory import add_kv_memory_args
+
+if TYPE_CHECKING:
+    from kvxferd.sim.cluster import DaemonProc
 
 EXIT_USAGE = 2
 
@@ -190,6 +193,14 @@ def _cluster_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _cpu(*groups: list[DaemonProc]) -> float:
+    """CPU seconds the daemons of `groups` have used so far (0 for one that cannot be
+    read)."""
+    from kvxferd.bench.cpu import cpu_seconds
+
+    return sum(cpu_seconds(d.proc.pid) or 0.0 for group in groups for d in group)
+
+
 def _names(prefix: str, size: int) -> list[str]:
     # One rank keeps the plain name (demo-ctx, demo-gen).
     return [prefix] if size == 1 else [f"{prefix}{r}" for r in range(size)]
@@ -197,7 +208,7 @@ def _names(prefix: str, size: int) -> list[str]:
 
 def _demo(args: argparse.Namespace) -> int:
     from kvxferd.bench.fragmented import daemon_status
-    from kvxferd.sim.cluster import DaemonProc, LocalCluster, default_workdir, summarise
+    from kvxferd.sim.cluster import LocalCluster, default_workdir, summarise
 
     if args.max_tokens is None:
         args.max_tokens = 512 if args.cluster else 2048
@@ -264,6 +275,7 @@ def _demo(args: argparse.Namespace) -> int:
             # each posted receive over a pipe and the context engine sends only then,
             # so latency is the transfer's, not one engine waiting for the other.
             wait_fd, notify_fd = os.pipe()
+            daemon_cpu0 = _cpu(ctx, gen)
             ctx_engine = cluster.start_engine(
                 ctx, "context", pass_fds=(wait_fd,), wait_fd=wait_fd, **common
             )
@@ -280,6 +292,7 @@ def _demo(args: argparse.Namespace) -> int:
             os.close(notify_fd)
             gen_report = cluster.engine_report(gen_engine)
             ctx_report = cluster.engine_report(ctx_engine)
+            daemon_cpu = _cpu(ctx, gen) - daemon_cpu0
             # What the peer channel ran, as each generation daemon's status says.
             channels = sorted(
                 {
@@ -288,9 +301,22 @@ def _demo(args: argparse.Namespace) -> int:
                     for peer in daemon_status(d.http_address).get("peers", [])
                 }
             )
+            # How each daemon's bounce buffer carried the bytes (absent without one).
+            copies = ("reservations_made", "fallbacks", "gathers", "scatters", "one_sided_legs")
+            bounce = {}
+            for d in (*ctx, *gen):
+                got = daemon_status(d.http_address).get("bounce")
+                if isinstance(got, dict):
+                    bounce[d.name] = {k: got[k] for k in copies if k in got}
             codes = cluster.stop_all()
             summary = summarise(ctx_report, gen_report)
             summary["peer_channel"] = channels
+            if bounce:
+                summary["bounce"] = bounce
+            # Where the cores went during the workload: both engines (their own account)
+            # and every daemon (from /proc); over `seconds`, how many cores were busy.
+            engine_cpu = float(ctx_report.get("cpu_s", 0.0)) + float(gen_report.get("cpu_s", 0.0))
+            summary["cpu_s"] = {"engines": round(engine_cpu, 3), "daemons": round(daemon_cpu, 3)}
             summary["daemon_exit_codes"] = codes
             summary["ctx_tp"], summary["gen_tp"] = tp
             summary["kv_heads"] = args.kv_heads
