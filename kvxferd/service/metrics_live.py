@@ -165,8 +165,7 @@ def _drain_families(drains: Drains) -> Iterable[Metric]:
     )
     yield _counts_by_how(
         "kvxferd_drained_writes_ended",
-        "Drained writes ended, by what the backend reported (DONE, ERROR, poll_failed, "
-        "shutdown).",
+        "Drained writes ended, by what the backend reported (DONE, ERROR, poll_failed, shutdown).",
         drains.ended_total,
     )
 
