@@ -188,6 +188,13 @@ def summary(doc: dict[str, Any]) -> str:
         ]
     else:
         lines.append("  held: none")
+    drains = doc.get("drains") or {}
+    if drains.get("active"):
+        # Writes to another host that ended in flight: their sends' blocks stay lent.
+        lines.append(
+            f"  drained writes: {drains['active']} still in flight after their request "
+            "ended (their sends' blocks stay lent until the transport ends them)"
+        )
     bounce = doc.get("bounce")
     if bounce:
         lines.append(f"  bounce: {json.dumps(bounce, sort_keys=True)}")

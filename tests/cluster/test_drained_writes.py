@@ -18,6 +18,7 @@ from typing import Any
 
 from conftest import Cluster, assert_alive, assert_clean, assert_every_outcome
 
+from kvxferd.commands.status_cmd import summary
 from kvxferd.sim.hosts.cluster import Instance, status
 
 # A stopped receiver's requests end by the sender's heartbeat loss or a deadline, or at
@@ -61,6 +62,14 @@ def test_writes_into_a_stopped_host_are_drained_not_cancelled(cluster: Cluster) 
             "a write into the stopped gen0 drained",
         )
 
+        # What an operator reads meanwhile (`kvxferd status`).
+        lines = [
+            summary(status(d))
+            for inst in contexts
+            for d in inst.daemons
+            if status(d)["drains"]["active"]
+        ]
+        assert lines and all("drained writes:" in text for text in lines), lines
         resumed_ns = time.monotonic_ns()  # gen0 is still stopped up to here
     finally:
         for d in gen0.daemons:
