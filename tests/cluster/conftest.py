@@ -13,11 +13,13 @@ full scale).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,14 +144,34 @@ def _members(d: DaemonProc) -> list[str]:
     return sorted(disc.get("member_names") or []) if disc.get("up") else []
 
 
-# Package scope: the cluster's daemons (and their heartbeats) end with tests/cluster,
-# rather than sharing the 2 CI cores with every test that runs after it.
+# What the cluster fixture holds open; closed after the last test of tests/cluster.
+_CLUSTER = contextlib.ExitStack()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """The cluster's daemons, etcd and namespaces end with tests/cluster, rather than
+    sharing the 2 CI cores with every test after it: a "package" fixture in a directory
+    without __init__.py lives to the end of the session (measured: its teardown came
+    after the last test of tests/transceiver, 30 s)."""
+    yield
+    here = Path(__file__).parent
+    if nextitem is None or here not in Path(nextitem.path).parents:
+        _CLUSTER.close()
+
+
 @pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     """The daemons find each other through etcd alone (no daemon.peers), and start
     before etcd does: etcd runs in the root namespace, on its veth address, and comes
     only once every daemon is up. Without etcd here, static peers (and the etcd tests
     skip)."""
+    with _CLUSTER:
+        yield _CLUSTER.enter_context(_started_cluster())
+
+
+@contextlib.contextmanager
+def _started_cluster() -> Iterator[Cluster]:
     problem = namespace_problem()
     if problem is not None:
         pytest.skip(f"hosts as network namespaces: {problem}")

@@ -148,6 +148,13 @@ class HostPopen(subprocess.Popen[bytes]):
         if self.inner_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.inner_pid, sig)
+            if sig in (signal.SIGCONT, signal.SIGKILL, signal.SIGTERM):
+                # nsenter stops itself when its child stops (to pass the stop on) and
+                # waits for a SIGCONT of its own: without one it never reaps the child,
+                # and waiting for it hangs (seen: 30 s at the end of tests/cluster after
+                # a SIGSTOP/SIGCONT test).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGCONT)
         else:
             super().send_signal(sig)
 
