@@ -283,7 +283,7 @@ class DirectMover:
                 return None
         except LayoutError:
             return None
-        nbytes = int(runs[:, 1].sum())
+        nbytes = nbytes_of(runs)
         if worth_bouncing(len(runs), nbytes):
             return None  # that side is fragmented: a packed write both sides copy pays
         if heads is None:  # merge: out of our blocks into the receiver's reservation
