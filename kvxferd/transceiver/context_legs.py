@@ -10,7 +10,6 @@ that a context daemon not yet fenced may still write into.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -38,7 +37,10 @@ class ContextLegs:
     async def connect(self, s: RxSession) -> bool:
         """Connect to every context daemon of the receive (concurrently); False when one
         cannot be reached or two of them turn out to be the same daemon."""
-        conns = await asyncio.gather(*(self._connect_peer(s, leg) for leg in s.legs))
+        if len(s.legs) == 1:  # the usual receive: no task and no gather for one dial
+            conns = [await self._connect_peer(s, s.legs[0])]
+        else:
+            conns = await asyncio.gather(*(self._connect_peer(s, leg) for leg in s.legs))
         for leg, conn in zip(s.legs, conns, strict=True):
             leg.conn = conn
         if s.terminal is not None or any(conn is None for conn in conns):
@@ -187,8 +189,7 @@ class ContextLegs:
             if not pending or remaining <= 0:
                 break
             s.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(s.wake.wait(), remaining)
+            await s.wake.wait(remaining)
         s.mark_told(None)
 
 

@@ -24,7 +24,6 @@ request, and the other receivers are told (Abort).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import weakref
@@ -82,8 +81,6 @@ class Sender:
         self.accepting = True
         # Every write of this side: post, wait in slices, release until quiescent.
         self.writes = Writes(dataplane, lambda: self.timeouts.slice_s)
-        # A finished request stays until its engine releases it: at 1 in flight, 1 or 2.
-        self.writes.live_requests = lambda: len(self.sessions)
         # A peer can send refused RequestData in a loop: a few lines per peer and
         # reason, then a count (the refusals metric counts every one).
         self.log_limiter = LogLimiter(interval_s=10.0, burst=5)
@@ -296,8 +293,7 @@ class Sender:
             )
             return
         s.wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(s.wake.wait(), remaining)
+        await s.wake.wait(remaining)
 
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal

@@ -5,7 +5,6 @@ leaving, the drain at shutdown."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.state import Fault, Outcome, Reason, SessionState, Status
 from kvxferd.transceiver.tx_drains import Drain
+from kvxferd.transceiver.wake import Wake
 
 
 class EngineLink(Protocol):
@@ -76,7 +76,7 @@ class _Session:
     terminal: Terminal | None = None
     outcome: Outcome | None = None
     nbytes: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: Wake = field(default_factory=Wake)
     task: asyncio.Task[None] | None = None
     peer_told: bool = False  # the peer already knows the outcome (or cannot be told)
 
@@ -123,8 +123,7 @@ class _Session:
             self.request_end(Terminal.timed_out(reason, why))
             return False
         self.wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), None if remaining == math.inf else remaining)
+        await self.wake.wait(None if remaining == math.inf else remaining)
         return True
 
 

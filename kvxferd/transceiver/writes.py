@@ -11,7 +11,6 @@ until the backend confirms the release, the blocks stay on loan.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -38,14 +37,13 @@ _POLL_MAX_S = 0.002
 # A host-to-host write up to this size is posted on the event loop's own thread when the
 # backend allows it (DataPlane.call_cheap): over shared memory NIXL copies inside the post,
 # ~15 us for 32 KiB here, against 40-70 us for the hop to the data-plane thread and back;
-# 256 KiB keeps the loop's longest stall near 0.1 ms.
+# 256 KiB keeps the loop's longest stall near 0.1 ms. However many requests are in flight:
+# an earlier rule kept posts on the data-plane thread above 2 live requests (NIXL lets go
+# of the GIL while it copies, so the loop could turn meanwhile), but on a quiet host the
+# hop cost more than that overlap gained: with it gone the context daemon spent 0.21 instead
+# of 0.29 ms of CPU per one-block request at 32 in flight, and moved 17 % more of them
+# (docs/benchmarks.md, issue 16 "small requests").
 INLINE_POST_MAX_BYTES = 256 << 10
-# ... and only while the sender holds at most this many requests. NIXL releases the GIL
-# in its post (another thread runs during a 256 MiB one), so with many requests the
-# data-plane thread can copy one while the loop turns the next, where an inline post
-# would stop the loop; alone, a request gains most from skipping the hop (--small at 1 in
-# flight: p50 ~0.3 ms lower, docs/benchmarks.md "Issue 16").
-INLINE_POST_MAX_LIVE = 2
 # How long to keep retrying a release that NIXL refuses before giving up loudly.
 _RELEASE_RETRY_S = 0.01
 _RELEASE_RETRY_MAX_S = 0.2
@@ -76,8 +74,6 @@ class Writes:
         self._dp = dataplane
         self._slice_s = slice_s
         self.open_handles = 0  # posted writes not yet confirmed quiescent
-        # How many requests the sender holds now (None: unknown, taken as few).
-        self.live_requests: Callable[[], int] | None = None
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
         # Writes ended in flight to another host, waited out rather than cancelled.
@@ -110,7 +106,6 @@ class Writes:
                 local_memory == HOST
                 and remote_memory == HOST
                 and nbytes_of(local) <= INLINE_POST_MAX_BYTES
-                and (self.live_requests is None or self.live_requests() <= INLINE_POST_MAX_LIVE)
             )
             try:
                 handle, status = await (self._dp.call_cheap if inline else self._dp.call)(
@@ -209,8 +204,7 @@ class Writes:
                 slice_end = now + self._slice_s()
             s.wake.clear()
             wait = min(pause, max(0.0, min(slice_end, deadline) - now))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(s.wake.wait(), wait)
+            await s.wake.wait(wait)
             pause = min(pause * 2, _POLL_MAX_S)
             try:
                 status = await self._dp.call_cheap(backend.poll, s.xfer)
