@@ -26,6 +26,7 @@ copy), any other chunk through a gather/scatter that moves each block (block-maj
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,6 +82,13 @@ def request_seed(request_id: str) -> int:
 # -- pattern ---------------------------------------------------------------------------------
 
 
+# Up to this many bases are worked out in Python: numpy's dozen operations on a tiny array
+# cost ~18 us, more than the bytes of a one-block request (kvxferd bench --small runs
+# thousands of those a second, on the cores the daemons use).
+_SMALL_BASES: Final = 16
+_M64: Final = (1 << 64) - 1
+
+
 def _bases(seed: int, num_logical: int, regions: int, xp: ModuleType = np) -> U64:
     """base(seed, block, region) for all logical blocks and regions, shape (blocks, regions).
 
@@ -88,6 +96,8 @@ def _bases(seed: int, num_logical: int, regions: int, xp: ModuleType = np) -> U6
     kvxferd.sim.device_content); only numpy-and-cupy-common operations, so both give the
     same words."""
     _check_seed(seed)
+    if xp is np and num_logical * regions <= _SMALL_BASES:
+        return _few_bases(seed, num_logical, regions)
     j = xp.arange(num_logical, dtype=np.uint64)[:, None]
     r = xp.arange(regions, dtype=np.uint64)[None, :]
     # The array first and the seed last (the same sum mod 2**64): a numpy scalar on the left
@@ -101,8 +111,31 @@ def _bases(seed: int, num_logical: int, regions: int, xp: ModuleType = np) -> U6
     return z
 
 
+def _few_bases(seed: int, num_logical: int, regions: int) -> U64:
+    """_bases on numpy, in Python integers (the same words, mod 2**64)."""
+    mb, mr = int(_MIX_BLOCK), int(_MIX_REGION)
+    out = []
+    for j in range(num_logical):
+        for r in range(regions):
+            z = ((j + 1) * mb + (r + 1) * mr + seed) & _M64
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+            out.append(z ^ (z >> 31))
+    return np.array(out, dtype=np.uint64).reshape(num_logical, regions)
+
+
 def _ramp(words: int, xp: ModuleType = np) -> U64:
+    if xp is np:
+        return _host_ramp(words)
     ramp: U64 = xp.arange(words, dtype=np.uint64) * _RAMP
+    return ramp
+
+
+@functools.lru_cache(maxsize=16)
+def _host_ramp(words: int) -> U64:
+    """The ramp on the host, made once per length (read-only: every caller shares it)."""
+    ramp: U64 = np.arange(words, dtype=np.uint64) * _RAMP
+    ramp.flags.writeable = False
     return ramp
 
 

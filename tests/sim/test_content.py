@@ -285,3 +285,17 @@ def test_fill_and_verify_are_vectorised(major: str) -> None:
     assert results[0].ok
     tokens = 64 * lay.pieces_per_block * lay.tokens_per_block
     assert calls < tokens // 4, f"fill + verify made {calls} calls for {tokens} token pieces"
+
+
+@pytest.mark.parametrize("seed", [0, 1, SEED, (1 << 64) - 1])
+def test_a_few_bases_are_the_vectorised_words(seed: int) -> None:
+    # A request of a block or two works its bases out in Python (cheaper than numpy on a
+    # handful of values); they must be the very words the vectorised path gives.
+    from kvxferd.sim.content import _SMALL_BASES, _bases
+
+    wide = _bases(seed, 8, 4)  # 32 bases: the numpy path
+    assert wide.shape[0] * wide.shape[1] > _SMALL_BASES
+    for blocks, regions in ((1, 1), (1, 4), (2, 3), (4, 4)):
+        few = _bases(seed, blocks, regions)
+        assert few.dtype == np.uint64 and few.shape == (blocks, regions)
+        assert few.tolist() == wide[:blocks, :regions].tolist()
