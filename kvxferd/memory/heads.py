@@ -21,6 +21,7 @@ on both sides (when both pools hold the same heads this gives the usual whole pi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,13 @@ class TpRank:
 
     def __str__(self) -> str:
         return f"tensor-parallel rank {self.rank} of {self.size}"
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def tp_rank(rank: int, size: int) -> TpRank:
+    """TpRank(rank, size), built once per pair: a peer's pool ranks are checked several times
+    per request (typed: True is never taken for 1, and is refused as TpRank refuses it)."""
+    return TpRank(rank, size)
 
 
 def total_heads(layout: KvLayout, tp: TpRank) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvxferd.backends.base import HOST, Memory, XferStatus, vram
 from kvxferd.backends.twosided import TwoSidedTransport
-from kvxferd.memory.heads import TpRank
+from kvxferd.memory.heads import TpRank, tp_rank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.messages import PoolInfo
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
@@ -103,7 +103,7 @@ def leg_target(
             f"the receiver's pool {req.pool_id!r} cannot be written: {dst_layout}",
         )
     try:
-        dst_tp = TpRank(info.tp_rank, info.tp_size)
+        dst_tp = tp_rank(info.tp_rank, info.tp_size)
         problem = split_problem(s.pool, s.legs, dst_tp, pipelined)
         if problem is not None:
             raise LayoutError(problem)

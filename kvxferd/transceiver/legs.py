@@ -29,6 +29,7 @@ from kvxferd.memory.heads import (
     same_heads,
     slice_block_bytes,
     total_heads,
+    tp_rank,
 )
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.channel import PeerConnection
@@ -163,7 +164,7 @@ def dst_tp(leg: TxLeg) -> TpRank | None:
     if info is None:
         return None
     try:
-        return TpRank(info.tp_rank, info.tp_size)
+        return tp_rank(info.tp_rank, info.tp_size)
     except LayoutError:
         return None
 
@@ -311,7 +312,7 @@ def peer_tp(conn: PeerConnection) -> tuple[TpRank, KvLayout] | str | None:
     for info in conn.pools.values():
         layout = conn.layouts.get(info.pool_id)
         try:
-            tp = TpRank(info.tp_rank, info.tp_size)
+            tp = tp_rank(info.tp_rank, info.tp_size)
         except LayoutError:
             continue
         if not isinstance(layout, KvLayout):
