@@ -183,6 +183,24 @@ def test_the_buffer_flushes_at_once_when_it_reaches_the_threshold() -> None:
     run(scenario)
 
 
+def test_the_buffer_flushes_at_once_every_few_frames() -> None:
+    # A whole loop turn's frames in one write make the processes take turns (a convoy):
+    # every FLUSH_AT_FRAMES frames go out at once, the rest at the next iteration.
+    async def scenario() -> None:
+        out, fake = corked()
+        n = CorkedWriter.FLUSH_AT_FRAMES
+        frames = [bytes([65 + i % 26]) for i in range(2 * n + 3)]
+        for i, frame in enumerate(frames):
+            out.write(frame)
+            assert len(fake.writes) == (i + 1) // n
+        assert fake.writes == [b"".join(frames[:n]), b"".join(frames[n : 2 * n])]
+        await next_iteration()
+        assert fake.writes[2:] == [b"".join(frames[2 * n :])]
+
+    assert 1 < CorkedWriter.FLUSH_AT_FRAMES <= 32
+    run(scenario)
+
+
 def test_a_write_failure_makes_the_connection_unusable() -> None:
     async def scenario() -> None:
         out, fake = corked(fail_with=BrokenPipeError("peer gone"))
