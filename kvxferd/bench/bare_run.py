@@ -178,5 +178,15 @@ def daemon_cpu_s(gen_report: dict[str, Any], tokens: int) -> float | None:
     return None
 
 
+def engine_cpu_s(gen_report: dict[str, Any], tokens: int) -> tuple[float | None, float]:
+    """Both engines' CPU seconds over the timed group of `tokens`, and its wall seconds;
+    (None, 0) when they were not read."""
+    for group in gen_report.get("cpu", []):
+        if group["timed"] and group["tokens"] == tokens and "engines_start" in group:
+            spent = cpu.spent(group["engines_start"], group["engines_end"])
+            return spent, float(group["wall_s"])
+    return None, 0.0
+
+
 def cpu_pids_args(*pids: int) -> list[str]:
     return ["--cpu-pids", ",".join(str(p) for p in pids)]

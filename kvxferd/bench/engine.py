@@ -154,8 +154,11 @@ class GenerationSide(_Side):
     notify_fd: int
     progress_fd: int | None
     wait_s: float
-    # The daemons' pids: their CPU seconds are read at each group's start and end (`cpu`).
+    # The daemons' pids: their CPU seconds are read at each group's start and end (`cpu`),
+    # and the engines' (the context engine's and this one's), with the wall time between:
+    # on a host with few cores the four processes share them.
     cpu_pids: tuple[int, ...] = ()
+    engine_pids: tuple[int, ...] = ()
     records: list[GenRecord] = field(default_factory=list, init=False)
     timed_start_ns: int = field(default=0, init=False)
     cpu: list[dict[str, Any]] = field(default_factory=list, init=False)
@@ -198,6 +201,8 @@ class GenerationSide(_Side):
                     break
                 deadline, self.timed_start_ns = self.plan.start_group(group, self.timed_start_ns)
                 before = cpu.sample(self.cpu_pids)
+                engines_before = cpu.sample(self.engine_pids)
+                wall_start = time.monotonic()
                 await asyncio.gather(
                     *(self._slot(group.slot_items(s, self.plan.in_flight), deadline)
                       for s in range(self.plan.in_flight))
@@ -205,7 +210,10 @@ class GenerationSide(_Side):
                 if self.cpu_pids:
                     self.cpu.append(
                         {"group": group.key, "tokens": group.tokens, "timed": group.timed,
-                         "start": before, "end": cpu.sample(self.cpu_pids)}
+                         "start": before, "end": cpu.sample(self.cpu_pids),
+                         "engines_start": engines_before,
+                         "engines_end": cpu.sample(self.engine_pids),
+                         "wall_s": time.monotonic() - wall_start}
                     )  # fmt: skip
         finally:
             self._tick(flush=True)
@@ -414,6 +422,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 args.progress_fd,
                 args.wait_timeout,
                 tuple(args.cpu_pids),
+                (*args.engine_pids, os.getpid()),
             )
         else:
             from kvxferd.bench.pipeline import ComputingContextSide
@@ -464,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: [int(x) for x in text.split(",") if x],
         default=[],
         help="generation: pids whose CPU seconds are read at each group's start and end",
+    )
+    p.add_argument(
+        "--engine-pids",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
+        help="generation: the other engines' pids, read as --cpu-pids (this one's is added)",
     )
     p.add_argument(
         "--chunk-blocks", type=int, default=0, help="context: send in chunks of this many blocks"

@@ -90,6 +90,8 @@ _SMALL_COLUMNS = {
     "ratio_to_bare_rate": "vs bare rate",
     "p50_minus_bare_ms": "p50 - bare",
     "cpu_ms_per_request": "CPU ms/req",
+    "engines_cpu_ms_per_request": "engines ms/req",
+    "cores_busy": "cores busy",
 }
 # Latencies (ms) to the µs, rates whole, the ratio in hundredths.
 _SMALL_FORMATS: dict[str, Format] = {
@@ -140,7 +142,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"\nraw NIXL: {raw['requests']} one-block transfers in {raw['seconds']:.2f} s "
             "(post + busy poll in one process); bare: each configuration's own transport "
-            "(nixl: this raw pair); CPU: both daemons' utime + stime over the timed requests"
+            "(nixl: this raw pair); CPU: both daemons' utime + stime over the timed requests; "
+            "engines: both engines' the same way; cores busy: all four processes' CPU over the "
+            "timed wall time"
         )
         return "\n".join(lines)
     lines += column_table(_SWEEP_COLUMNS, report["results"], ".2f", _SWEEP_FORMATS)

@@ -195,7 +195,8 @@ def _daemon_run(
                 "engine-gen",
                 [*common, "--role", "generation", "--socket", gen.api_socket,
                  "--peer", ctx.peer_address, "--notify-fd", str(notify_w),
-                 "--progress-fd", str(prog_w), *cpu_pids_args(ctx.proc.pid, gen.proc.pid)],
+                 "--progress-fd", str(prog_w), *cpu_pids_args(ctx.proc.pid, gen.proc.pid),
+                 "--engine-pids", str(ctx_engine.proc.pid)],
                 pass_fds=(notify_w, prog_w),
             )  # fmt: skip
         finally:
@@ -685,15 +686,26 @@ def _small_bare_fields(
     }
 
 
+# /proc counts CPU time in clock ticks (10 ms): over less than this, four processes' ticks
+# say little about the cores they kept busy, and cores_busy is left out (null).
+_CORES_MIN_WALL_S = 1.0
+
+
 def _cpu_fields(gen: dict[str, Any], tokens: int, moved: int, requests: int) -> dict[str, Any]:
     """Both daemons' CPU seconds over the timed requests (utime + stime, /proc), per GB
-    moved and per request."""
+    moved and per request; the two engines' per request; and how many of the host's cores
+    the four processes kept busy meanwhile (their CPU seconds over the wall time)."""
     spent = bare_run.daemon_cpu_s(gen, tokens)
+    engines, wall = bare_run.engine_cpu_s(gen, tokens)
+    both = None if spent is None or engines is None else spent + engines
     return {
         "cpu_s": _opt(spent),
         "cpu_s_per_gb": _opt(cpu.per_gb(spent, moved)),
         "cpu_ms_per_request": _opt(None if spent is None or not requests
                                    else spent * 1e3 / requests),
+        "engines_cpu_ms_per_request": _opt(None if engines is None or not requests
+                                           else engines * 1e3 / requests),
+        "cores_busy": _opt(None if both is None or wall < _CORES_MIN_WALL_S else both / wall),
     }  # fmt: skip
 
 

@@ -5,6 +5,7 @@ present, positive and consistent with the geometry."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -47,6 +48,12 @@ def check_cpu(r: dict[str, Any], moved: int) -> None:
     assert r["cpu_s"] is not None and r["cpu_s"] >= 0
     assert r["cpu_s_per_gb"] == pytest.approx(r["cpu_s"] / (moved / 1e9), rel=1e-3)
     assert r["cpu_ms_per_request"] == pytest.approx(r["cpu_s"] * 1e3 / r["requests"], rel=1e-3)
+    # The engines' CPU too, and the cores all four kept busy: at most every core there is
+    # (clock ticks of 10 ms round each process's seconds, hence the slack), and only for a
+    # timed phase of a second or more.
+    assert r["engines_cpu_ms_per_request"] is not None and r["engines_cpu_ms_per_request"] >= 0
+    if r["cores_busy"] is not None:
+        assert 0 <= r["cores_busy"] <= (os.cpu_count() or 1) + 0.2
 
 
 @pytest.mark.timeout(120)
@@ -156,6 +163,7 @@ def test_small_json_shape() -> None:
     )
     assert r["p50_minus_bare_ms"] == pytest.approx(r["p50_ms"] - r["raw_p50_ms"], abs=1e-3)
     check_cpu(r, r["bytes"] * r["requests"])
+    assert r["cores_busy"] is not None  # two timed seconds: long enough to say
 
 
 @pytest.mark.timeout(120)
