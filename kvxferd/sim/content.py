@@ -199,12 +199,12 @@ class _Pool:
             self.pieces = flat.view(self.unit).reshape(nb, r, self.units)
             # One numpy element per block: fancy indexing then copies whole blocks at memcpy
             # speed (indexing uint8 rows is 20 times slower).
-            self._by_block = flat.view(np.dtype(f"V{layout.block_bytes}"))
+            self._by_block = flat.view(_void(layout.block_bytes))
         else:
             self.bytes = flat.reshape(r, nb, p).transpose(1, 0, 2)
             self.pieces = flat.view(self.unit).reshape(r, nb, self.units).transpose(1, 0, 2)
             # One element per piece, indexed (block, region).
-            self._by_block = flat.reshape(r, nb * p).view(np.dtype(f"V{p}")).T
+            self._by_block = flat.reshape(r, nb * p).view(_void(p)).T
 
     def chunks(self, ids: npt.NDArray[np.int64]) -> Iterator[tuple[int, npt.NDArray[np.int64]]]:
         """(first logical index, physical ids) of chunks of about _CHUNK_BYTES."""
@@ -250,6 +250,12 @@ class _Pool:
             words: npt.NDArray[np.generic] = bases[:, :, None] + _ramp(self.units)
             return words
         return _expected_bytes(bases, self.layout.piece_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _void(nbytes: int) -> np.dtype[np.void]:
+    """The dtype of one opaque element of `nbytes` (made from a string: ~5 us, per pool view)."""
+    return np.dtype(f"V{nbytes}")
 
 
 def _check_seed(seed: int) -> None:
