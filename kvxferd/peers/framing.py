@@ -69,8 +69,11 @@ class CorkedWriter:
     FLUSH_AT_FRAMES = 8
     ABORT_GRACE_S = 1.0
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, yield_turns: int = 0) -> None:
+        """`yield_turns`: loop turns the scheduled flush waits beyond the next one, so that
+        what other connections write meanwhile leaves first."""
         self.writer = writer
+        self.yield_turns = yield_turns
         self._buf: list[bytes] = []
         self._size = 0
         self._scheduled = False
@@ -85,7 +88,13 @@ class CorkedWriter:
             self.flush()
         elif not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self._flush_after, self.yield_turns)
+
+    def _flush_after(self, turns: int) -> None:
+        if turns > 0:
+            asyncio.get_running_loop().call_soon(self._flush_after, turns - 1)
+        else:
+            self.flush()
 
     def flush(self) -> None:
         self._scheduled = False

@@ -134,11 +134,11 @@ def test_one_flush_is_scheduled_per_iteration() -> None:
             out, fake = corked()
             for frame in (b"a", b"b", b"c"):
                 out.write(frame)
-            flushes = [cb for cb in scheduled if cb == out.flush]
+            flushes = [cb for cb in scheduled if cb == out._flush_after]
             assert len(flushes) == 1
             await next_iteration()
             out.write(b"d")
-            assert len([cb for cb in scheduled if cb == out.flush]) == 2
+            assert len([cb for cb in scheduled if cb == out._flush_after]) == 2
             await next_iteration()
             assert fake.writes == [b"abc", b"d"]
         finally:
@@ -181,6 +181,33 @@ def test_the_buffer_flushes_at_once_when_it_reaches_the_threshold() -> None:
     assert CorkedWriter.FLUSH_AT_BYTES == 256 << 10
 
     run(scenario)
+
+
+def test_a_writer_that_yields_flushes_after_another_writers_frames() -> None:
+    # The engine API's writer yields a turn. A daemon reads a send, starts its task and
+    # writes the reply; the next turn the task writes the Result to the peer and the
+    # outcome to the engine. The Result leaves first, then reply and outcome in one write.
+    # Without the yield the reply would leave alone, before the Result.
+    async def scenario(yield_turns: int) -> list[str]:
+        order: list[str] = []
+        peer, peer_fake = corked()
+        engine, engine_fake = corked()
+        engine.yield_turns = yield_turns
+        peer_fake.write = lambda data: order.append(f"peer:{data.decode()}")  # type: ignore[method-assign]
+        engine_fake.write = lambda data: order.append(f"engine:{data.decode()}")  # type: ignore[method-assign]
+
+        def task_step() -> None:
+            peer.write(b"result")
+            engine.write(b"outcome")
+
+        asyncio.get_running_loop().call_soon(task_step)  # created before the reply
+        engine.write(b"reply")
+        for _ in range(4):
+            await next_iteration()
+        return order
+
+    assert run(lambda: scenario(1)) == ["peer:result", "engine:replyoutcome"]
+    assert run(lambda: scenario(0)) == ["engine:replyoutcome", "peer:result"]
 
 
 def test_the_buffer_flushes_at_once_every_few_frames() -> None:
