@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,28 @@ def load_nixl() -> Any:
 # then saturate a 2-core host. A delay of a few microseconds keeps the thread's
 # idle cost near zero; transfers are still driven promptly by our own polls.
 PROGRESS_DELAY_US = 10
+
+
+# UCX guards a worker with a spinlock when several threads use it (NIXL's progress thread and
+# the data-plane thread that posts). A post over shared memory copies inside the call, holding
+# the lock: a 16 MiB staged round keeps it ~3 ms, and the progress thread spins that long on
+# the other core. Under the staged runtime that core is the gather's and the scatter's:
+# with a mutex the progress thread sleeps instead, and staged NIXL moved 17 % more (3.4-3.5
+# against 2.6-3.3 GB/s, 4 alternating passes; docs/benchmarks.md, issue 16 "the staged
+# runtime"). Under the PYTHON runtime nothing else wants that core, and the spinning thread
+# takes a share of a many-segment write's copies: the mutex cost it ~17 %, so it keeps UCX's
+# default.
+UCX_MUTEX_ENV = "UCX_USE_MT_MUTEX"
+
+
+def prefer_mutex_worker_lock(env: MutableMapping[str, str] | None = None) -> bool:
+    """Before the agent starts, for the staged runtime: UCX's worker lock as a mutex, unless
+    the operator chose (UCX_USE_MT_MUTEX set). True when this set it."""
+    env = os.environ if env is None else env
+    if UCX_MUTEX_ENV in env:
+        return False
+    env[UCX_MUTEX_ENV] = "y"
+    return True
 
 
 def _make_agent(nixl: Any, agent_name: str, conf: Any, delay_us: int) -> Any:

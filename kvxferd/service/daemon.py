@@ -19,6 +19,7 @@ from functools import partial
 from kvxferd import __version__
 from kvxferd.api.server import ApiServer
 from kvxferd.backends import registry
+from kvxferd.backends.nixl import prefer_mutex_worker_lock
 from kvxferd.config import KvxferdConfig, ResolvedSettings
 from kvxferd.discovery import AddressResolver
 from kvxferd.discovery.build import make_discovery
@@ -174,6 +175,11 @@ class Daemon:
         host, _ = split_hostport(d.peer_listen)
         # Before the backend starts: UCX listens on every device it finds otherwise.
         self.ucx_devices = listeners.pin_ucx_devices(host)
+        # The staged runtime copies beside its NIXL writes: UCX's worker lock as a mutex,
+        # so that NIXL's progress thread sleeps rather than spins while a post holds it.
+        self.ucx_mutex = (
+            settings.backend == "NIXL" and settings.runtime == "CPP" and prefer_mutex_worker_lock()
+        )
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
         # MOONCAKE tells peers `host` and keeps its own timeouts below ours.
         options = registry.BackendOptions(host, settings.kv_transfer_timeout_ms)
@@ -338,6 +344,8 @@ class Daemon:
             ", ".join(found),
             f" (UCX_NET_DEVICES={self.ucx_devices})" if self.ucx_devices else "",
         )
+        if self.ucx_mutex:
+            log.info("staged runtime over NIXL: UCX_USE_MT_MUTEX=y (set it to choose otherwise)")
         self.ready = True
         log.info("ready")
 

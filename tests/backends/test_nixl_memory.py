@@ -235,3 +235,14 @@ def test_mooncake_refuses_device_memory_before_touching_its_engine() -> None:
     seg = np.array([[0x1000, 64]], dtype=np.int64)
     with pytest.raises(TransferError, match="device pools need NIXL"):
         backend.post_write(seg, seg, "peer", local_memory=vram(0))
+
+
+def test_the_staged_runtime_asks_for_a_mutex_worker_lock_unless_the_operator_chose() -> None:
+    from kvxferd.backends.nixl import UCX_MUTEX_ENV, prefer_mutex_worker_lock
+
+    env: dict[str, str] = {}
+    assert prefer_mutex_worker_lock(env) is True
+    assert env == {UCX_MUTEX_ENV: "y"}
+    chosen = {UCX_MUTEX_ENV: "n"}
+    assert prefer_mutex_worker_lock(chosen) is False
+    assert chosen == {UCX_MUTEX_ENV: "n"}  # the operator's choice stands

@@ -4,6 +4,7 @@ scatter, every byte verified."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from daemon_harness import assert_clean, move_each, opened, staged_backends, status
@@ -62,6 +63,10 @@ def test_requests_larger_than_the_buffer_move_in_rounds(
         assert staging["region_bytes"] == 4 * 256 * 1024
         assert staging["send_in_use_bytes"] == 0 and staging["recv_in_use_bytes"] == 0
         assert_clean(d)
+        # Over NIXL the staged daemons take UCX's worker lock as a mutex (the environment
+        # of the test leaves it to them); other backends leave UCX alone.
+        said = "UCX_USE_MT_MUTEX=y" in d.log_text()
+        assert said == (backend == "NIXL" and "UCX_USE_MT_MUTEX" not in os.environ)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
