@@ -167,11 +167,10 @@ class GenerationSide(_Side):
     _reported_at: float = field(default=0.0, init=False)
 
     def _notify(self, line: str) -> None:
-        # One write per loop turn, whatever the number of receives posted in it: a write
-        # per request woke the context engine once per request (--small at 32 in flight:
-        # a write syscall and a wake-up each, on the cores the daemons share).
-        # At most 8 at a time, as the daemons' own writes (CorkedWriter: a whole loop
-        # turn's worth at once makes the processes take turns instead of overlapping).
+        # Batched as the daemons batch their frames (CorkedWriter): a write per request woke
+        # the context engine once per request (a syscall and a wake-up each, on the cores
+        # the daemons share), and a whole loop turn's worth at once makes the processes take
+        # turns instead of overlapping; so at the end of the turn or every 8 lines.
         self._notices.append(line)
         if len(self._notices) >= CorkedWriter.FLUSH_AT_FRAMES:
             self._flush_notices()
