@@ -26,7 +26,6 @@ from kvxferd.integrations.vllm.launch import (
     Streamed,
     complete,
     connector_config,
-    make_tiny_model,
     start_vllm,
     stream_completion,
     token_ids,
@@ -265,9 +264,10 @@ def test_prefill_finds_its_restarted_daemon(dep: Any) -> None:
     assert _record(dep, "decode", _last_transfer(dep, "decode"))["status"] == "done"
 
 
-def test_no_daemon_at_start_up_is_a_clear_error(tmp_path: Path) -> None:
+def test_no_daemon_at_start_up_is_a_clear_error(dep: Any, tmp_path: Path) -> None:
     """vLLM started with no kvxferd daemon behind the socket exits, saying so."""
-    model = make_tiny_model(tmp_path / "model")
+    # The module's model (making one costs ~12 s on this host); none of its daemons.
+    model = dep.model_dir
     missing = str(tmp_path / "nobody-here.sock")
     server = start_vllm(
         "lonely",
