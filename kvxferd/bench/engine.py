@@ -175,7 +175,16 @@ class GenerationSide(_Side):
         if len(self._notices) >= CorkedWriter.FLUSH_AT_FRAMES:
             self._flush_notices()
         elif len(self._notices) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_notices)
+            asyncio.get_running_loop().call_soon(self._flush_at_turn_end)
+
+    def _flush_at_turn_end(self) -> None:
+        # A callback's exception would go to the loop's handler, not to the run: the
+        # context engine gone mid-run must fail the run, saying so.
+        try:
+            self._flush_notices()
+        except OSError as exc:
+            self._notices.clear()
+            self.fail(f"could not notify the context engine: {exc}")
 
     def _flush_notices(self) -> None:
         if self._notices:

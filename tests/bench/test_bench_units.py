@@ -117,3 +117,39 @@ def test_flags_build_the_configuration_a_user_would_write() -> None:
         from_flags("MOONCAKE", "PYTHON")
     with pytest.raises(BenchConfigError, match="--backend must be one of"):
         from_flags("RDMA", "CPP")
+
+
+def test_a_gone_context_engine_fails_the_generation_run_saying_so() -> None:
+    """The bench's generation engine batches its notifications to the context engine at the
+    end of a loop turn; a notify pipe whose reader is gone must fail the run with the
+    reason, not raise into the event loop's handler and leave the run to time out."""
+    import asyncio
+    import os
+
+    from kvxferd.bench.engine import GenerationSide
+    from kvxferd.memory.memfd import MemfdRegion
+
+    p = plan()
+    region = MemfdRegion.create(p.layout().pool_bytes, "bench-notify-test")
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the context engine is gone
+    loop_errors: list[dict[str, object]] = []
+    try:
+        side = GenerationSide(
+            None,  # type: ignore[arg-type]  # the client is not used by notifications
+            p, region, "pool", peer="ctx", notify_fd=write_fd, progress_fd=None, wait_s=1.0,
+        )  # fmt: skip
+
+        async def main() -> None:
+            asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+            side._notify("0 req-1")
+            await asyncio.sleep(0)  # the end of the loop turn: the batched write
+            await asyncio.sleep(0)
+
+        asyncio.run(main())
+    finally:
+        os.close(write_fd)
+        region.close()
+    assert loop_errors == []
+    assert "could not notify the context engine" in side.error, side.error
+    assert "Broken pipe" in side.error
