@@ -18,10 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from checkouts import kvxferd_json
 
 SITE = """import os, sys
 _v = os.environ.get("KVX_BENCH_SWITCH_INTERVAL")
@@ -31,14 +31,12 @@ if _v:
 
 
 def one_run(value: str, requests: int, site_dir: str) -> dict[str, float]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (site_dir, os.environ.get("PYTHONPATH")) if p)}
     if value != "default":
         env["KVX_BENCH_SWITCH_INTERVAL"] = value
-    cmd = [sys.executable, "-m", "kvxferd.cli", "bench", "--configs", "mpi-cpp", "--tokens",
-           "8000", "--requests", str(requests), "--json", "--no-progress"]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    row = json.loads(out)["results"][0]
+    args = ["bench", "--configs", "mpi-cpp", "--tokens", "8000", "--requests", str(requests),
+            "--json", "--no-progress"]  # fmt: skip
+    row = kvxferd_json(args, env=env, timeout=1800)["results"][0]
     return {k: float(row[k]) for k in ("gbps", "bare_gbps", "ratio_to_bare", "cpu_s_per_gb")}
 
 

@@ -26,9 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Any
+
+from checkouts import kvxferd_json
 
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]  # 32 KiB blocks
 FIELDS = {
@@ -43,19 +44,9 @@ FIELDS = {
 
 
 def bench(tree: str | None, in_flight: int, seconds: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kvxferd.cli", "bench", "--configs", "nixl-python", "--small",
-           *GEOMETRY, "--in-flight", str(in_flight), "--seconds", str(seconds), "--json",
-           "--no-progress"]  # fmt: skip
-    env, cwd = None, None
-    if tree is not None:
-        env, cwd = {**os.environ, "PYTHONPATH": tree}, tree
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, check=False, env=env, cwd=cwd
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} (in {cwd or '.'}): exit {done.returncode}\n"
-                         f"{done.stderr[-3000:]}")  # fmt: skip
-    row: dict[str, Any] = json.loads(done.stdout)["results"][0]
+    args = ["bench", "--configs", "nixl-python", "--small", *GEOMETRY, "--in-flight",
+            str(in_flight), "--seconds", str(seconds), "--json", "--no-progress"]  # fmt: skip
+    row: dict[str, Any] = kvxferd_json(args, tree, timeout=600)["results"][0]
     row["load"] = os.getloadavg()[0]
     return row
 

@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Any
+
+from checkouts import kvxferd_json
 
 CONFIGS = "nixl-python,nixl-cpp,ucx-cpp,mpi-cpp,mooncake-cpp"
 FIELDS = {
@@ -34,18 +35,9 @@ FIELDS = {
 
 
 def bench(tree: str | None, configs: str, requests: int) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "kvxferd.cli", "bench", "--configs", configs, "--tokens",
-           "8000", "--requests", str(requests), "--json", "--no-progress"]  # fmt: skip
-    env, cwd = None, None
-    if tree is not None:
-        env, cwd = {**os.environ, "PYTHONPATH": tree}, tree
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=1800, check=False, env=env, cwd=cwd
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} (in {cwd or '.'}): exit {done.returncode}\n"
-                         f"{done.stderr[-3000:]}")  # fmt: skip
-    rows: list[dict[str, Any]] = json.loads(done.stdout)["results"]
+    args = ["bench", "--configs", configs, "--tokens", "8000", "--requests", str(requests),
+            "--json", "--no-progress"]  # fmt: skip
+    rows: list[dict[str, Any]] = kvxferd_json(args, tree, timeout=1800)["results"]
     python = next((r["gbps"] for r in rows if r["config"] == "nixl-python"), None)
     for r in rows:
         r["vs_python"] = r["gbps"] / python if python else None

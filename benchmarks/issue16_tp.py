@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from typing import Any
+
+from checkouts import kvxferd_json
 
 PAIRS = [(1, 1), (1, 2), (2, 1)]
 MODES = {"bounce": ("--bounce-mb", "160"), "per-block": ()}
@@ -39,21 +39,13 @@ def demo(
     ctx_tp: int, gen_tp: int, mode: str, requests: int, base: str | None = None
 ) -> dict[str, Any]:
     flags = MODES[mode.removesuffix("@base")]
-    cmd = [sys.executable, "-m", "kvxferd.cli", "demo", "--json", "--runtime", "PYTHON",
-           "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), "--requests", str(requests),
-           *flags]  # fmt: skip
-    env, cwd = None, None
-    if mode.endswith("@base"):
-        assert base is not None
-        env, cwd = {**os.environ, "PYTHONPATH": base}, base
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, check=False, env=env, cwd=cwd
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    summary: dict[str, Any] = json.loads(done.stdout)
+    args = ["demo", "--json", "--runtime", "PYTHON", "--ctx-tp", str(ctx_tp), "--gen-tp",
+            str(gen_tp), "--requests", str(requests), *flags]  # fmt: skip
+    tree = base if mode.endswith("@base") else None
+    assert tree is not None or not mode.endswith("@base")
+    summary: dict[str, Any] = kvxferd_json(args, tree, timeout=900)
     if summary["verified"] != summary["requests"]:
-        raise SystemExit(f"{' '.join(cmd)}: not every request verified: {summary}")
+        raise SystemExit(f"kvxferd {' '.join(args)}: not every request verified: {summary}")
     return summary
 
 

@@ -1,0 +1,37 @@
+"""Running `kvxferd <command> --json` from this checkout or another one, for the benchmark
+scripts that compare a change with the commit before it in the same passes.
+
+Another checkout (`git worktree add DIR COMMIT`, sharing this .venv) is chosen by running
+from its directory with PYTHONPATH set to it: the editable install points at this tree, and
+PYTHONPATH comes first on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def kvxferd_json(
+    args: list[str],
+    tree: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """The JSON that `kvxferd *args` prints, run from `tree` (None: this checkout) with
+    `env` added to the environment; a non-zero exit stops the script with its stderr."""
+    cmd = [sys.executable, "-m", "kvxferd.cli", *args]
+    full_env = {**os.environ, **(env or {})}
+    if tree is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, full_env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, check=False, env=full_env, cwd=tree
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{' '.join(cmd)} (in {tree or '.'}): exit {done.returncode}\n{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout)
