@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from pathlib import Path
 
 import pytest
 
 from kvxferd.bench.configs import REGISTRY, BenchConfigError, from_flags, known_names, resolve
+from kvxferd.bench.engine import GenerationSide
 from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
 from kvxferd.bench.stats import Timing, busy_ns, percentile
+from kvxferd.memory.memfd import MemfdRegion
 
 
 def test_busy_time_is_the_union_of_intervals() -> None:
@@ -123,12 +127,6 @@ def test_a_gone_context_engine_fails_the_generation_run_saying_so() -> None:
     """The bench's generation engine batches its notifications to the context engine at the
     end of a loop turn; a notify pipe whose reader is gone must fail the run with the
     reason, not raise into the event loop's handler and leave the run to time out."""
-    import asyncio
-    import os
-
-    from kvxferd.bench.engine import GenerationSide
-    from kvxferd.memory.memfd import MemfdRegion
-
     p = plan()
     region = MemfdRegion.create(p.layout().pool_bytes, "bench-notify-test")
     read_fd, write_fd = os.pipe()
