@@ -198,6 +198,12 @@ def summary(doc: dict[str, Any]) -> str:
     bounce = doc.get("bounce")
     if bounce:
         lines.append(f"  bounce: {json.dumps(bounce, sort_keys=True)}")
+    lent = (doc.get("staging") or {}).get("recv_lent_bytes")
+    if lent:
+        lines.append(
+            f"  staging: {lent} receive byte(s) still lent to the transport after their "
+            "request ended (an MPI message under way when its peer went)"
+        )
     loop = doc.get("event_loop", {})
     lines.append(
         f"  event loop lag: {loop.get('lag_ms')} ms (max {loop.get('max_lag_ms')} ms recently)"

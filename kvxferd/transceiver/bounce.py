@@ -408,6 +408,9 @@ class BounceBuffers:
         self.gathers = 0
         self.scatters = 0
         self.one_sided_legs = 0
+        # Receive bytes whose request ended while the transport may still write them (MPI
+        # mid-message: staged_rx.py), counted in recv_in_use_bytes until it lets go.
+        self.recv_lent_bytes = 0
 
     async def gather(
         self,
@@ -454,6 +457,7 @@ class BounceBuffers:
             "memory": "vram" if self.memory.on_device else "host",
             "send_in_use_bytes": self.send.in_use_bytes,
             "recv_in_use_bytes": self.recv.in_use_bytes,
+            "recv_lent_bytes": self.recv_lent_bytes,
             "send_reservations": self.send.reservations,
             "recv_reservations": self.recv.reservations,
             "reservations_made": self.reservations_made,

@@ -234,9 +234,10 @@ class StagedReceive:
         the receive ends: its staging reservation is released only once the transport let
         go of every one (it may still be writing there), not with the session."""
         res, leg.res = leg.res, None
-        region = self.bounce.recv
+        bounce = self.bounce
         assert res is not None
         left = len(receives)
+        bounce.recv_lent_bytes += res.nbytes
 
         def done(fut: asyncio.Future[Any]) -> None:
             nonlocal left
@@ -249,7 +250,8 @@ class StagedReceive:
                 return
             left -= 1
             if left == 0:
-                region.release(res)
+                bounce.recv_lent_bytes -= res.nbytes
+                bounce.recv.release(res)
 
         for recv in receives:
             recv.add_done_callback(done)

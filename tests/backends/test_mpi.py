@@ -20,6 +20,8 @@ import pytest
 from twosided_harness import MIB, REPO, connected, connected_pair, wait_until
 from twosided_harness import MpiChild as Child
 
+from kvxferd.backends.mpi.transport import DRAIN_S
+
 if (_untestable := Child.untestable()) is not None:
     pytest.skip(_untestable, allow_module_level=True)
 
@@ -83,6 +85,75 @@ def test_receiver_killed_fails_the_pending_send(pair: tuple[Child, Child]) -> No
     assert time.monotonic() - killed < 10
     res = tx.call("send", peer=rx.key, tag=6, size=10, seed=6)
     assert res["error"] == "PeerLostError", res
+    # MPI never ends that send; once the dead peer's end of the link came, it is given up.
+    wait_until(lambda: tx.ok("info")["requests_in_progress"] == 0, 10, "the send given up")
+
+
+def _stopped_mid_message(rx: Child, tx: Child, tag: int, deadline: float) -> int:
+    """A large message from tx under way into rx's recv, then tx stopped (SIGSTOP) with
+    part of it landed; returns the recv's id."""
+    size = 512 * MIB
+    assert tx.event(tx.submit("send", peer=rx.key, tag=tag, size=size, seed=tag)) == "sending"
+    recv = rx.submit("recv", peer=tx.key, tag=tag, size=size, deadline=deadline, keep=f"m{tag}")
+    wait_until(lambda: rx.ok("touched", keep=f"m{tag}")["touched"], 30, "the payload arriving")
+    tx.proc.send_signal(signal.SIGSTOP)
+    with pytest.raises(AssertionError, match="no answer"):
+        rx.wait(recv, timeout=0.2)  # mid-message: stopped before it all came
+    return recv
+
+
+def test_a_sender_killed_mid_message_gives_the_receive_buffer_back(
+    pair: tuple[Child, Child],
+) -> None:
+    """The recv fails at once, its buffer lent to MPI; once the sender's process is gone
+    nothing more can land there, and the buffer comes back. Nothing spins meanwhile:
+    MPI never ends that receive (nor a send to a dead peer), and testing it back to back
+    held a core for good."""
+    rx, tx = pair
+    recv = _stopped_mid_message(rx, tx, tag=11, deadline=60)
+    tx.proc.send_signal(signal.SIGKILL)
+    tx.proc.wait()
+    res = rx.wait(recv, timeout=15)
+    assert res["error"] == "PeerLostError" and res["lent"], res
+    wait_until(lambda: not rx.ok("lent", target=recv)["lent"], 15, "the buffer coming back")
+    assert rx.ok("info")["requests_in_progress"] == 0
+    assert rx.ok("idle_cpu", seconds=1.0)["percent"] < 25
+
+
+def test_a_sender_stopped_mid_message_keeps_the_buffer_lent_until_it_finishes(
+    pair: tuple[Child, Child],
+) -> None:
+    """Past its stall grace the recv fails and rx closes the link, but a stopped sender's
+    MPI goes on sending once it resumes: the buffer stays lent until the message is in."""
+    rx, tx = pair
+    recv = _stopped_mid_message(rx, tx, tag=12, deadline=3)
+    try:
+        res = rx.wait(recv, timeout=30)  # stall_grace_s (2 s) past its deadline
+        assert res["error"] == "PeerLostError" and "stalled" in res["msg"] and res["lent"], res
+        wait_until(lambda: rx.ok("info")["peers"] == [], 10, "rx closing the link")
+        time.sleep(2 * DRAIN_S)  # what a dead sender's link would have had
+        assert rx.ok("lent", target=recv)["lent"]
+    finally:
+        tx.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: not rx.ok("lent", target=recv)["lent"], 60, "the message finishing")
+    assert rx.ok("info")["requests_in_progress"] == 0
+
+
+def test_a_sender_stopped_then_killed_mid_message_gives_the_buffer_back(
+    pair: tuple[Child, Child],
+) -> None:
+    """rx gives a stopped sender's link up (its GAVE_UP unread there); the sender then dies,
+    and its kernel resets the connection rather than closing it: that is its end too."""
+    rx, tx = pair
+    recv = _stopped_mid_message(rx, tx, tag=13, deadline=3)
+    res = rx.wait(recv, timeout=30)
+    assert res["error"] == "PeerLostError" and "stalled" in res["msg"] and res["lent"], res
+    wait_until(lambda: rx.ok("info")["peers"] == [], 10, "rx closing the link")
+    assert rx.ok("lent", target=recv)["lent"]
+    tx.proc.send_signal(signal.SIGKILL)
+    tx.proc.wait()
+    wait_until(lambda: not rx.ok("lent", target=recv)["lent"], 15, "the buffer coming back")
+    assert rx.ok("info")["requests_in_progress"] == 0
 
 
 def test_removed_peer_fails_pending_receives_and_tells_the_peer(

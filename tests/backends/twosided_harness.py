@@ -87,6 +87,7 @@ def _mpi_info(transport: Any) -> dict[str, Any]:
         "peers": transport.peers(),
         "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
         "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
+        "requests_in_progress": transport.requests_in_progress(),
     }
 
 
@@ -116,6 +117,8 @@ async def child_main(
     transport = make_transport(name, incarnation)
     buffers: dict[str, bytearray] = {}
     running: dict[int, asyncio.Task[None]] = {}
+    # Failed calls whose buffer the transport keeps lent, by id: until when.
+    lent: dict[int, asyncio.Future[Any]] = {}
 
     def answer(msg: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -144,6 +147,10 @@ async def child_main(
             return res
         if op == "untouched":
             return {"untouched": buffers[cmd["keep"]].count(SENTINEL) == len(buffers[cmd["keep"]])}
+        if op == "touched":
+            return {"touched": buffers[cmd["keep"]].count(SENTINEL) < len(buffers[cmd["keep"]])}
+        if op == "lent":
+            return {"lent": not lent[cmd["target"]].done()}
         if op == "digest":
             return {"digest": hashlib.sha256(buffers[cmd["keep"]]).hexdigest()}
         if op == "cancel":
@@ -171,7 +178,10 @@ async def child_main(
         except (Exception, asyncio.CancelledError) as exc:
             res = {"ok": False, "error": type(exc).__name__, "msg": str(exc)}
             # The transport says it may still write `out` (twosided.lent_until).
-            res["lent"] = lent_until(exc) is not None
+            until = lent_until(exc)
+            res["lent"] = until is not None
+            if until is not None:
+                lent[cmd["id"]] = until
             if "keep" in cmd and cmd["keep"] in buffers:
                 # The buffer as it was when the call returned.
                 res["digest"] = hashlib.sha256(buffers[cmd["keep"]]).hexdigest()
@@ -324,5 +334,9 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    if os.environ.get("KVXFERD_HARNESS_LOG"):  # a child's transport log, when debugging
+        import logging
+
+        logging.basicConfig(level=os.environ["KVXFERD_HARNESS_LOG"])
     _make, _answer_info = TRANSPORTS[sys.argv[2]]
     asyncio.run(child_main(sys.argv[3], sys.argv[4], _make, _answer_info))

@@ -22,7 +22,19 @@ receive from the other. Why TCP beside MPI:
   TCP connection stays open for the life of the link; the kernel closes it
   when the peer dies, and its EOF marks the link lost, which fails that
   peer's pending sends and receives with PeerLostError within milliseconds.
-  remove_peer closes it, which tells the peer.
+
+After the rendezvous the connection carries one byte and its end:
+
+* GAVE_UP: the side that writes it gave the link up (remove_peer, a stalled
+  message, a malformed header, the transport closed). The peer marks the link
+  lost at once.
+* EOF: the writer is done with this link's MPI. A side closes its end only
+  once it gave the link up AND none of its payload sends or receives on it is
+  still pending (MPI can abort neither once under way: a stopped sender's send
+  goes on when it resumes, and the receive it feeds must take it); the kernel
+  closes (or resets) it when the process dies. So nothing more can land in the reader's
+  receives still pending on the link, nor will its sends ever be taken:
+  transport.py gives them up, and their buffers back (`Link.finished`).
 
 The frames are in wire.py.
 """
@@ -51,6 +63,8 @@ log = logging.getLogger("kvxferd.backends.mpi")
 
 # How long a listener waits for a connecting peer's hello, and for its MPI side.
 HELLO_TIMEOUT_S = 10.0
+# A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
+_MAX_AFTER_LINK = 4096
 
 # Run (under mpiexec when there is one) to end an MPI_Comm_accept whose peer
 # never connected: connecting completes it. Exits without MPI_Finalize.
@@ -118,10 +132,61 @@ class Link:
     header_cancelled: bool = False
     last_tag: int = 0
     watcher: asyncio.Task[None] | None = None
+    # Our payload requests on the link (sends and receives) that MPI has not ended, by
+    # their progress futures (transport.py): our end of the connection stays open while
+    # any is (the module docstring says why).
+    pending: set[asyncio.Future[int]] = field(default_factory=set)
+    # We gave the link up (GAVE_UP written) / wrote our EOF / read the peer's EOF.
+    given_up: bool = False
+    eof_sent: bool = False
+    finished: bool = False
 
     def next_tag(self) -> int:
         self.last_tag = wire.next_data_tag(self.last_tag, self.tag_ub)
         return self.last_tag
+
+    def started(self, done: asyncio.Future[int]) -> None:
+        """A payload request on the link, pending until `done`."""
+        self.pending.add(done)
+        done.add_done_callback(self._ended)
+
+    def _ended(self, done: asyncio.Future[int]) -> None:
+        self.pending.discard(done)
+        if self.given_up:
+            self._end_if_idle()
+
+    def give_up(self) -> None:
+        """Tell the peer the link is lost (GAVE_UP, unless its end already came); our EOF
+        follows once no send of ours is in flight on it."""
+        if self.given_up:
+            return
+        self.given_up = True
+        if not self.finished and not self.writer.is_closing():
+            with contextlib.suppress(Exception):  # its end is gone: nothing to tell
+                self.writer.write(wire.GAVE_UP)
+        self._end_if_idle()
+
+    def peer_ended(self) -> None:
+        """The peer's EOF was read: nothing more comes over this link's MPI."""
+        self.finished = True
+        if self.eof_sent:
+            self.writer.close()
+        else:
+            self.give_up()
+
+    def _end_if_idle(self) -> None:
+        # Half-closed, not closed: the watcher goes on reading until the peer's end, and
+        # a closed socket would read as that end. Closed once both ends came.
+        if self.pending or self.eof_sent:
+            return
+        self.eof_sent = True
+        if self.finished:
+            self.writer.close()
+            return
+        try:
+            self.writer.write_eof()
+        except Exception:
+            self.writer.close()
 
 
 @dataclass(eq=False)
@@ -155,10 +220,12 @@ class Links:
         key: str,
         runtime: Callable[[], Awaitable[Runtime]],
         on_link: Callable[[], None],
+        on_finished: Callable[[Link], None],
     ) -> None:
         self.key = key
         self._runtime = runtime
         self._on_link = on_link
+        self._on_finished = on_finished
         self.peers: dict[str, Peer] = {}
         self.closed = False
         self._server: asyncio.base_events.Server | None = None
@@ -411,33 +478,53 @@ class Links:
         self._on_link()
 
     async def _watch(self, peer: Peer, link: Link, reader: asyncio.StreamReader) -> None:
-        """The TCP connection's end is the link's end (the peer died, or closed it)."""
+        """Read the peer's end of the connection: GAVE_UP or its end marks the link lost;
+        its end (EOF) also marks it finished (see the module docstring)."""
+        extra = 0
         try:
-            data = await reader.read(1)
-            reason = (
-                "the peer sent data on the MPI rendezvous connection"
-                if data
-                else "the peer closed the connection (exited, died, or removed us)"
-            )
-        except (ConnectionError, OSError) as exc:
-            reason = f"the connection to the peer failed ({exc})"
+            while data := await reader.read(64):
+                if data[:1] == wire.GAVE_UP and extra == 0:
+                    self._lost(peer, link, "the peer gave the link up")
+                else:
+                    self._lost(peer, link, "the peer sent data on the MPI rendezvous connection")
+                extra += len(data)
+                if extra > _MAX_AFTER_LINK:
+                    # Not a kvxferd peer: what it does with MPI is unknown, so unfinished.
+                    link.writer.close()
+                    return
+        except ConnectionResetError:
+            # Its end too: a process that dies with bytes unread (our GAVE_UP, when it was
+            # stopped) is reset rather than closed; a live kvxferd peer resets only once
+            # done with the link's MPI (it then has nothing pending).
+            self._lost(peer, link, "the peer reset the connection (died, or closed)")
+        except OSError as exc:
+            # Not its end (a timeout, an unreachable host): whether its MPI still sends
+            # cannot be told, so the link is never finished.
+            self._lost(peer, link, f"the connection to the peer failed ({exc})")
+            link.writer.close()
+            return
         except asyncio.CancelledError:
             return
+        else:
+            self._lost(peer, link, "the peer closed the connection (exited, died, or removed us)")
+        link.peer_ended()
+        self._on_finished(link)
+
+    def _lost(self, peer: Peer, link: Link, reason: str) -> None:
         if link.lost is None:
             link.lost = reason
             log.info("MPI: link to %s lost: %s", shown(peer.key), shown(reason, TEXT_LIMIT))
-        link.writer.close()
+        link.give_up()
 
     def drop_links(self, peer: Peer, reason: str, writer: Any = None) -> None:
-        """Close the peer's links (only the one over `writer`, if given): tells the peer."""
+        """Give the peer's links up (only the one over `writer`, if given): tells the peer.
+        Their watchers go on reading, to learn when nothing more can come over them."""
         for link in peer.links:
             if writer is not None and link.writer is not writer:
                 continue
             if link.lost is None:
                 link.lost = reason
-            link.writer.close()  # tells the peer
-            if link.watcher is not None:
-                link.watcher.cancel()
+            link.give_up()
             if link.header_req is not None:
                 # Unmatched: cancelled at once. Matched: its header lands in our
                 # own buffer; either way nobody waits for it (transport.py's
@@ -477,5 +564,12 @@ class Links:
             task.cancel()
 
     def drop_all(self, reason: str) -> None:
+        """Give every link up and stop watching them (the transport is closing)."""
         for key in list(self.peers):
-            self.drop_links(self.peers.pop(key), reason)
+            peer = self.peers.pop(key)
+            self.drop_links(peer, reason)
+            for link in peer.links:
+                if link.watcher is not None:
+                    link.watcher.cancel()
+                if not link.pending:
+                    link.writer.close()

@@ -13,8 +13,18 @@ the event loop keeps running beside it.
 A request given to the thread stays with it until MPI completes it, whatever
 the caller does meanwhile: its future is also how long its buffer stays lent to
 MPI (transport.py: a receive given up mid-message keeps its staging bytes lent
-until then). MPI_THREAD_MULTIPLE (bootstrap.py) allows MPI calls from this
-thread beside the event loop's; no request is touched by both.
+until then). Two exceptions, both decided by transport.py:
+
+* a request its caller gave up on (its peer lost) is `demote`d: tested every
+  `_SLOW_PERIOD_S`, not back to back. MPI never ends a request whose peer died
+  mid-message, and testing one without pause held a core for good.
+* a request whose peer is done with the link (link.py: its end of the
+  connection closed) is `forsake`n: dropped with an error, its request and
+  buffer kept referenced for the life of the process (MPI still holds them,
+  but nothing more arrives for a receive, and nobody takes a send).
+
+MPI_THREAD_MULTIPLE (bootstrap.py) allows MPI calls from this thread beside
+the event loop's; no request is touched by both.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from typing import Any
 # issue 16): spinning moves the most; MPI over shared memory needs both sides
 # to call in while the bytes move.
 _PASS_PAUSE_S = 0.0
+# A demoted request is tested this often (each test also drives MPI for every link).
+_SLOW_PERIOD_S = 0.001
 
 
 @dataclass(eq=False)
@@ -40,6 +52,8 @@ class _Watched:
     keep: object  # the buffers MPI uses, alive as long as it may
     fut: asyncio.Future[int]
     loop: asyncio.AbstractEventLoop
+    slow: bool = False
+    next_test: float = 0.0
 
 
 class Progress:
@@ -49,6 +63,11 @@ class Progress:
         self._MPI = MPI
         self._cond = threading.Condition()
         self._new: list[_Watched] = []
+        # Futures the event loop demoted (None) or forsook (the error to settle them with).
+        self._orders: dict[asyncio.Future[int], BaseException | None] = {}
+        # Forsaken requests and their buffers: MPI may hold them for good.
+        self._forsaken: list[tuple[list[Any], object]] = []
+        self._held = 0
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -72,6 +91,24 @@ class Progress:
             self._cond.notify()
         return fut
 
+    def demote(self, fut: asyncio.Future[int]) -> None:
+        """Its caller gave up on that request: test it only every `_SLOW_PERIOD_S`."""
+        with self._cond:
+            self._orders.setdefault(fut, None)
+            self._cond.notify()
+
+    def forsake(self, fut: asyncio.Future[int], error: BaseException) -> None:
+        """That request can never end (its peer is done with the link): stop testing it
+        and fail its future with `error`. A receive's buffer is the caller's again."""
+        with self._cond:
+            self._orders[fut] = error
+            self._cond.notify()
+
+    @property
+    def held(self) -> int:
+        """Requests the thread tests (demoted included; forsaken ones not)."""
+        return self._held
+
     def close(self) -> None:
         """Stop the thread once it holds no request (requests MPI never completes keep
         it, a daemon thread, until the process exits)."""
@@ -90,15 +127,46 @@ class Progress:
                     self._cond.wait()
                 held.extend(self._new)
                 self._new.clear()
-            _one_pass(MPI, held)
-            time.sleep(_PASS_PAUSE_S)  # lets the event loop's thread take the GIL
+                orders, self._orders = self._orders, {}
+            if orders:
+                self._obey(held, orders)
+            busy = _one_pass(MPI, held, time.monotonic())
+            self._held = len(held)
+            if busy:
+                time.sleep(_PASS_PAUSE_S)  # lets the event loop's thread take the GIL
+            else:
+                with self._cond:  # only demoted requests: a new one wakes it at once
+                    if not self._new and not self._orders:
+                        self._cond.wait(_SLOW_PERIOD_S)
+
+    def _obey(
+        self, held: list[_Watched], orders: dict[asyncio.Future[int], BaseException | None]
+    ) -> None:
+        for w in list(held):
+            if w.fut not in orders:
+                continue
+            error = orders[w.fut]
+            if error is None:
+                w.slow = True
+                continue
+            held.remove(w)
+            self._forsaken.append((w.reqs, w.keep))
+            _settle(w, 0, error)
 
 
-def _one_pass(MPI: Any, held: list[_Watched]) -> None:
-    """Test every held request once; settle and drop those that ended. A function of its
+def _one_pass(MPI: Any, held: list[_Watched], now: float) -> bool:
+    """Test every held request once (a demoted one only when its turn came); settle and
+    drop those that ended. True while a request not demoted is held. A function of its
     own so that no finished request (nor the buffer it kept) stays referenced from the
     thread's frame: a staging region cannot be unmapped while a view of it lives."""
+    busy = False
     for w in list(held):
+        if w.slow:
+            if now < w.next_test:
+                continue
+            w.next_test = now + _SLOW_PERIOD_S
+        else:
+            busy = True
         try:
             one = len(w.reqs) == 1
             done = w.reqs[0].Test(w.status) if one else MPI.Request.Testall(w.reqs)
@@ -110,6 +178,7 @@ def _one_pass(MPI: Any, held: list[_Watched]) -> None:
             held.remove(w)
             count = 0 if w.status is None else int(w.status.Get_count(MPI.BYTE))
             _settle(w, count, None)
+    return busy
 
 
 def _settle(w: _Watched, count: int, error: BaseException | None) -> None:

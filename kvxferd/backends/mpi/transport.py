@@ -15,12 +15,14 @@ An MPI receive cannot be taken back once it has matched a message (MPI_Cancel
 only cancels unmatched ones) and, as link.py says, one from a dead peer never
 ends. So a recv that gives up mid-payload (the peer lost or stalled, see
 below) raises an error whose `out_lent_until` (twosided.lent_until) is a
-future that completes only once MPI is done with `out` (never, if the peer
-died mid-message): until then `out` stays lent to MPI, and the staged runtime
-keeps that reservation out of use. A recv cancelled mid-payload waits up to
-`stall_grace_s` for it, then closes the link; MPI may still write into `out`
-after that, which is why the staged runtime never cancels a recv (it leaves
-it to end by itself).
+future that completes only once MPI is done with `out`, or once the peer is
+done with the link (link.py: its end of the TCP connection came, which a
+dead peer's kernel sends) and DRAIN_S passed for what it sent before to
+land: the request is then given up (progress.py, forsake). Until then `out`
+stays lent to MPI, and the staged runtime keeps that reservation out of use.
+A recv cancelled mid-payload waits up to `stall_grace_s` for it, then closes
+the link; MPI may still write into `out` after that, which is why the staged
+runtime never cancels a recv (it leaves it to end by itself).
 
 The deadline bounds the wait for the header; a message whose header came in
 time gets `stall_grace_s` more to arrive whole, after which the link is
@@ -43,7 +45,9 @@ Progress
 MPI moves data only inside MPI calls. Payloads (both directions) are driven
 by a progress thread (progress.py) that tests them back to back while any
 moves and resolves their futures on the loop; the event loop only awaits
-those futures, looking every few milliseconds whether the link was lost.
+those futures, looking every few milliseconds whether the link was lost. A
+request given up on a lost link is tested only once a millisecond (MPI never
+ends one whose peer died), and not at all once its peer's end came.
 Headers, rendezvous and late messages stay on the loop (MPI_Comm_accept/
 connect in threads of their own; MPI_THREAD_MULTIPLE): a recv waiting for
 its header yields to the loop for a few tests, then tests once every
@@ -87,6 +91,9 @@ _CHECK_S = 0.005
 _LOST_GRACE_S = 0.1
 # Receives abandoned for a peer that is gone may never end: look at them rarely.
 _STUCK_PERIOD_S = 0.5
+# After a link's peer closed its end, what it sent before lands within this; receives
+# still pending on the link are then given up (their buffers come back).
+DRAIN_S = 1.0
 
 
 def _lent(exc: TransferError, done: asyncio.Future[int]) -> TransferError:
@@ -135,7 +142,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         if len(self.key.encode()) > wire.MAX_FIELD:
             raise StartupError(f"MPI peer key {self.key[:40]!r}... is too long")
         self._rt: Runtime | None = None
-        self._links = Links(self.key, self._runtime, self._start_ticker)
+        self._links = Links(self.key, self._runtime, self._start_ticker, self._link_finished)
         self._zombies: list[_Zombie] = []
         self._ticker: asyncio.Task[None] | None = None
         self._progress: Progress | None = None
@@ -218,7 +225,9 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         except Exception as exc:
             self._park(reqs, [header, payload], peer, link)
             raise self._mpi_error(exc, peer, link, what) from exc
-        done = self._progress_of(rt).watch(reqs, keep=(header, payload))
+        progress = self._progress_of(rt)
+        done = progress.watch(reqs, keep=(header, payload))
+        link.started(done)  # our end of the link stays open until MPI ends it (link.py)
         try:
             while True:
                 await asyncio.wait({done}, timeout=_CHECK_S)
@@ -231,6 +240,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                 if link.lost is not None or self._links.peers.get(peer_key) is not peer:
                     # The request stays with the progress thread until MPI ends it.
                     done.add_done_callback(_retrieved)
+                    progress.demote(done)
                     raise PeerLostError(
                         f"MPI {what} to {peer_key}: peer lost ({link.lost or 'removed'})"
                     )
@@ -256,6 +266,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             self._stall_grace_s,
         )
         self._links.drop_links(peer, "a cancelled send did not finish", link.writer)
+        self._progress_of(self._rt_now()).demote(done)
 
     def _progress_of(self, rt: Runtime) -> Progress:
         if self._progress is None:
@@ -324,7 +335,11 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         limit = (
             math.inf if deadline == math.inf else max(deadline, loop.time()) + self._stall_grace_s
         )
-        done = self._progress_of(rt).watch([req], MPI.Status(), keep=target)
+        progress = self._progress_of(rt)
+        done = progress.watch([req], MPI.Status(), keep=target)
+        link.started(done)
+        if link.finished:
+            self._link_finished(link)  # its peer sent all it ever will: bounded wait
         lost_at: float | None = None
         try:
             while True:
@@ -337,6 +352,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                     # its send returned) may still be here: a moment to take it.
                     lost_at = loop.time()
                 if removed or (lost_at is not None and loop.time() - lost_at > _LOST_GRACE_S):
+                    progress.demote(done)
                     raise _lent(
                         PeerLostError(
                             f"MPI {what} from {peer.key}: peer lost mid-message "
@@ -346,6 +362,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                     )
                 if loop.time() > limit:
                     self._links.drop_links(peer, "a message stalled", link.writer)
+                    progress.demote(done)
                     raise _lent(
                         PeerLostError(
                             f"MPI {what} from {peer.key}: stalled mid-message "
@@ -380,6 +397,38 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             self._stall_grace_s,
         )
         self._links.drop_links(peer, "a cancelled recv did not finish", link.writer)
+        self._progress_of(self._rt_now()).demote(done)
+
+    def _rt_now(self) -> Runtime:
+        assert self._rt is not None  # a request was posted
+        return self._rt
+
+    def _link_finished(self, link: Link) -> None:
+        """The peer's end of the link closed: it is done with the link's MPI (link.py).
+        What it sent before lands within DRAIN_S (the progress thread and the tick keep
+        driving MPI); payload requests still pending then can never end, and are given up:
+        a receive's buffer is ours again, a send no longer tested."""
+        if link.pending:
+            asyncio.get_running_loop().call_later(DRAIN_S, self._forsake, link)
+
+    def _forsake(self, link: Link) -> None:
+        if self._progress is None or not link.pending:
+            return
+        log.info(
+            "MPI: %d message(s) under way when the peer ended its link (%s) given up",
+            len(link.pending),
+            link.lost,
+        )
+        for done in list(link.pending):
+            done.add_done_callback(_retrieved)  # its caller may have gone already
+            self._progress.forsake(
+                done,
+                PeerLostError(f"MPI: the peer ended the link mid-message ({link.lost})"),
+            )
+
+    def requests_in_progress(self) -> int:
+        """Payload requests MPI has not ended that the progress thread still tests."""
+        return 0 if self._progress is None else self._progress.held
 
     def _pump(self, peer: Peer, rt: Runtime) -> None:
         """Read the headers that arrived from the peer into its pending table."""
@@ -397,7 +446,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                 except Exception as exc:
                     if link.lost is None:
                         link.lost = f"MPI error reading a header ({exc})"
-                        link.writer.close()
+                    link.give_up()
                     link.header_req = None
                     break
                 link.header_req = None

@@ -25,11 +25,14 @@ from kvxferd.errors import StartupError, TransferError
 
 # The TCP rendezvous: frames of magic, version, kind, then length-prefixed fields.
 _MAGIC = b"KVXM"
-_VERSION = 1
+# 2: after the rendezvous, GAVE_UP and the connection's end mean what link.py says.
+_VERSION = 2
 _FRAME_HEAD = struct.Struct("!4sBBB")  # magic, version, kind, number of fields
 _FIELD_LEN = struct.Struct("!H")
 MAX_FIELD = 4096
 HELLO, ACK, READY = 1, 2, 3
+# After the rendezvous, the one byte a side writes when it gives the link up.
+GAVE_UP = b"L"
 
 # Per message, tag 0 on the intercommunicator: magic, 64-bit tag, size, data tag.
 _HEADER = struct.Struct("<4sQQI")
