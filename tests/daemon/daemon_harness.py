@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.backends import registry
+from kvxferd.bench.cpu import cpu_seconds
 from kvxferd.client import AsyncClient, CallError, Outcome
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
@@ -241,6 +242,16 @@ def assert_clean(*daemons: DaemonProc) -> None:
         assert doc["admission"]["in_flight_blocks"] == 0 and doc["admission"]["waiting"] == 0
         if doc["engines"] == 0:
             assert doc["pools"] == []
+
+
+def core_share(daemon: DaemonProc, seconds: float = 1.0) -> float:
+    """The share of one core the daemon used over `seconds` (utime + stime, /proc): what
+    tells a survivor still spinning on something its dead peer left behind."""
+    before, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
+    time.sleep(seconds)
+    after, t1 = cpu_seconds(daemon.proc.pid), time.monotonic()
+    assert before is not None and after is not None, f"{daemon.name} is gone"
+    return (after - before) / (t1 - t0)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "") -> None:

@@ -34,6 +34,7 @@ from daemon_harness import (
     SimEngine,
     assert_clean,
     blocks_untouched,
+    core_share,
     delivered,
     healthy,
     logged,
@@ -145,10 +146,11 @@ async def _a_new_peer_is_served(
 
 
 def _assert_survived(daemon: DaemonProc) -> None:
-    """Nothing left behind, still healthy, nothing raised."""
+    """Nothing left behind, still healthy, nothing raised, nothing spinning (idle: 0-4 %)."""
     assert_clean(daemon)
     assert healthy(daemon)
     assert "Traceback" not in daemon.log_text()
+    assert core_share(daemon) < 0.15
 
 
 def _kill_mid_transfer(cluster: LocalCluster, victim_role: str) -> None:

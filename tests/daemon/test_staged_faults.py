@@ -20,6 +20,7 @@ import pytest
 from daemon_harness import (
     GEOMETRY,
     assert_clean,
+    core_share,
     opened,
     peer_names,
     staged_backends,
@@ -31,7 +32,6 @@ from daemon_harness import (
 )
 from test_faults import PEER_FAILURES
 
-from kvxferd.bench.cpu import cpu_seconds
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
 TPB = int(GEOMETRY["tokens_per_block"])
@@ -157,15 +157,6 @@ def _kill_mid_transfer(
     return survivor, result["outcomes"]
 
 
-def _idle_share(daemon: DaemonProc, seconds: float = 1.0) -> float:
-    """The share of one core the daemon used over `seconds` (utime + stime, /proc)."""
-    before, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
-    time.sleep(seconds)
-    after, t1 = cpu_seconds(daemon.proc.pid), time.monotonic()
-    assert before is not None and after is not None, "the daemon is gone"
-    return (after - before) / (t1 - t0)
-
-
 def _check_outcomes(outcomes: dict[str, Any], allowed: Any) -> None:
     """Every outcome is done (finished before the kill) or allowed; one was cut mid-way."""
     for o in outcomes.values():
@@ -202,7 +193,7 @@ def test_context_daemon_killed_mid_transfer(cluster: LocalCluster, backend: str)
     assert status(gen)["staging"]["recv_lent_bytes"] == 0
     # Nothing left spinning: the MPI receive that never ends was tested back to back (0.32
     # of a core here, for good); idle daemons use 0-4 %.
-    assert _idle_share(gen) < 0.15
+    assert core_share(gen) < 0.15
 
 
 def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster, backend: str) -> None:
@@ -219,4 +210,4 @@ def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster, backend: s
     _staging_idle(ctx)
     assert_clean(ctx)
     assert "Traceback" not in ctx.log_text()
-    assert _idle_share(ctx) < 0.15
+    assert core_share(ctx) < 0.15
