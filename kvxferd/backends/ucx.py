@@ -107,8 +107,10 @@ import logging
 import math
 import os
 import struct
+from collections.abc import Awaitable
 from typing import Any
 
+from kvxferd.backends import ucx_peer_info
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import (
@@ -200,12 +202,14 @@ def _load() -> Any:
         ucx_log.addFilter(_PeerGoneFilter())
     try:
         # importlib keeps the untyped package out of mypy's sight.
-        return importlib.import_module("ucxx")
+        ucxx = importlib.import_module("ucxx")
     except (ImportError, OSError) as exc:
         raise BackendUnavailableError(
             f"backend UCX needs the ucxx-cu12 package, which does not import ({exc}); "
             + _INSTALL_HINT
         ) from exc
+    ucx_peer_info.install()  # ucxx's own frees a buffer UCX may still write (its docstring)
+    return ucxx
 
 
 def progress_mode() -> str:
@@ -349,6 +353,8 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         self._peers: dict[str, list[Any]] = {}
         self._drainer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Hello sends and receives that outlived their wait (_bounded): never cancelled.
+        self._stranded: set[asyncio.Future[Any]] = set()
         self._closed = False
 
     # -- set-up ------------------------------------------------------------
@@ -412,14 +418,14 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         key = None
         try:
             hello = bytearray(_HELLO_BYTES)
-            await asyncio.wait_for(ep.recv(hello, tag=_HELLO_TAG), HELLO_TIMEOUT_S)
+            await self._bounded(ep.recv(hello, tag=_HELLO_TAG), HELLO_TIMEOUT_S)
             key = _decode_hello(hello)
             if self._closed:
                 raise TransferError("transport closed")
             self._register(key, ep)
             # Registered before the ack: once connect() returns on the other
             # side, our recv() for that peer finds the endpoint.
-            await asyncio.wait_for(ep.send(self._hello, tag=_ACK_TAG), HELLO_TIMEOUT_S)
+            await self._bounded(ep.send(self._hello, tag=_ACK_TAG), HELLO_TIMEOUT_S)
         except Exception as exc:
             # Before the peer channel vouched for it: the key is whatever was sent.
             log.warning(
@@ -449,10 +455,10 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
             )
         try:
             ack = bytearray(_HELLO_BYTES)
-            await asyncio.wait_for(
+            await self._bounded(
                 ep.send(self._hello, tag=_HELLO_TAG), max(deadline - loop.time(), 0.001)
             )
-            await asyncio.wait_for(ep.recv(ack, tag=_ACK_TAG), max(deadline - loop.time(), 0.001))
+            await self._bounded(ep.recv(ack, tag=_ACK_TAG), max(deadline - loop.time(), 0.001))
             got = _decode_hello(ack)
         except BaseException as exc:
             self._abort(ep)
@@ -471,6 +477,31 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
                 "address was reused)"
             )
         self._register(peer_key, ep)
+
+    async def _bounded(self, call: Awaitable[Any], timeout_s: float) -> Any:
+        """Await a ucxx send or receive for at most `timeout_s` (else asyncio.TimeoutError)
+        without cancelling it: a cancelled ucxx call drops its buffer while UCX may still
+        use it. One that outlives its wait is kept, buffer and all, until it ends (the
+        caller then aborts its endpoint, which ends it)."""
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            self._strand(task)
+            raise
+        if not done:
+            self._strand(task)
+            raise asyncio.TimeoutError()
+        return task.result()
+
+    def _strand(self, task: asyncio.Future[Any]) -> None:
+        self._stranded.add(task)
+        task.add_done_callback(self._unstrand)
+
+    def _unstrand(self, task: asyncio.Future[Any]) -> None:
+        self._stranded.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the call was given up already
 
     # -- peers ---------------------------------------------------------------
 

@@ -275,3 +275,29 @@ def test_missing_package_is_backend_unavailable(
         monkeypatch.setenv(name, value)
     with pytest.raises(BackendUnavailableError, match=re.escape(backend.child.install)):
         getattr(adapter, cls)("ctx", "1")
+
+
+def test_a_peer_stalled_mid_connect_harms_nobody_once_it_answers(backend: Backend) -> None:
+    """tx connects to rx while rx's event loop is stuck (a slow or stopped peer: its
+    transport's lower layer accepts the connection, but nothing above answers), and tx gives
+    up; rx, back, answers the connect it had queued. That late answer must land nowhere:
+    ucxx 0.52 wrote it into a buffer it had freed when the connect gave up, and the
+    connecting process died of it moments later (a segfault in Python's allocator; see
+    kvxferd/backends/ucx_peer_info.py)."""
+    rx, tx = backend.child("gen"), backend.child("ctx")
+    try:
+        rx.address = rx.ok("start")["address"]
+        blocked = rx.submit("block", seconds=3.0)
+        res = tx.call("connect", peer=rx.key, address=rx.address, deadline=1.0)
+        assert not res["ok"], res
+        assert rx.wait(blocked)["ok"]
+        tx.ok("connect", peer=rx.key, address=rx.address)
+        # Enough work (and allocations) on both sides for a corrupted heap to show.
+        for i in range(20):
+            send = tx.submit("send", peer=rx.key, tag=100 + i, size=4096 + i, seed=i)
+            got = rx.ok("recv", peer=tx.key, tag=100 + i, size=4096 + i, deadline=20, seed=i)
+            assert got["verified"] and tx.wait(send)["ok"]
+        assert tx.proc.poll() is None and rx.proc.poll() is None
+    finally:
+        tx.stop()
+        rx.stop()

@@ -159,6 +159,9 @@ async def child_main(
         if op == "remove_peer":
             await transport.remove_peer(cmd["peer"])
             return {}
+        if op == "block":  # the event loop stuck (a slow or stopped peer) for a while
+            time.sleep(cmd["seconds"])
+            return {}
         if op == "idle_cpu":
             cpu0, wall0 = time.process_time(), time.monotonic()
             await asyncio.sleep(cmd["seconds"])

@@ -157,6 +157,11 @@ def _kill_mid_transfer(
     return survivor, result["outcomes"]
 
 
+def _may_dial(daemon: DaemonProc, address: str) -> bool:
+    row = status(daemon)["dial_backoff"]["peers"].get(address)
+    return row is None or row["next_dial_in_s"] == 0
+
+
 def _check_outcomes(outcomes: dict[str, Any], allowed: Any) -> None:
     """Every outcome is done (finished before the kill) or allowed; one was cut mid-way."""
     for o in outcomes.values():
@@ -211,3 +216,73 @@ def test_generation_daemon_killed_mid_transfer(cluster: LocalCluster, backend: s
     assert_clean(ctx)
     assert "Traceback" not in ctx.log_text()
     assert core_share(ctx) < 0.15
+
+
+@pytest.mark.parametrize("victim_role", ["context", "generation"])
+def test_daemon_stopped_mid_transfer_then_resumed(
+    cluster: LocalCluster, backend: str, victim_role: str
+) -> None:
+    """A daemon SIGSTOPped with rounds in flight, for longer than the heartbeat timeout
+    and every deadline, then resumed: every request on both sides ends, both daemons give
+    all their staging room back (an MPI message cut mid-way finishes once its sender
+    resumes), nothing spins, and the pair moves a new request intact."""
+    timeout_ms = 4000
+    ctx, gen = _pair(cluster, backend, timeout_ms, max_tokens_in_buffer=2 * TPB)
+    victim, survivor = (ctx, gen) if victim_role == "context" else (gen, ctx)
+    n, tokens = 4, 2000
+    per = math.ceil(tokens / TPB)
+    rids = [f"stop-{i}" for i in range(n)]
+
+    async def scenario() -> None:
+        async with (
+            opened(ctx, num_blocks=(n + 1) * per) as c,
+            opened(gen, num_blocks=(n + 1) * per) as g,
+        ):
+            src = {}
+            for rid in rids:
+                await g.recv(rid, tokens, ctx.peer_address)
+                src[rid] = c.fill(rid, tokens)
+            await until(
+                lambda: status(ctx)["sessions"]["send"].get("ready", 0) > 0,
+                what="ctx has a request",
+            )
+            started = time.monotonic()
+            await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
+            await until(
+                lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
+                what="a round in flight",
+            )
+            victim.kill(signal.SIGSTOP)
+            try:
+                engine = g if survivor is gen else c
+                outcomes = await wait_all(engine.client, rids, started + timeout_ms / 1e3 + 10.0)
+                assert any(o.status != "done" for o in outcomes.values()), outcomes
+                await until(lambda: peer_names(survivor) == [], what="the stopped peer dropped")
+            finally:
+                victim.kill(signal.SIGCONT)
+            # The resumed side ends its own requests too.
+            other = c if survivor is gen else g
+            await wait_all(other.client, rids, time.monotonic() + timeout_ms / 1e3 + 10.0)
+            for rid in rids:
+                await c.client.release(rid)
+                await g.client.release(rid)
+            for d in (ctx, gen):
+                await until(
+                    lambda d=d: (
+                        status(d)["staging"]["send_in_use_bytes"] == 0
+                        and status(d)["staging"]["recv_in_use_bytes"] == 0
+                    ),
+                    timeout_s=30,
+                    what=f"{d.name}'s staging room back",
+                )
+            # The pair finds each other again (once gen's dial backoff, from dials into the
+            # stopped ctx, lets it dial) and moves a new request intact.
+            await until(lambda: _may_dial(gen, ctx.peer_address), what="gen may dial ctx")
+            await transfer_one(ctx, c, g, "after-resume", tokens)
+
+    asyncio.run(scenario())
+    for d in (ctx, gen):
+        assert status(d)["staging"]["recv_lent_bytes"] == 0
+        assert_clean(d)
+        assert "Traceback" not in d.log_text()
+        assert core_share(d) < 0.15
