@@ -244,7 +244,7 @@ def assert_clean(*daemons: DaemonProc) -> None:
             assert doc["pools"] == []
 
 
-def core_share(daemon: DaemonProc, seconds: float = 1.0) -> float:
+def core_share(daemon: DaemonProc, seconds: float = 0.5) -> float:
     """The share of one core the daemon used over `seconds` (utime + stime, /proc): what
     tells a survivor still spinning on something its dead peer left behind."""
     before, t0 = cpu_seconds(daemon.proc.pid), time.monotonic()
