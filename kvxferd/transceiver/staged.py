@@ -226,6 +226,9 @@ class StagedMover:
         try:
             for i, (first, stop, slot) in enumerate(rounds):
                 assert ahead is not None
+                if not await self._retire_while(s, ahead, moving):
+                    ok = False
+                    break
                 # Shielded: a cancel must not free a reservation its copy still writes.
                 res = await asyncio.shield(ahead)
                 ahead = None
@@ -294,6 +297,30 @@ class StagedMover:
             await self._settle_moves(s, moving)
             if ahead is not None:
                 await self._settle(ahead)
+
+    async def _retire_while(
+        self,
+        s: TxSession,
+        ahead: asyncio.Task[Reservation | None],
+        moving: list[tuple[asyncio.Task[bool], Reservation]],
+    ) -> bool:
+        """Wait for the next round's gather, which may be waiting for room, giving back the
+        reservation of each move that ends meanwhile (in order): that room may be all the
+        next round can get. The region is shared by every request, so it can be split
+        such that no second round fits beside the one moving; the next round then waited
+        for room while holding the round that had moved, until the deadline (1 run in 10
+        of test_concurrent_requests_share_the_staging_buffer[MPI]). False when a move
+        failed."""
+        while not ahead.done() and moving:
+            move, res_done = moving[0]
+            await asyncio.wait({ahead, move}, return_when=asyncio.FIRST_COMPLETED)
+            if not move.done():
+                continue
+            moving.pop(0)
+            s.when_quiescent(partial(self.bounce.send.release, res_done))
+            if not move.result():
+                return False
+        return True
 
     async def _settle_moves(
         self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]
