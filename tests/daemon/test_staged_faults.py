@@ -112,6 +112,27 @@ def test_null_timeout_means_no_deadline(cluster: LocalCluster, backend: str) -> 
         assert_clean(d)
 
 
+async def _rounds_in_flight(ctx: DaemonProc, c: Any, g: Any, rids: list[str], tokens: int) -> float:
+    """Receive and send every request, and return once a round is moving: the moment the
+    sends were made (their deadlines run from it)."""
+    src = {}
+    for rid in rids:
+        await g.recv(rid, tokens, ctx.peer_address)
+        src[rid] = c.fill(rid, tokens)
+    # The receive staging region holds one round: one request at a time has room
+    # reserved and has asked the context side; the others wait for room.
+    await until(
+        lambda: status(ctx)["sessions"]["send"].get("ready", 0) > 0, what="ctx has a request"
+    )
+    started = time.monotonic()
+    await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
+    await until(
+        lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
+        what="a round in flight",
+    )
+    return started
+
+
 def _kill_mid_transfer(
     cluster: LocalCluster, backend: str, victim_role: str
 ) -> tuple[DaemonProc, dict[str, Any]]:
@@ -127,22 +148,7 @@ def _kill_mid_transfer(
 
     async def scenario() -> None:
         async with opened(ctx, num_blocks=n * per) as c, opened(gen, num_blocks=n * per) as g:
-            src = {}
-            for rid in rids:
-                await g.recv(rid, tokens, ctx.peer_address)
-                src[rid] = c.fill(rid, tokens)
-            # The receive staging region holds one round: one request at a time has
-            # room reserved and has asked the context side; the others wait for room.
-            await until(
-                lambda: status(ctx)["sessions"]["send"].get("ready", 0) > 0,
-                what="ctx has a request",
-            )
-            started = time.monotonic()
-            await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
-            await until(
-                lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
-                what="a round in flight",
-            )
+            started = await _rounds_in_flight(ctx, c, g, rids, tokens)
             victim.kill(signal.SIGKILL)
             engine = g if survivor is gen else c
             # Each side ends within its timeout of the moment it started (plus slack).
@@ -238,20 +244,7 @@ def test_daemon_stopped_mid_transfer_then_resumed(
             opened(ctx, num_blocks=(n + 1) * per) as c,
             opened(gen, num_blocks=(n + 1) * per) as g,
         ):
-            src = {}
-            for rid in rids:
-                await g.recv(rid, tokens, ctx.peer_address)
-                src[rid] = c.fill(rid, tokens)
-            await until(
-                lambda: status(ctx)["sessions"]["send"].get("ready", 0) > 0,
-                what="ctx has a request",
-            )
-            started = time.monotonic()
-            await asyncio.gather(*(c.client.send(r, c.pool_id, src[r], tokens) for r in rids))
-            await until(
-                lambda: status(ctx)["sessions"]["send"].get("transferring", 0) > 0,
-                what="a round in flight",
-            )
+            started = await _rounds_in_flight(ctx, c, g, rids, tokens)
             victim.kill(signal.SIGSTOP)
             try:
                 engine = g if survivor is gen else c

@@ -266,7 +266,8 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             self._stall_grace_s,
         )
         self._links.drop_links(peer, "a cancelled send did not finish", link.writer)
-        self._progress_of(self._rt_now()).demote(done)
+        assert self._progress is not None  # it holds `done`
+        self._progress.demote(done)
 
     def _progress_of(self, rt: Runtime) -> Progress:
         if self._progress is None:
@@ -397,11 +398,8 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             self._stall_grace_s,
         )
         self._links.drop_links(peer, "a cancelled recv did not finish", link.writer)
-        self._progress_of(self._rt_now()).demote(done)
-
-    def _rt_now(self) -> Runtime:
-        assert self._rt is not None  # a request was posted
-        return self._rt
+        assert self._progress is not None  # it holds `done`
+        self._progress.demote(done)
 
     def _link_finished(self, link: Link) -> None:
         """The peer's end of the link closed: it is done with the link's MPI (link.py).
