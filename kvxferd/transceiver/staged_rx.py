@@ -66,8 +66,9 @@ class StagedReceive:
         self.transport = transport
 
     def reservations_exposed(self) -> bool:
-        # Two-sided: bytes land only where our own posted receive puts them, and that
-        # receive has completed or expired (nothing lands after) before a session ends.
+        # Two-sided: bytes land only where our own posted receive puts them; one the
+        # transport still holds when the session ends keeps its bytes (_leave_to_transport)
+        # rather than quarantining them under a hold.
         return self.transport is None
 
     def release(self, res: Reservation) -> None:
@@ -88,13 +89,14 @@ class StagedReceive:
             s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
             return
         k = blocks_per_round(region.nbytes, len(s.blocks), sizes)
-        if self.reservations_exposed():
-            # A peer that stalls mid-request leaves its reservation quarantined until it is
-            # fenced (kvxferd.transceiver.holds): one request never takes more than half the
-            # region, so one stalled peer cannot stop every other peer's transfers.
-            half = blocks_per_round(region.nbytes // 2, len(s.blocks), sizes)
-            if half > 0:
-                k = min(k, half)
+        # A peer that stalls mid-request keeps its reservation from us: quarantined until
+        # it is fenced (one-sided, kvxferd.transceiver.holds), or lent to an MPI receive
+        # its stopped sender had begun (two-sided, twosided.lent_until). One request never
+        # takes more than half the region, so one stalled peer cannot stop every other
+        # peer's transfers.
+        half = blocks_per_round(region.nbytes // 2, len(s.blocks), sizes)
+        if half > 0:
+            k = min(k, half)
         if k == 0:
             s.request_end(
                 Terminal.local(

@@ -298,6 +298,10 @@ def test_staged_writer_stopped_mid_rounds(cluster: LocalCluster, backend: str) -
             cut = await stop_mid_write(ctx1, g, blocks, signal.SIGSTOP)
             try:
                 assert cut, "every round was written before the writer could be stopped"
+                # A stalled peer keeps its reservation from us (quarantined, or lent to a
+                # receive its stopped MPI sender began): never more than half the region.
+                staging = status(gen)["staging"]
+                assert 0 < staging["recv_in_use_bytes"] <= staging["region_bytes"] // 2, staging
                 o = await g.client.wait("big", timeout_s=15)
                 assert o.status in ("failed", "timed_out") and not o.blocks_held, o
                 holds = status(gen)["holds"]
