@@ -275,10 +275,8 @@ class StagedMover:
                 if not ok:
                     break
             while ok and moving:
-                done, res_done = moving[0]
-                ok = await asyncio.shield(done)
-                moving.pop(0)
-                s.when_quiescent(partial(self.bounce.send.release, res_done))
+                await asyncio.shield(moving[0][0])
+                ok = self._retire_first(s, moving)
             if not ok:
                 return False
             if not last:
@@ -312,15 +310,20 @@ class StagedMover:
         of test_concurrent_requests_share_the_staging_buffer[MPI]). False when a move
         failed."""
         while not ahead.done() and moving:
-            move, res_done = moving[0]
+            move = moving[0][0]
             await asyncio.wait({ahead, move}, return_when=asyncio.FIRST_COMPLETED)
-            if not move.done():
-                continue
-            moving.pop(0)
-            s.when_quiescent(partial(self.bounce.send.release, res_done))
-            if not move.result():
+            if move.done() and not self._retire_first(s, moving):
                 return False
         return True
+
+    def _retire_first(
+        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]
+    ) -> bool:
+        """Take the first move, which ended, off `moving`; its send reservation is freed
+        once its write is quiescent. Whether it succeeded."""
+        move, res = moving.pop(0)
+        s.when_quiescent(partial(self.bounce.send.release, res))
+        return move.result()
 
     async def _settle_moves(
         self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]

@@ -88,15 +88,14 @@ class StagedReceive:
         except LayoutError as exc:
             s.request_end(Terminal.peer(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc)))
             return
-        k = blocks_per_round(region.nbytes, len(s.blocks), sizes)
         # A peer that stalls mid-request keeps its reservation from us: quarantined until
         # it is fenced (one-sided, kvxferd.transceiver.holds), or lent to an MPI receive
         # its stopped sender had begun (two-sided, twosided.lent_until). One request never
-        # takes more than half the region, so one stalled peer cannot stop every other
-        # peer's transfers.
-        half = blocks_per_round(region.nbytes // 2, len(s.blocks), sizes)
-        if half > 0:
-            k = min(k, half)
+        # takes more than half the region (unless not one block fits in half), so one
+        # stalled peer cannot stop every other peer's transfers.
+        k = blocks_per_round(region.nbytes // 2, len(s.blocks), sizes) or blocks_per_round(
+            region.nbytes, len(s.blocks), sizes
+        )
         if k == 0:
             s.request_end(
                 Terminal.local(
