@@ -28,6 +28,7 @@ demo-vllm: $(STAMP)
 # compileall: the suite starts hundreds of daemon and engine processes, and where
 # PYTHONDONTWRITEBYTECODE is set (these hosts set it) each one compiled kvxferd's sources
 # again (~0.2 s of CPU a process, about an eighth of the daemon tests' time).
+# scripts/run-tests.sh: pytest on two workers, then the host-wide tests alone.
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks
 	$(VENV)/bin/mypy
@@ -35,7 +36,7 @@ test: $(STAMP)
 	./scripts/container-deps.sh
 	./scripts/install-vllm.sh
 	$(VENV)/bin/python -m compileall -q kvxferd tests >/dev/null
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=30
+	VENV=$(VENV) ./scripts/run-tests.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvxferd tests benchmarks

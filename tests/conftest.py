@@ -1,4 +1,5 @@
-"""Suite-wide guard: no test may leave transport variables in the test process's environment.
+"""Suite-wide: how `make test` splits the suite between workers, and a guard that no test
+leaves transport variables in the test process's environment.
 
 Importing ucxx writes UCX_* variables into os.environ (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE,
 ...), and every daemon a later test starts inherits them, NIXL's UCX included: a NIXL write
@@ -11,12 +12,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 # Variables read by the transports the daemons load (UCX inside NIXL and ucxx, Mooncake,
 # MPICH and its process manager).
 _WATCHED = ("UCX_", "UCXPY_", "MC_", "MPIR_", "PMI_", "HYDRA_")
+
+
+# Directories whose files share one thing that must not exist twice at once: tests/cluster
+# one network of hosts and one etcd (its package fixture ends after the directory's last
+# test, so that test must run after all the others there, on the same worker), and
+# tests/container one image build. Every other file is its own group: its module fixtures
+# (a vLLM instance, a pair of daemons) are set up once, on one worker.
+_WHOLE_DIRS = frozenset({"cluster", "container"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (scripts/run-tests.sh): one worker runs
+    each group, in collection order. Without xdist nothing changes."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    root = Path(__file__).parent
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        rel = Path(item.path).relative_to(root)
+        group = rel.parts[0] if rel.parts[0] in _WHOLE_DIRS else rel.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _watched() -> dict[str, str]:

@@ -11,6 +11,10 @@ from cli_harness import kvxferd
 
 from kvxferd.memory.hugepages import HostPages, HugetlbReservation
 
+# Reserves hugetlb pages or changes shmem THP for the whole host, which daemons (and UCX)
+# of tests running beside it would take or see: run alone (scripts/run-tests.sh).
+pytestmark = pytest.mark.host_global
+
 pytest.importorskip("nixl_cu12", reason="the bench runs real daemons over NIXL")
 
 TINY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "32"]

@@ -29,6 +29,10 @@ from kvxferd.sim.cluster import LocalCluster
 from kvxferd.sim.engine import ReferenceEngine
 from kvxferd.sim.workload import Item
 
+# Reserves hugetlb pages or changes shmem THP for the whole host, which daemons (and UCX)
+# of tests running beside it would take or see: run alone (scripts/run-tests.sh).
+pytestmark = pytest.mark.host_global
+
 # Two 16 MiB pools (64 blocks of 256 KiB), two daemons' two 4 MiB bounce regions (should
 # they take hugetlb pages), and room for the hugetlb pages UCX takes for itself.
 PAGES = 2 * 8 + 4 * 2 + 32

@@ -26,6 +26,10 @@ from kvxferd.memory.hugepages import (
 from kvxferd.memory.memfd import ENGINE_SEALS, MemfdError, MemfdRegion, check_memfd
 from kvxferd.transceiver.staging import HostStaging
 
+# Reserves hugetlb pages or changes shmem THP for the whole host, which daemons (and UCX)
+# of tests running beside it would take or see: run alone (scripts/run-tests.sh).
+pytestmark = pytest.mark.host_global
+
 MIB = 1 << 20
 HUGE = 2 * MIB
 
