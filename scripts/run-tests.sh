@@ -4,7 +4,7 @@
 # waiting on daemons (timeouts, heartbeats, SIGSTOPped peers): serial, the suite kept about
 # 0.9 of two cores busy for 23 minutes.
 #
-# Groups (tests/conftest.py): one worker runs each test file whole (its module fixtures set
+# Units (tests/conftest.py): one worker runs each test file whole (its module fixtures set
 # up once) and tests/cluster and tests/container whole. host_global tests reserve hugetlb
 # pages or change shmem THP for the host, which daemons running beside them would take.
 #
@@ -19,7 +19,7 @@ common=(-q -p no:cacheprovider)
 if [ "$WORKERS" = 0 ]; then
   parallel=()
 else
-  parallel=(-n "$WORKERS" --dist loadgroup)
+  parallel=(-n "$WORKERS" --dist loadfile)
 fi
 "$PY" -m pytest "${common[@]}" "${parallel[@]}" -m "not host_global" --durations=30 "$@"
 rc=$?

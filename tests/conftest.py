@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,23 +24,31 @@ _WATCHED = ("UCX_", "UCXPY_", "MC_", "MPIR_", "PMI_", "HYDRA_")
 # Directories whose files share one thing that must not exist twice at once: tests/cluster
 # one network of hosts and one etcd (its package fixture ends after the directory's last
 # test, so that test must run after all the others there, on the same worker), and
-# tests/container one image build. Every other file is its own group: its module fixtures
+# tests/container one image build. Every other file is its own unit: its module fixtures
 # (a vLLM instance, a pair of daemons) are set up once, on one worker.
-_WHOLE_DIRS = frozenset({"cluster", "container"})
+_WHOLE_DIRS = ("tests/cluster/", "tests/container/")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (scripts/run-tests.sh): one worker runs
-    each group, in collection order. Without xdist nothing changes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    root = Path(__file__).parent
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        rel = Path(item.path).relative_to(root)
-        group = rel.parts[0] if rel.parts[0] in _WHOLE_DIRS else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+def _unit(nodeid: str) -> str:
+    """The unit of work one xdist worker runs whole, in collection order."""
+    path = nodeid.split("::", 1)[0]
+    return next((d for d in _WHOLE_DIRS if path.startswith(d)), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs on pytest-xdist workers (scripts/run-tests.sh): each worker takes
+    whole units (`_unit`). xdist's own `loadgroup` would do this from marks, but under
+    pytest 9 its renamed node ids no longer reach the scheduler (every test went its own way,
+    and two workers each set up the same vLLM module fixture); extending the scheduler that
+    `--dist loadfile` uses is xdist's documented way to choose the units."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return UnitScheduling(config, log)
 
 
 def _watched() -> dict[str, str]:
