@@ -37,11 +37,14 @@ def _unit(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`make test` runs on pytest-xdist workers (scripts/run-tests.sh): each worker takes
-    whole units (`_unit`). xdist's own `loadgroup` would do this from marks, but under
-    pytest 9 its renamed node ids no longer reach the scheduler (every test went its own way,
-    and two workers each set up the same vLLM module fixture); extending the scheduler that
-    `--dist loadfile` uses is xdist's documented way to choose the units."""
+    """Under `--dist loadfile` (scripts/run-tests.sh), each xdist worker takes whole units
+    (`_unit`): files, and the directories above whole. xdist's `loadgroup` would do this
+    from marks, but with pytest 9.2 its group suffix never reached the node ids (checked at
+    the end of collection) and every test went its own way: two workers each set up the same
+    vLLM module fixture. So this hook widens the scope of loadfile's own scheduler instead.
+    Any other `--dist` is xdist's as usual."""
+    if config.getvalue("dist") != "loadfile":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class UnitScheduling(LoadScopeScheduling):
