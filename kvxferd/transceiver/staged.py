@@ -60,7 +60,13 @@ from kvxferd.transceiver.direct import leg_target, peer_memory
 from kvxferd.transceiver.legs import TxLeg, leg_block_bytes, leg_heads
 from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import NO_ROOM, plan_rounds, reserve_by, round_blocks
+from kvxferd.transceiver.staging import (
+    NO_ROOM,
+    TWO_SIDED_ROUNDS_AHEAD,
+    plan_rounds,
+    reserve_by,
+    round_blocks,
+)
 from kvxferd.transceiver.state import Reason, SessionState, Status
 from kvxferd.transceiver.writes import Writes
 
@@ -79,13 +85,6 @@ def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) 
 
 # Opening the UCX endpoint to a peer the handshake already vouched for.
 _CONNECT_TIMEOUT_S = 10.0
-
-# Two-sided rounds of one leg being sent at once (docs/benchmarks.md, issue 16): the
-# receiver posts the receive of each announced round as soon as its slots are free, so more
-# sends ahead keep MPI's next receive posted when one completes. Measured on a quiet host
-# (2026-12-03): staged MPI moved ~30 % more at 4 than at 2, 8 no more than 4. A stalled
-# peer still holds at most half the receive region (staged_rx.py), whatever the depth.
-_TWO_SIDED_IN_FLIGHT = 4
 
 
 class StagedMover:
@@ -221,7 +220,7 @@ class StagedMover:
         # received, so the receiver has its receive posted when this one ends (a send
         # completes only once the receiver took it). One-sided: one write at a time,
         # its Result after it.
-        depth = _TWO_SIDED_IN_FLIGHT if self.transport is not None else 1
+        depth = TWO_SIDED_ROUNDS_AHEAD if self.transport is not None else 1
         ahead: asyncio.Task[Reservation | None] | None = self._gather_ahead(
             s, heads, leg_bytes, rounds[0], deadline
         )

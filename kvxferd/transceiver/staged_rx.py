@@ -28,19 +28,13 @@ from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staged import refuse_device_staging
 from kvxferd.transceiver.staging import (
     NO_ROOM,
+    TWO_SIDED_ROUNDS_AHEAD,
     blocks_per_round,
     offer_legs,
     reserve_all,
     reserve_by,
 )
 from kvxferd.transceiver.state import Reason, Status
-
-# Announced two-sided rounds whose receives are posted while the one before them is
-# scattered: as many as the sender sends at once (staged._TWO_SIDED_IN_FLIGHT), so none of
-# its sends waits for a receive. Each lies in slots the sender knows free (acknowledged),
-# inside this request's reservation. Against 2 (3 passes, 2026-12-03): no worse, within
-# noise (MPI +5 %, UCX +10 %).
-_RECEIVE_AHEAD = 4
 
 
 def _key(s: RxSession, leg: RxLeg, first: int) -> tuple[int, int, int]:
@@ -134,7 +128,7 @@ class StagedReceive:
     def _receive_ahead(self, s: RxSession) -> None:
         """Post the receives of the next announced rounds (their slots of the reservation
         are free: the sender sends into a slot only once we acknowledged what it held)."""
-        for leg, first, end, nbytes, _last, offset in s.rounds[:_RECEIVE_AHEAD]:
+        for leg, first, end, nbytes, _last, offset in s.rounds[:TWO_SIDED_ROUNDS_AHEAD]:
             key = _key(s, leg, first)
             if key not in self._early:
                 recv = self._post(s, leg, first, end, nbytes, offset, False)

@@ -94,6 +94,13 @@ def offer_legs(
 # the scatter of the previous one then overlap, and a round's fixed costs (a
 # Result, a RoundAck, a post) stay small. Measured in docs/benchmarks.md (issue 16).
 ROUND_BYTES = 16 << 20
+# Two-sided rounds of one leg in flight at once: the sender sends this many ahead
+# (staged.py) and the receiver posts the receives of this many announced rounds ahead
+# (staged_rx.py), each in slots the sender knows free, so a send never waits for a receive
+# and MPI's next receive is posted when one completes. Measured on a quiet host
+# (docs/benchmarks.md, 2026-12-03): staged MPI moved ~30 % more at 4 than at 2, 8 no more
+# than 4. A stalled peer still holds at most half the receive region (staged_rx.py).
+TWO_SIDED_ROUNDS_AHEAD = 4
 
 
 def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) -> int:
