@@ -91,12 +91,23 @@ def test_receiver_killed_fails_the_pending_send(pair: tuple[Child, Child]) -> No
 
 def _stopped_mid_message(rx: Child, tx: Child, tag: int, deadline: float) -> int:
     """A large message from tx under way into rx's recv, then tx stopped (SIGSTOP) with
-    part of it landed; returns the recv's id."""
+    part of it landed; returns the recv's id.
+
+    tx is stopped before rx posts the receive (the payload cannot move before that), then
+    let run 2 ms at a time until some of it landed: the whole message takes ~60 ms even
+    at 8 GB/s. Stopping it once the payload was seen arriving raced the transfer, and
+    lost once MPI's progress thread waited in MPI_Waitany instead of testing from Python."""
     size = 512 * MIB
     assert tx.event(tx.submit("send", peer=rx.key, tag=tag, size=size, seed=tag)) == "sending"
-    recv = rx.submit("recv", peer=tx.key, tag=tag, size=size, deadline=deadline, keep=f"m{tag}")
-    wait_until(lambda: rx.ok("touched", keep=f"m{tag}")["touched"], 30, "the payload arriving")
     tx.proc.send_signal(signal.SIGSTOP)
+    recv = rx.submit("recv", peer=tx.key, tag=tag, size=size, deadline=deadline, keep=f"m{tag}")
+    give_up = time.monotonic() + 30
+    while not rx.ok("touched", keep=f"m{tag}")["touched"]:
+        assert time.monotonic() < give_up, "the payload never started arriving"
+        tx.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+        tx.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.02)
     with pytest.raises(AssertionError, match="no answer"):
         rx.wait(recv, timeout=0.2)  # mid-message: stopped before it all came
     return recv

@@ -10,6 +10,16 @@ done with its buffer. It runs only while it holds requests and sleeps on a
 condition otherwise; while it holds some it yields the GIL after each pass, so
 the event loop keeps running beside it.
 
+How it waits: while it holds a request not demoted it blocks in MPI_Waitany over
+those requests and one receive of its own on a private self-communicator, which
+`watch`, `demote`, `forsake` and `close` complete (a one-byte send to itself) when
+the thread may be waiting. MPICH then drives the bytes from C without pause. The
+thread used to test each request from Python, one pass after another, yielding the
+GIL between passes: two processes moving 16 MiB messages, 4 in flight, over UCX
+shared memory without CMA moved 3.9 GB/s that way and 8.8 blocked in Waitany
+(docs/benchmarks.md, issue 16 "staged runtime"). A request Waitany completed is
+settled with the count its status gave; the rest are tested as before.
+
 A request given to the thread stays with it until MPI completes it, whatever
 the caller does meanwhile: its future is also how long its buffer stays lent to
 MPI (transport.py: a receive given up mid-message keeps its staging bytes lent
@@ -31,18 +41,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-# While requests are held: a pass over them, then this pause (0: just yield
-# the GIL). Measured with `kvxferd bench --configs mpi-cpp` (docs/benchmarks.md,
-# issue 16): spinning moves the most; MPI over shared memory needs both sides
-# to call in while the bytes move.
-_PASS_PAUSE_S = 0.0
+log = logging.getLogger("kvxferd.mpi")
+
 # A demoted request is tested this often (each test also drives MPI for every link).
 _SLOW_PERIOD_S = 0.001
+# The tag of the thread's wake-up message to itself (on its own communicator).
+_WAKE_TAG = 1
 
 
 @dataclass(eq=False)
@@ -54,6 +64,8 @@ class _Watched:
     loop: asyncio.AbstractEventLoop
     slow: bool = False
     next_test: float = 0.0
+    # A single request that Waitany completed (its handle is then null): its byte count.
+    waited: int | None = None
 
 
 class Progress:
@@ -70,6 +82,10 @@ class Progress:
         self._held = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Set (under _cond) while the thread may be in Waitany: a change must wake it.
+        self._waiting = False
+        self._wake_comm: Any = None  # made by the thread, before it first waits
+        self._wake_out = bytearray(1)
 
     def watch(
         self, reqs: list[Any], status: Any = None, keep: object = None
@@ -89,6 +105,9 @@ class Progress:
                 )
                 self._thread.start()
             self._cond.notify()
+            wake = self._take_waiting()
+        if wake:
+            self._wake()
         return fut
 
     def demote(self, fut: asyncio.Future[int]) -> None:
@@ -96,6 +115,9 @@ class Progress:
         with self._cond:
             self._orders.setdefault(fut, None)
             self._cond.notify()
+            wake = self._take_waiting()
+        if wake:
+            self._wake()
 
     def forsake(self, fut: asyncio.Future[int], error: BaseException) -> None:
         """That request can never end (its peer is done with the link): stop testing it
@@ -103,6 +125,9 @@ class Progress:
         with self._cond:
             self._orders[fut] = error
             self._cond.notify()
+            wake = self._take_waiting()
+        if wake:
+            self._wake()
 
     @property
     def held(self) -> int:
@@ -115,29 +140,61 @@ class Progress:
         with self._cond:
             self._closed = True
             self._cond.notify()
+            wake = self._take_waiting()
+        if wake:
+            self._wake()
+
+    def _take_waiting(self) -> bool:
+        """Under _cond: whether the caller must wake the thread (once per wait)."""
+        waiting, self._waiting = self._waiting, False
+        return waiting
+
+    def _wake(self) -> None:
+        """Complete the thread's own receive (a one-byte message to itself): Waitany
+        returns. Eager and local, so the send returns at once."""
+        try:
+            self._wake_comm.Send([self._wake_out, self._MPI.BYTE], 0, _WAKE_TAG)
+        except Exception:  # MPI is failing: the thread's own calls will say so
+            log.debug("MPI progress: the wake-up send failed", exc_info=True)
 
     def _run(self) -> None:
         MPI = self._MPI
         held: list[_Watched] = []
-        while True:
-            with self._cond:
-                while not held and not self._new:
-                    if self._closed:
-                        return
-                    self._cond.wait()
-                held.extend(self._new)
-                self._new.clear()
-                orders, self._orders = self._orders, {}
-            if orders:
-                self._obey(held, orders)
-            busy = _one_pass(MPI, held, time.monotonic())
-            self._held = len(held)
-            if busy:
-                time.sleep(_PASS_PAUSE_S)  # lets the event loop's thread take the GIL
-            else:
-                with self._cond:  # only demoted requests: a new one wakes it at once
-                    if not self._new and not self._orders:
-                        self._cond.wait(_SLOW_PERIOD_S)
+        self._wake_comm = MPI.COMM_SELF.Dup()
+        wake_in = bytearray(1)
+        wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+        scratch = MPI.Status()
+        try:
+            while True:
+                with self._cond:
+                    while not held and not self._new:
+                        if self._closed:
+                            return
+                        self._cond.wait()
+                    held.extend(self._new)
+                    self._new.clear()
+                    orders, self._orders = self._orders, {}
+                if orders:
+                    self._obey(held, orders)
+                busy = _one_pass(MPI, held, time.monotonic())
+                self._held = len(held)
+                if busy:
+                    with self._cond:
+                        if self._new or self._orders:
+                            continue
+                        self._waiting = True
+                    if _wait_any(MPI, held, wake, scratch):
+                        wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+                    with self._cond:
+                        self._waiting = False
+                else:
+                    with self._cond:  # only demoted requests: a new one wakes it at once
+                        if not self._new and not self._orders:
+                            self._cond.wait(_SLOW_PERIOD_S)
+        finally:
+            with contextlib.suppress(Exception):
+                wake.Cancel()
+                wake.Wait()
 
     def _obey(
         self, held: list[_Watched], orders: dict[asyncio.Future[int], BaseException | None]
@@ -154,6 +211,37 @@ class Progress:
             _settle(w, 0, error)
 
 
+def _wait_any(MPI: Any, held: list[_Watched], wake: Any, status: Any) -> bool:
+    """Block in MPI until one request of a watch not demoted completes, or the wake-up
+    receive `wake` does (True: it must be posted again). A single request completed here
+    keeps its count in `waited` (its handle is null now); a watch of several is tested
+    whole afterwards (null handles count as complete). An MPI error ends the watch whose
+    request it was (the one whose handle went null), or, when none did, is left to the
+    test pass that follows to find."""
+    flat: list[tuple[_Watched, Any]] = []
+    for w in held:
+        if w.slow or w.waited is not None:
+            continue
+        flat.extend((w, r) for r in w.reqs if r != MPI.REQUEST_NULL)
+    if not flat:
+        return False
+    try:
+        index = MPI.Request.Waitany([wake] + [r for _, r in flat], status)
+    except Exception as exc:
+        for w, r in flat:
+            if r == MPI.REQUEST_NULL and w in held:
+                held.remove(w)
+                _settle(w, 0, exc)
+        return bool(wake == MPI.REQUEST_NULL)  # the wake-up receive itself failed: again
+    if index == 0:
+        return True
+    if 0 < index <= len(flat):
+        w, _ = flat[index - 1]
+        if len(w.reqs) == 1:
+            w.waited = 0 if w.status is None else int(status.Get_count(MPI.BYTE))
+    return False
+
+
 def _one_pass(MPI: Any, held: list[_Watched], now: float) -> bool:
     """Test every held request once (a demoted one only when its turn came); settle and
     drop those that ended. True while a request not demoted is held. A function of its
@@ -167,6 +255,10 @@ def _one_pass(MPI: Any, held: list[_Watched], now: float) -> bool:
             w.next_test = now + _SLOW_PERIOD_S
         else:
             busy = True
+        if w.waited is not None:  # Waitany completed it
+            held.remove(w)
+            _settle(w, w.waited, None)
+            continue
         try:
             one = len(w.reqs) == 1
             done = w.reqs[0].Test(w.status) if one else MPI.Request.Testall(w.reqs)
