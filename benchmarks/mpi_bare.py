@@ -3,6 +3,13 @@ over MPI (docs/benchmarks.md, issue 16). Rank 0 sends `--mib` MiB messages to ra
 both waiting with MPI_Wait (MPICH spins inside it), with the transports the daemon
 sets by default (kvxferd/backends/mpi/bootstrap.py: ucx netmod, UCX_TLS=^cma).
 
+MPIR_CVAR_NOLOCAL=1 as well: two ranks of one mpiexec share MPI_COMM_WORLD on one host,
+so MPICH would carry their bytes over its own shared memory with CMA (one copy), which the
+daemons never use (they connect with MPI_Comm_connect, over the netmod). Measured
+2026-12-04, 1000 MiB messages: 13.1-13.7 GB/s that way, 11.2-11.4 with the netmod; at
+256 MiB 8.1 against 3.0-8.3, and 1.8 with MPICH's CMA off (MPIR_CVAR_CH4_CMA_ENABLE=0).
+`kvxferd bench` measures its own bare MPI pair the daemons' way (kvxferd/bench/bare_mpi.py).
+
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/mpi_bare.py --mib 1000 --count 4
 """
 
@@ -14,6 +21,7 @@ import os
 import time
 
 os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
+os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
 os.environ.setdefault("UCX_TLS", "^cma")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
