@@ -4,11 +4,10 @@ MPI moves a message's bytes only inside MPI calls. Polling them from the
 daemon's event loop meant either spinning the loop (every other request and
 peer message then waits behind it) or testing once a millisecond (0.5 GB/s
 between two bare processes here). Instead each payload request is handed to
-this thread, which tests every request it holds, one pass after another, and
-settles each one's future on the event loop (call_soon_threadsafe) once MPI is
-done with its buffer. It runs only while it holds requests and sleeps on a
-condition otherwise; while it holds some it yields the GIL after each pass, so
-the event loop keeps running beside it.
+this thread, which settles each one's future on the event loop
+(call_soon_threadsafe) once MPI is done with its buffer. It runs only while it
+holds requests and sleeps on a condition otherwise; MPI calls let go of the GIL,
+so the event loop keeps running beside it.
 
 How it waits: while it holds a request not demoted it blocks in MPI_Waitany over
 those requests and one receive of its own on a private self-communicator, which
