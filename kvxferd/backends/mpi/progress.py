@@ -159,9 +159,13 @@ class Progress:
     def _run(self) -> None:
         MPI = self._MPI
         held: list[_Watched] = []
-        self._wake_comm = MPI.COMM_SELF.Dup()
         wake_in = bytearray(1)
-        wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+        wake: Any = None
+        try:
+            self._wake_comm = MPI.COMM_SELF.Dup()
+            wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+        except Exception as exc:  # never seen; the old way still moves every byte
+            log.warning("MPI progress: no wake-up receive (%s); testing requests in a loop", exc)
         scratch = MPI.Status()
         try:
             while True:
@@ -177,13 +181,19 @@ class Progress:
                     self._obey(held, orders)
                 busy = _one_pass(MPI, held, time.monotonic())
                 self._held = len(held)
-                if busy:
+                if busy and wake is None:
+                    time.sleep(0)  # lets the event loop's thread take the GIL
+                elif busy:
                     with self._cond:
                         if self._new or self._orders:
                             continue
                         self._waiting = True
                     if _wait_any(MPI, held, wake, scratch):
-                        wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+                        try:
+                            wake = self._wake_comm.Irecv([wake_in, MPI.BYTE], 0, _WAKE_TAG)
+                        except Exception as exc:
+                            log.warning("MPI progress: wake-up receive lost (%s); testing", exc)
+                            wake = None
                     with self._cond:
                         self._waiting = False
                 else:
@@ -191,9 +201,10 @@ class Progress:
                         if not self._new and not self._orders:
                             self._cond.wait(_SLOW_PERIOD_S)
         finally:
-            with contextlib.suppress(Exception):
-                wake.Cancel()
-                wake.Wait()
+            if wake is not None:
+                with contextlib.suppress(Exception):
+                    wake.Cancel()
+                    wake.Wait()
 
     def _obey(
         self, held: list[_Watched], orders: dict[asyncio.Future[int], BaseException | None]
