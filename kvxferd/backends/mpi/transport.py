@@ -43,7 +43,7 @@ the peer's recv has given up on and keeps lent until MPI ends it.
 Progress
 --------
 MPI moves data only inside MPI calls. Payloads (both directions) are driven
-by a progress thread (progress.py) that tests them back to back while any
+by a progress thread (progress.py) that waits for them in MPI_Waitany while any
 moves and resolves their futures on the loop; the event loop only awaits
 those futures, looking every few milliseconds whether the link was lost. A
 request given up on a lost link is tested only once a millisecond (MPI never
