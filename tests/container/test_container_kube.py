@@ -120,7 +120,12 @@ def _assert_workload_verified(prefill_pod: str, decode_pod: str) -> None:
 
     for pod in (prefill_pod, decode_pod):
         state = poll(f"{pod}'s engine done", lambda p=pod: exited(f"{p}-engine"), 150, 0.5)
-        assert state["ExitCode"] == 0, podman("logs", f"{pod}-engine").stderr[-3000:]
+        if state["ExitCode"] != 0:
+            # Under restartPolicy OnFailure the log holds every run: the first failure is
+            # the cause, the last one what the restarts ran into.
+            err = podman("logs", f"{pod}-engine").stderr
+            shown = err if len(err) <= 6000 else err[:3000] + "\n[...]\n" + err[-3000:]
+            raise AssertionError(f"{pod}'s engine exited {state['ExitCode']}:\n{shown}")
     summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
     assert summary["requests"] == 16
     assert summary["verified"] == 16, summary
