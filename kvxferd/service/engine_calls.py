@@ -337,6 +337,7 @@ class EngineCalls:
                 d.cfg.engine.tensor_parallel_size,
                 d.cfg.source,
             )
+        self._free_id_of_gone_engine(msg.pool_id)
         if msg.memory == "vram":
             await _pool_call(
                 d.pools.register_device(
@@ -357,6 +358,24 @@ class EngineCalls:
             )
         await self._announce()
         return ""
+
+    def _free_id_of_gone_engine(self, pool_id: str) -> None:
+        """A restarted engine may register its pool while the daemon still ends the
+        requests of the engine before it: engine_gone frees that engine's pool ids only
+        once every one of them ended, and ending a receive can wait a heartbeat interval
+        for its peer's answer. The gone engine's pool is set aside now, as engine_gone
+        would (it goes once nothing uses it), so the id is free for the new one."""
+        old = self._d.pools.pools.get(pool_id)
+        if old is None or not isinstance(old.owner, EngineConnection) or not old.owner.closed:
+            return
+        aside = self._d.pools.set_aside(pool_id)
+        log.info(
+            "pool %s of the gone engine %r set aside as %s while its requests end: the id "
+            "is the new registration's",
+            shown(pool_id, quote=False),
+            old.owner.name,
+            aside,
+        )
 
     # ---------------------------------------------------------- engine gone
 

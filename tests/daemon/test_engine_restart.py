@@ -1,0 +1,55 @@
+"""An engine that restarts while the daemon is still ending its predecessor's requests
+registers its pool under the same id at once (the gone engine's pool is set aside)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from daemon_harness import SimEngine, assert_clean, status, wait_for
+
+from kvxferd.sim.cluster import LocalCluster
+
+SMALL = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "tokens_per_block": 32,
+         "dtype": "float16"}  # fmt: skip
+TPB = 32
+
+
+def test_a_restarted_engine_registers_while_its_predecessors_requests_end(
+    cluster: LocalCluster,
+) -> None:
+    """The generation engine leaves with a receive pending from a context daemon that is
+    stopped: ending that receive waits up to a heartbeat interval (3 s here) for the
+    context daemon's answer. The engine's successor registers pool0 within that window."""
+    cfg = {
+        "transceiver": {"kv_transfer_timeout_ms": 30000},
+        "daemon": {"heartbeat_interval_ms": 3000, "heartbeat_timeout_ms": 20000},
+    }
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+
+    async def scenario() -> None:
+        g = await SimEngine.open(gen, num_blocks=64, geometry=SMALL)
+        blocks = g.alloc.take(4)
+        await g.client.recv("r1", g.pool_id, blocks, ctx.peer_address, 4 * TPB)
+        wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="the request")
+        ctx.kill(signal.SIGSTOP)
+        again: SimEngine | None = None
+        try:
+            await g.close(deregister=False)  # gone with its receive pending
+            again = await SimEngine.open(gen, num_blocks=64, geometry=SMALL)
+            # Registered under its own id beside the old pool, set aside until unused.
+            pools = status(gen)["pools"]
+            assert pools[0] == "pool0" and len(pools) == 2, pools
+            assert pools[1].startswith("pool0@held-"), pools
+        finally:
+            ctx.kill(signal.SIGCONT)
+            if again is not None:
+                try:
+                    wait_for(lambda: status(gen)["pools"] == ["pool0"], what="the old pool to go")
+                finally:
+                    await again.close()
+
+    asyncio.run(scenario())
+    wait_for(lambda: status(gen)["pools"] == [], what="every pool gone")
+    assert_clean(gen)
