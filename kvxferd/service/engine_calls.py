@@ -337,7 +337,6 @@ class EngineCalls:
                 d.cfg.engine.tensor_parallel_size,
                 d.cfg.source,
             )
-        self._free_id_of_gone_engine(msg.pool_id)
         if msg.memory == "vram":
             await _pool_call(
                 d.pools.register_device(
@@ -359,46 +358,33 @@ class EngineCalls:
         await self._announce()
         return ""
 
-    def _free_id_of_gone_engine(self, pool_id: str) -> None:
-        """A restarted engine may register its pool while the daemon still ends the
-        requests of the engine before it: engine_gone frees that engine's pool ids only
-        once every one of them ended, and ending a receive can wait a heartbeat interval
-        for its peer's answer. The gone engine's pool is set aside now, as engine_gone
-        would (it goes once nothing uses it), so the id is free for the new one."""
-        old = self._d.pools.pools.get(pool_id)
-        if old is None or not isinstance(old.owner, EngineConnection) or not old.owner.closed:
-            return
-        aside = self._d.pools.set_aside(pool_id)
-        log.info(
-            "pool %s of the gone engine %r set aside as %s while its requests end: the id "
-            "is the new registration's",
-            shown(pool_id, quote=False),
-            old.owner.name,
-            aside,
-        )
-
     # ---------------------------------------------------------- engine gone
 
     async def engine_gone(self, engine: EngineConnection) -> None:
         d = self._d
         reason, message = Reason.ENGINE_DISCONNECTED, f"engine {engine.name!r} disconnected"
+        # Set aside at once, under another id: ending the engine's requests can wait a
+        # heartbeat interval for a peer's answer, and a restarted engine registers its pool
+        # under the same id meanwhile. Each goes below, or once its holds are fenced.
+        mine = [(p, p.pool_id) for p in d.pools.pools.values() if p.owner is engine]
+        for pool, _ in mine:
+            d.pools.set_aside(pool.pool_id)
         await asyncio.gather(
             d.sender.abort_engine(engine, reason, message),
             d.receiver.abort_engine(engine, reason, message),
         )
-        mine = [p for p in d.pools.pools.values() if p.owner is engine]
-        for pool in mine:
+        for pool, own_id in mine:
+            if d.pools.pools.get(pool.pool_id) is not pool:
+                continue  # its last user left during the aborts: dropped already
             if pool.users:
                 # Held: a write may still land there. Our mapping keeps the memory valid
-                # (a late write lands harmlessly); the pool goes once its holds are fenced,
-                # under another id meanwhile, so a restarted engine can register its own.
-                aside = d.pools.set_aside(pool.pool_id)
+                # (a late write lands harmlessly).
                 log.warning(
                     "pool %s of the gone engine %r stays registered as %s until its %d "
                     "hold(s) are fenced",
-                    shown(pool.pool_id, quote=False),
+                    shown(own_id, quote=False),
                     engine.name,
-                    aside,
+                    pool.pool_id,
                     len(pool.users),
                 )
                 continue

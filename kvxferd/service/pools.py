@@ -96,7 +96,6 @@ class PoolRegistry:
         self._dp = dataplane
         self.pools: dict[str, LocalPool] = {}
         self._set_aside = 0
-        self._aside: set[str] = set()  # the ids pools were set aside under
         self.cuda_device = cuda_device
         self.device_zero_copy = device_zero_copy
         # Zero-copy registration failures are logged once (NIXL's text is the same for every
@@ -106,15 +105,11 @@ class PoolRegistry:
     def set_aside(self, pool_id: str) -> str:
         """Keep a pool registered under a new id (`ID@held-N`) so that its own id is free:
         its engine is gone, but a write may still land there until its holds are fenced,
-        and the restarted engine registers its pool under the same id. A pool already set
-        aside keeps the id it has."""
-        if pool_id in self._aside:
-            return pool_id
+        and the restarted engine registers its pool under the same id."""
         pool = self.pools.pop(pool_id)
         self._set_aside += 1
         pool.pool_id = f"{pool_id}@held-{self._set_aside}"
         self.pools[pool.pool_id] = pool
-        self._aside.add(pool.pool_id)
         return pool.pool_id
 
     def get(self, pool_id: str) -> LocalPool:
@@ -312,7 +307,6 @@ class PoolRegistry:
                 + "; wait for their outcomes (and releases) or cancel them first",
             )
         del self.pools[pool_id]
-        self._aside.discard(pool_id)
         if pool.zero_copy:  # a copy-only device pool was never registered with the backend
             await self._dp.call(self._dp.backend.deregister, pool.registration)
         pool.region.close()
