@@ -272,13 +272,6 @@ class _Pool:
         elements = np.ascontiguousarray(values, dtype=self.unit).reshape(m, -1)
         self._by_block[ids] = elements.view(self._by_block.dtype).reshape(self._by_block[:m].shape)
 
-    def expected(self, bases: U64) -> npt.NDArray[np.generic]:
-        """The content of pieces with bases (m, regions), as (m, regions, units)."""
-        if self.words:
-            words: npt.NDArray[np.generic] = bases[:, :, None] + _ramp(self.units)
-            return words
-        return _expected_bytes(bases, self.layout.piece_bytes)
-
 
 @functools.lru_cache(maxsize=64)
 def _void(nbytes: int) -> np.dtype[np.void]:
@@ -319,11 +312,9 @@ def fill_blocks(
             np.add(bases[j : j + m, :, None], ramp, out=access.pieces[first : first + m])
         elif ramp is not None:
             access.write(chunk, bases[j : j + m, :, None] + ramp)
-        elif _sliced(tp):
+        else:  # not whole words: bytes
             local = _local_expected(bases[j : j + m], layout, tp)
             access.write(chunk, local.view(access.unit).reshape(m, layout.pieces_per_block, -1))
-        else:
-            access.write(chunk, access.expected(bases[j : j + m]))
 
 
 def clear_blocks(pool: npt.NDArray[np.uint8], layout: KvLayout, blocks: BlockIds) -> None:
@@ -386,10 +377,8 @@ def verify_blocks(
         chunk_bases = bases[j : j + chunk.shape[0]]
         if ramp is not None:
             hit = _verify_chunk(access, chunk_bases, chunk, ramp)
-        elif _sliced(tp):
+        else:  # not whole words: bytes
             hit = _verify_chunk_bytes(access, _local_expected(chunk_bases, layout, tp), chunk)
-        else:
-            hit = _verify_chunk(access, chunk_bases, chunk, None)
         if hit is not None and found is None:
             found = (j + hit[0], *hit[1:])
     checked = full * layout.block_bytes
@@ -425,20 +414,11 @@ def _verify_chunk_bytes(access: _Pool, expected: U8, ids: npt.NDArray[np.int64])
 
 
 def _verify_chunk(
-    access: _Pool, bases: U64, ids: npt.NDArray[np.int64], ramp: U64 | None
+    access: _Pool, bases: U64, ids: npt.NDArray[np.int64], ramp: U64
 ) -> _Found | None:
-    """Check whole blocks `ids` (bases: theirs); the first wrong byte, logical index relative
-    to the chunk. `ramp`: the pieces' word ramp (_piece_ramp), None when they are not whole
-    words (unsliced pools only)."""
+    """Check whole blocks `ids` (bases: theirs) of whole-word pieces against base + `ramp`
+    (_piece_ramp); the first wrong byte, logical index relative to the chunk."""
     stored = access.read(ids)
-    if ramp is None:
-        expected = access.expected(bases)
-        wrong = stored != expected
-        if not wrong.any():
-            return None
-        jj, r, off = (int(x) for x in np.unravel_index(int(np.argmax(wrong)), wrong.shape))
-        return (jj, r, off, int(expected[jj, r, off]), int(stored[jj, r, off]))
-
     m, regions, words = stored.shape
     # A chunk of several blocks is already about _CHUNK_BYTES; one big block is walked a few
     # regions at a time so that the scratch arrays stay in cache.
