@@ -43,6 +43,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +95,7 @@ class Progress:
         None: 0) once all completed, or the MPI error that ended them."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
-        with self._cond:
+        with self._changing():
             if self._closed:
                 raise RuntimeError("MPI progress thread closed")
             self._new.append(_Watched(reqs, status, keep, fut, loop))
@@ -103,30 +104,18 @@ class Progress:
                     target=self._run, name="kvxferd-mpi-progress", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
-            wake = self._take_waiting()
-        if wake:
-            self._wake()
         return fut
 
     def demote(self, fut: asyncio.Future[int]) -> None:
         """Its caller gave up on that request: test it only every `_SLOW_PERIOD_S`."""
-        with self._cond:
+        with self._changing():
             self._orders.setdefault(fut, None)
-            self._cond.notify()
-            wake = self._take_waiting()
-        if wake:
-            self._wake()
 
     def forsake(self, fut: asyncio.Future[int], error: BaseException) -> None:
         """That request can never end (its peer is done with the link): stop testing it
         and fail its future with `error`. A receive's buffer is the caller's again."""
-        with self._cond:
+        with self._changing():
             self._orders[fut] = error
-            self._cond.notify()
-            wake = self._take_waiting()
-        if wake:
-            self._wake()
 
     @property
     def held(self) -> int:
@@ -136,17 +125,19 @@ class Progress:
     def close(self) -> None:
         """Stop the thread once it holds no request (requests MPI never completes keep
         it, a daemon thread, until the process exits)."""
-        with self._cond:
+        with self._changing():
             self._closed = True
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Change what the thread works on, under _cond: the thread is notified and, if it
+        may be waiting in Waitany, woken once (after the lock is let go)."""
+        with self._cond:
+            yield
             self._cond.notify()
-            wake = self._take_waiting()
+            wake, self._waiting = self._waiting, False
         if wake:
             self._wake()
-
-    def _take_waiting(self) -> bool:
-        """Under _cond: whether the caller must wake the thread (once per wait)."""
-        waiting, self._waiting = self._waiting, False
-        return waiting
 
     def _wake(self) -> None:
         """Complete the thread's own receive (a one-byte message to itself): Waitany
