@@ -20,20 +20,11 @@ Prints GB/s of three timed runs (after one warm-up) per mode, modes alternating.
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 
-os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
-os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
-os.environ.setdefault("UCX_TLS", "^cma")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-import mpi4py
 import numpy as np
-
-mpi4py.rc.thread_level = "multiple"
-from mpi4py import MPI  # noqa: E402
+from mpi_daemon_env import MPI
 
 TOTAL = 1 << 30
 WAKE_TAG = 7

@@ -26,21 +26,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
 import threading
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ucx")
-os.environ.setdefault("MPIR_CVAR_NOLOCAL", "1")
-os.environ.setdefault("UCX_TLS", "^cma")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-import mpi4py
 import numpy as np
-
-mpi4py.rc.thread_level = "multiple"
-from mpi4py import MPI  # noqa: E402
+from mpi_daemon_env import MPI
 
 TOTAL = 1 << 30
 ROUND = 16 << 20
