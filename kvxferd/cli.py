@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["run"]:
+        # A daemon of its own process starts again once with glibc's tunables set
+        # (service/copy_tuning.py); first thing, so that the restart costs only the
+        # interpreter's start, not the imports of every command. Never a caller's process.
+        from kvxferd.service.copy_tuning import reexec_with_nt_copies
+
+        reexec_with_nt_copies()  # returns only when it need not or could not
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)

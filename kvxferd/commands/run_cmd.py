@@ -65,6 +65,7 @@ def load_with_overrides(args: argparse.Namespace) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from kvxferd.config import resolve
+    from kvxferd.service.copy_tuning import log_nt_copies
     from kvxferd.service.daemon import Daemon
     from kvxferd.service.runner import (
         install_reload_signal,
@@ -75,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_with_overrides(args)
     setup_logging(cfg.daemon.log_level, args.log_format)
+    log_nt_copies()
     settings = resolve(cfg)
 
     async def main() -> int:
