@@ -6,13 +6,14 @@ send staging region, the bytes cross into a reservation the generation side
 made in its receive staging region, and the generation side scatters them into
 the destination blocks.
 
-A request moves in rounds of a few MiB (staging.ROUND_BYTES, at most half the
-reservation) through the receiver's reservation used as a ring
-(staging.plan_rounds): each round lies in the slots right after the one before
-it (Result.round_offset), and the receiver acknowledges each round (RoundAck)
-once scattered. While round k moves, round k+1 is gathered into a send
-reservation of its own, and the receiver scatters round k-1 (two-sided: it has
-posted the receive of round k too); a round goes into slots that held earlier
+A request moves in rounds of a few MiB (staging.ROUND_BYTES; up to 64 MiB for a
+large one-sided leg, staging.one_sided_round_bytes; at most half the reservation)
+through the receiver's reservation used as a ring (staging.plan_rounds): each
+round lies in the slots right after the one before it (Result.round_offset),
+and the receiver acknowledges each round (RoundAck) once scattered. While round
+k moves, round k+1 is gathered into a send reservation of its own, and the
+receiver scatters round k-1 (two-sided: it has posted the receive of round k
+too); a round goes into slots that held earlier
 blocks only once those were acknowledged. A receiver whose Info lacks
 `round_offsets` gets one round per reservation, each after the previous one's
 acknowledgement, as before.
@@ -62,7 +63,9 @@ from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staging import (
     NO_ROOM,
+    ROUND_BYTES,
     TWO_SIDED_ROUNDS_AHEAD,
+    one_sided_round_bytes,
     plan_rounds,
     reserve_by,
     round_blocks,
@@ -179,18 +182,23 @@ class StagedMover:
                     )
                 )
                 return
+            # Rounds count the request's logical blocks (Result.first_block); none before
+            # the receiver's block_start.
+            first, _ = leg.span(start, end)
             if leg.conn.info.round_offsets:
                 # Rounds of a few MiB through the reservation as a ring: the gather of the
                 # next, the move of this one and the receiver's scatter of the one before
-                # overlap.
-                per_round = min(round_blocks(ring, leg_bytes), fits)
+                # overlap. One-sided rounds of a large leg are larger (staging.py).
+                target = (
+                    ROUND_BYTES
+                    if self.transport is not None
+                    else one_sided_round_bytes((end - first) * leg_bytes)
+                )
+                per_round = min(round_blocks(ring, leg_bytes, target), fits)
             else:
                 # A receiver that takes every round at its reservation's start: one round
                 # at a time, each once the one before it was scattered.
                 ring = per_round = min(ring, fits)
-            # Rounds count the request's logical blocks (Result.first_block); none before
-            # the receiver's block_start.
-            first, _ = leg.span(start, end)
             rounds = plan_rounds(first, end, ring, per_round)
             if rounds and not await self._rounds(s, leg, heads, leg_bytes, rounds, ring, last):
                 return

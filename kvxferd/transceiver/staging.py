@@ -94,6 +94,17 @@ def offer_legs(
 # the scatter of the previous one then overlap, and a round's fixed costs (a
 # Result, a RoundAck, a post) stay small. Measured in docs/benchmarks.md (issue 16).
 ROUND_BYTES = 16 << 20
+# One-sided rounds of a large leg are larger, up to this: such a leg moves one round at a
+# time (one write, then its Result), so each round's fixed costs come between two writes
+# (0.31 ms median, 1.6 ms p90 between the end of one 16 MiB write and the start of the
+# next, measured in the context daemon against 3.2 ms per write), while the pipeline's fill
+# and drain (the first gather, the last scatter) grow with the round. A leg gets about
+# ONE_SIDED_ROUNDS rounds, none under ROUND_BYTES: a 1000 MiB request moves in 60 MiB
+# rounds, one of 256 MiB or less as before. Measured (docs/benchmarks.md, issue 16 "the
+# staged runtime", 2026-12-04): 1000 MiB requests over NIXL moved 4.32 / 4.59 / 5.05 GB/s
+# (medians of 4 rotating passes) in rounds of 16 / 32 / 64 MiB.
+ONE_SIDED_ROUND_MAX_BYTES = 64 << 20
+ONE_SIDED_ROUNDS = 16
 # Two-sided rounds of one leg in flight at once: the sender sends this many ahead
 # (staged.py) and the receiver posts the receives of this many announced rounds ahead
 # (staged_rx.py), each in slots the sender knows free, so a send never waits for a receive
@@ -111,6 +122,11 @@ def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) 
     if ring_blocks >= 2:
         k = min(k, ring_blocks // 2)
     return max(1, min(k, ring_blocks))
+
+
+def one_sided_round_bytes(leg_bytes: int) -> int:
+    """The round target of a one-sided leg of `leg_bytes` in all (ONE_SIDED_ROUND_MAX_BYTES)."""
+    return max(ROUND_BYTES, min(ONE_SIDED_ROUND_MAX_BYTES, leg_bytes // ONE_SIDED_ROUNDS))
 
 
 def plan_rounds(

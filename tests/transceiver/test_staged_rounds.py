@@ -9,7 +9,12 @@ import itertools
 import pytest
 
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN
-from kvxferd.transceiver.staging import blocks_per_round, plan_rounds, round_blocks
+from kvxferd.transceiver.staging import (
+    blocks_per_round,
+    one_sided_round_bytes,
+    plan_rounds,
+    round_blocks,
+)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -64,3 +69,16 @@ def test_rounds_tile_the_blocks_through_the_ring_without_wrapping(
 )
 def test_round_size(ring: int, block: int, expected: int) -> None:
     assert round_blocks(ring, block, 16 * MIB) == expected
+
+
+@pytest.mark.parametrize(
+    ("leg_bytes", "expected"),
+    [
+        (1000 * MIB, 62 * MIB + 512 * KIB),  # a large leg: about 16 rounds
+        (256 * MIB, 16 * MIB),  # up to 256 MiB: ROUND_BYTES, as before
+        (4 * MIB, 16 * MIB),  # a small one: one round (round_blocks caps it to the leg)
+        (64 << 30, 64 * MIB),  # never above ONE_SIDED_ROUND_MAX_BYTES
+    ],
+)
+def test_one_sided_round_target(leg_bytes: int, expected: int) -> None:
+    assert one_sided_round_bytes(leg_bytes) == expected
