@@ -13,10 +13,9 @@ round lies in the slots right after the one before it (Result.round_offset),
 and the receiver acknowledges each round (RoundAck) once scattered. While round
 k moves, round k+1 is gathered into a send reservation of its own, and the
 receiver scatters round k-1 (two-sided: it has posted the receive of round k
-too); a round goes into slots that held earlier
-blocks only once those were acknowledged. A receiver whose Info lacks
-`round_offsets` gets one round per reservation, each after the previous one's
-acknowledgement, as before.
+too); a round goes into slots that held earlier blocks only once those were
+acknowledged. A receiver whose Info lacks `round_offsets` gets one round per
+reservation, each after the previous one's acknowledgement, as before.
 
 With different tensor-parallel sizes each (context rank, generation rank) leg
 moves only the heads both hold: a round of a leg is its blocks' shared heads,

@@ -76,7 +76,7 @@ def test_round_size(ring: int, block: int, expected: int) -> None:
     [
         (1000 * MIB, 62 * MIB + 512 * KIB),  # a large leg: about 16 rounds
         (256 * MIB, 16 * MIB),  # up to 256 MiB: ROUND_BYTES, as before
-        (4 * MIB, 16 * MIB),  # a small one: one round (round_blocks caps it to the leg)
+        (4 * MIB, 16 * MIB),  # a small one: one round (plan_rounds ends it with the leg)
         (64 << 30, 64 * MIB),  # never above ONE_SIDED_ROUND_MAX_BYTES
     ],
 )
