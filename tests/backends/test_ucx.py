@@ -131,3 +131,19 @@ def test_nixl_and_ucxx_in_one_process(first: str) -> None:
         cwd=REPO,
     )
     assert res.returncode == 0 and "both ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+def test_a_late_answer_fails_with_the_childs_thread_stacks() -> None:
+    # The harness's own diagnosis (twosided_harness.TransportChild.wait): a child whose
+    # event loop stands still is asked for its threads' stacks, which the failure shows.
+    child = Child("stuck")
+    try:
+        child.submit("block", seconds=5)
+        with pytest.raises(AssertionError) as caught:
+            child.wait(child.submit("info"), timeout=0.5)
+        text = str(caught.value)
+        assert "no answer to command 2" in text
+        assert "Current thread" in text or "Thread 0x" in text, text
+        assert "in run" in text, text  # the frame the loop is stuck in (the 'block' op)
+    finally:
+        child.stop()

@@ -18,13 +18,16 @@ own folder comes first on sys.path.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
 import hashlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -234,10 +237,14 @@ class TransportChild:
         self.key = f"{name}/{incarnation}"
         self.address = ""
         command = [sys.executable, str(HERE), "child", self.transport, name, incarnation]
+        # The child's stderr (its transport's log, and its threads' stacks when an answer
+        # is late: see wait) goes into the failure message.
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         self.proc = subprocess.Popen(
             [*(prefix or []), *command],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._stderr,
             text=True,
             cwd=REPO,
             env={**os.environ, **(env or {})},
@@ -271,7 +278,27 @@ class TransportChild:
         try:
             return self._queue(id_).get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"{self.key}: no answer to command {id_} in {timeout}s") from None
+            raise AssertionError(
+                f"{self.key}: no answer to command {id_} in {timeout}s; its stderr, with "
+                f"its threads' stacks now:\n{self.stacks()}"
+            ) from None
+
+    def stacks(self, limit: int = 6000) -> str:
+        """The end of the child's stderr after asking it for its threads' stacks (SIGUSR1:
+        faulthandler, registered by the child; mpiexec passes the signal on)."""
+        size = self._stderr.seek(0, os.SEEK_END)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and self._stderr.seek(0, os.SEEK_END) == size:
+                time.sleep(0.05)
+            time.sleep(0.2)  # the dump is written in one go, a thread after the other
+        return self.stderr_text()[-limit:]
+
+    def stderr_text(self) -> str:
+        """What the child wrote to stderr so far (its transport's log)."""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
 
     def event(self, id_: int, timeout: float = 30.0) -> str:
         return str(self.wait(f"event {id_}", timeout)["event"])
@@ -292,6 +319,7 @@ class TransportChild:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._stderr.close()
 
 
 class UcxChild(TransportChild):
@@ -337,6 +365,7 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # TransportChild.stacks
     if os.environ.get("KVXFERD_HARNESS_LOG"):  # a child's transport log, when debugging
         import logging
 
