@@ -182,9 +182,12 @@ def test_no_device_is_probed_unless_cupy_is_already_imported(
 def test_module_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     _only(monkeypatch, {"nixl_cu12"})
     monkeypatch.setenv(MODULE_ENV, "nixl_cu13")
+    # A None entry makes the import fail for real, also where nixl-cu13 is installed (the
+    # GPU machine has it): the override must be obeyed, not quietly swapped for cu12.
+    monkeypatch.setitem(sys.modules, "nixl_cu13", None)
     assert nixl_module_name() == "nixl_cu13"
     with pytest.raises(BackendUnavailableError) as info:
-        load_nixl()  # not installed here (find_spec said so; the import fails for real)
+        load_nixl()
     text = str(info.value)
     assert "nixl-cu12 or nixl-cu13" in text and f"{MODULE_ENV}=nixl_cu13" in text
 
