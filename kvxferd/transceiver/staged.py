@@ -191,7 +191,9 @@ class StagedMover:
                 target = (
                     ROUND_BYTES
                     if self.transport is not None
-                    else one_sided_round_bytes((end - first) * leg_bytes)
+                    else one_sided_round_bytes(
+                        (end - first) * leg_bytes, device=staging.memory.kind == "VRAM"
+                    )
                 )
                 per_round = min(round_blocks(ring, leg_bytes, target), fits)
             else:

@@ -39,6 +39,7 @@ from kvxferd.memory.device import DeviceUnavailableError
 from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
 from kvxferd.peers.messages import PoolInfo, RequestData
 from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver import staging as staging_mod
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
@@ -554,6 +555,45 @@ def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
 
     _run(go, staging)
     assert np.array_equal(peer_staging[: 2 * layout.block_bytes], _gathered(src, layout, [0, 3]))
+
+
+@pytest.mark.parametrize(("memory", "posts"), [(HOST, 4), (vram(0), 2)])
+def test_device_staging_moves_a_leg_in_the_fewest_rounds(
+    monkeypatch: pytest.MonkeyPatch, memory: Memory, posts: int
+) -> None:
+    """Rounds of one block on host staging (the targets shrunk to one block here); on device
+    staging the whole leg is the target, so only the half-reservation rule splits it."""
+    layout = _layout()
+    monkeypatch.setattr(staging_mod, "ROUND_BYTES", layout.block_bytes)
+    monkeypatch.setattr(staging_mod, "ONE_SIDED_ROUND_MAX_BYTES", layout.block_bytes)
+    src = np.random.default_rng(5).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    ring = 4 * layout.block_bytes
+    dst, peer_staging = np.zeros_like(src), np.zeros(ring, np.uint8)
+    conn = _conn(layout, dst, bounce=peer_staging, bounce_memory="vram", bounce_device=1)
+    conn.info.round_offsets = True  # rounds through the reservation as a ring
+    xp, _, _ = host_stand_in()
+    staging = BounceBuffers(
+        4 * ring, DeviceCopier(0, xp=xp), memory=memory, backing=HostStandInBacking
+    )
+    blocks = [3, 0, 2, 1]
+
+    async def go() -> None:
+        async with _writes() as (writes, backend):
+            mover = StagedMover(writes, staging, False, lambda *a: None)
+            s = _session(
+                _pool(layout, src, vram(0), zero_copy=False),
+                conn,
+                blocks,
+                blocks,
+                bounce_offset=0,
+                bounce_nbytes=ring,
+            )
+            await mover.write_slice(s, 0, len(blocks), True)
+            assert s.terminal is None
+            assert len(backend.posts) == posts
+
+    _run(go, staging)
+    assert np.array_equal(peer_staging, _gathered(src, layout, blocks))
 
 
 def test_two_sided_transports_refuse_device_staging() -> None:
