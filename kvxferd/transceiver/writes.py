@@ -31,9 +31,22 @@ from kvxferd.transceiver.tx_drains import Drains, cancel_may_leak
 log = logging.getLogger("kvxferd.sender")
 
 # Poll back-off inside one wait slice: fast first (small writes finish in
-# microseconds), capped so a long write costs little CPU.
+# microseconds), capped so a long write costs little CPU. In between, the pause is a
+# quarter of the time waited so far, so a write is seen done at most ~25 % after it
+# finished. Doubling the pause polls 0.1, 0.3, 0.7 and 1.5 ms after the post: a 1000 MiB
+# write between two GPU staging regions (H200, ~1 ms) was seen done 1.36 ms after its post
+# (median; docs/benchmarks.md, "GPU check"), up to 0.8 ms late. A long host write still
+# settles at the cap: a 250 ms write takes ~139 polls against ~129.
 _POLL_FIRST_S = 0.0001
 _POLL_MAX_S = 0.002
+_POLL_SHARE = 0.25
+
+
+def poll_pause(waited_s: float) -> float:
+    """The pause before the next poll of a write waited `waited_s` so far."""
+    return min(_POLL_MAX_S, max(_POLL_FIRST_S, waited_s * _POLL_SHARE))
+
+
 # A host-to-host write up to this size is posted on the event loop's own thread when the
 # backend allows it (DataPlane.call_cheap): over shared memory NIXL copies inside the post,
 # ~15 us for 32 KiB here, against 40-70 us for the hop to the data-plane thread and back;
@@ -182,8 +195,8 @@ class Writes:
         assert s.xfer is not None
         backend = self._dp.backend
         deadline = s.deadline if s.deadline is not None else math.inf
-        slice_end = time.monotonic() + self._slice_s()
-        pause = _POLL_FIRST_S
+        started = time.monotonic()
+        slice_end = started + self._slice_s()
         while status is XferStatus.IN_PROGRESS:
             if s.terminal is not None:
                 return status  # aborted, cancelled or peer lost: caller quiesces
@@ -203,9 +216,8 @@ class Writes:
                     return status
                 slice_end = now + self._slice_s()
             s.wake.clear()
-            wait = min(pause, max(0.0, min(slice_end, deadline) - now))
+            wait = min(poll_pause(now - started), max(0.0, min(slice_end, deadline) - now))
             await s.wake.wait(wait)
-            pause = min(pause * 2, _POLL_MAX_S)
             try:
                 status = await self._dp.call_cheap(backend.poll, s.xfer)
             except TransferError as exc:
