@@ -36,6 +36,7 @@ from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
 from kvxferd.errors import StartupError
 from kvxferd.memory import device as device_mod
 from kvxferd.memory.device import DeviceUnavailableError
+from kvxferd.memory.heads import tp_rank
 from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
 from kvxferd.peers.messages import PoolInfo, RequestData
 from kvxferd.service.pools import LocalPool
@@ -506,6 +507,40 @@ def test_copy_only_pools_move_through_the_bounce_with_its_memory_kinds() -> None
     _run(go, bounce)
     assert np.array_equal(peer_bounce[:nbytes], _gathered(src, layout, [2]))
     assert not dst.any()  # the receiver's blocks are its own scatter's to fill
+
+
+def test_a_copy_only_head_merge_bounces_our_slice_of_the_receivers_blocks() -> None:
+    """We hold head 1 of 2 (tensor-parallel rank 1 of 2) in a copy-only pool; the receiver
+    holds both heads. One write carries our blocks whole (half of each receiver block),
+    packed as the gather packs them, and the Result names those bytes."""
+    layout = tiny_layout(
+        num_kv_heads=1, head_dim=4, tokens_per_block=4, major=LAYER_MAJOR, num_blocks=4
+    )
+    dst_layout = _layout()
+    src = np.random.default_rng(6).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst, peer_bounce = np.zeros(dst_layout.pool_bytes, np.uint8), np.zeros(1 << 16, np.uint8)
+    conn = _conn(dst_layout, dst, memory="vram", bounce=peer_bounce, bounce_memory="vram")
+    xp, _, _ = host_stand_in()
+    bounce = BounceBuffers(
+        1 << 16, DeviceCopier(0, xp=xp), memory=vram(0), backing=HostStandInBacking
+    )
+    blocks = [3, 1, 2]
+    nbytes = len(blocks) * layout.block_bytes
+    assert nbytes * 2 == len(blocks) * dst_layout.block_bytes
+
+    async def go() -> None:
+        pool = _pool(layout, src, vram(0), zero_copy=False)
+        pool.tp = tp_rank(1, 2)
+        s, backend = await _direct(
+            pool, conn, bounce, blocks, bounce_offset=0, bounce_nbytes=nbytes
+        )
+        assert s.terminal is None and s.written == len(blocks)
+        assert [p["descriptors"] for p in backend.posts] == [1]
+        assert conn.sent[-1].bounced is True and conn.sent[-1].nbytes == nbytes
+
+    _run(go, bounce)
+    assert np.array_equal(peer_bounce[:nbytes], _gathered(src, layout, blocks))
+    assert not peer_bounce[nbytes:].any()
 
 
 def test_a_pipelined_slice_of_a_copy_only_request_is_refused() -> None:
