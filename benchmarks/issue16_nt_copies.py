@@ -31,6 +31,19 @@ ROUND = 16 << 20
 SETTINGS = {"glibc's own": None, "1 MiB (kvxferd run)": "0x100000"}
 
 
+def rounds(pool: np.ndarray, ring: np.ndarray, per_round: int, slots: int, gather: bool) -> None:
+    """Every round of `pool` through `ring` (units of the same void dtype): gathered into
+    the ring's slots in turn (np.take), or scattered back out of them (np.put)."""
+    for i, first in enumerate(range(0, len(pool) - per_round + 1, per_round)):
+        slot = (i % slots) * per_round
+        index = np.arange(first, first + per_round)
+        part = ring[slot : slot + per_round]
+        if gather:
+            np.take(pool, index, out=part, mode="clip")
+        else:
+            np.put(pool, index, part, mode="clip")
+
+
 def measure() -> dict[str, float]:
     """CPU s/GB of a gather and of a scatter through the ring, per unit size."""
     pool_bytes = np.ones(POOL, np.uint8)  # touched: no page faults in the timed copies
@@ -43,14 +56,7 @@ def measure() -> dict[str, float]:
             best = float("inf")
             for _ in range(2):
                 cpu = time.process_time()
-                for i, first in enumerate(range(0, len(pool) - per_round + 1, per_round)):
-                    slot = (i % slots) * per_round
-                    index = np.arange(first, first + per_round)
-                    part = ring[slot : slot + per_round]
-                    if what == "gather":
-                        np.take(pool, index, out=part, mode="clip")
-                    else:
-                        np.put(pool, index, part, mode="clip")
+                rounds(pool, ring, per_round, slots, gather=what == "gather")
                 best = min(best, (time.process_time() - cpu) / (POOL / 1e9))
             out[f"{what} {unit >> 10} KiB"] = best
     out["together 4096 KiB"] = together(pool_bytes, ring_bytes, 4 << 20)
@@ -67,14 +73,7 @@ def together(pool_bytes: np.ndarray, ring_bytes: np.ndarray, unit: int) -> float
     per_round, slots = ROUND // unit, (RING // 2) // ROUND
 
     def run(k: int) -> None:
-        pool, ring = pools[k], rings[k]
-        for i, first in enumerate(range(0, len(pool) - per_round + 1, per_round)):
-            slot = (i % slots) * per_round
-            index = np.arange(first, first + per_round)
-            if k == 0:
-                np.take(pool, index, out=ring[slot : slot + per_round], mode="clip")
-            else:
-                np.put(pool, index, ring[slot : slot + per_round], mode="clip")
+        rounds(pools[k], rings[k], per_round, slots, gather=k == 0)
 
     best = float("inf")
     for _ in range(2):
