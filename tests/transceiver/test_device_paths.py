@@ -561,6 +561,18 @@ def test_a_pipelined_slice_of_a_copy_only_request_is_refused() -> None:
     _run(go)
 
 
+async def _staged(
+    staging: BounceBuffers, pool: LocalPool, conn: Any, blocks: list[int], reservation: int
+) -> tuple[TxSession, list[dict[str, Any]]]:
+    """One whole request through a StagedMover into a receiver's reservation of
+    `reservation` bytes: the session and the posts its writes made."""
+    async with _writes() as (writes, backend):
+        mover = StagedMover(writes, staging, False, lambda *a: None)
+        s = _session(pool, conn, blocks, blocks, bounce_offset=0, bounce_nbytes=reservation)
+        await mover.write_slice(s, 0, len(blocks), True)
+        return s, backend.posts
+
+
 def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
     layout = _layout()
     src = np.random.default_rng(4).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
@@ -572,21 +584,10 @@ def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
     )
 
     async def go() -> None:
-        async with _writes() as (writes, backend):
-            mover = StagedMover(writes, staging, False, lambda *a: None)
-            s = _session(
-                _pool(layout, src, vram(0), zero_copy=False),
-                conn,
-                [0, 3],
-                [0, 3],
-                bounce_offset=0,
-                bounce_nbytes=1 << 16,
-            )
-            await mover.write_slice(s, 0, 2, True)
-            assert s.terminal is None
-            assert [p["kinds"] for p in backend.posts] == [
-                {"local_memory": vram(0), "remote_memory": vram(1)}
-            ]
+        pool = _pool(layout, src, vram(0), zero_copy=False)
+        s, posts = await _staged(staging, pool, conn, [0, 3], 1 << 16)
+        assert s.terminal is None
+        assert [p["kinds"] for p in posts] == [{"local_memory": vram(0), "remote_memory": vram(1)}]
 
     _run(go, staging)
     assert np.array_equal(peer_staging[: 2 * layout.block_bytes], _gathered(src, layout, [0, 3]))
@@ -613,19 +614,10 @@ def test_device_staging_moves_a_leg_in_the_fewest_rounds(
     blocks = [3, 0, 2, 1]
 
     async def go() -> None:
-        async with _writes() as (writes, backend):
-            mover = StagedMover(writes, staging, False, lambda *a: None)
-            s = _session(
-                _pool(layout, src, vram(0), zero_copy=False),
-                conn,
-                blocks,
-                blocks,
-                bounce_offset=0,
-                bounce_nbytes=ring,
-            )
-            await mover.write_slice(s, 0, len(blocks), True)
-            assert s.terminal is None
-            assert len(backend.posts) == posts
+        pool = _pool(layout, src, vram(0), zero_copy=False)
+        s, made = await _staged(staging, pool, conn, blocks, ring)
+        assert s.terminal is None
+        assert len(made) == posts
 
     _run(go, staging)
     assert np.array_equal(peer_staging, _gathered(src, layout, blocks))
