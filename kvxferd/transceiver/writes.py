@@ -31,20 +31,27 @@ from kvxferd.transceiver.tx_drains import Drains, cancel_may_leak
 log = logging.getLogger("kvxferd.sender")
 
 # Poll back-off inside one wait slice: fast first (small writes finish in
-# microseconds), capped so a long write costs little CPU. In between, the pause is a
-# quarter of the time waited so far, so a write is seen done at most ~25 % after it
-# finished. Doubling the pause polls 0.1, 0.3, 0.7 and 1.5 ms after the post: a 1000 MiB
-# write between two GPU staging regions (H200, ~1 ms) was seen done 1.36 ms after its post
-# (median; docs/benchmarks.md, "GPU check"), up to 0.8 ms late. A long host write still
-# settles at the cap: a 250 ms write takes ~139 polls against ~129.
+# microseconds), capped so a long write costs little CPU. The event loop's timers round to
+# whole milliseconds (uvloop: a pause under 0.5 ms is one turn of the loop, a poll every
+# ~20 us), so the pauses after the first decide how long the loop polls flat out:
+# - a host write doubles its pause (0.1, 0.2, 0.4, 0.8 ms...: three quick polls, then 1
+#   and 2 ms). Its bytes are copied by the transport's threads on the same cores, so a
+#   loop polling flat out would take CPU from the copy it waits for;
+# - a write to or from device memory pauses a quarter of the time waited so far, so it is
+#   seen done at most ~25 % late: flat out for about its first 2 ms, then 1 and 2 ms.
+#   Its bytes move by DMA. Doubling saw a 1000 MiB write between two GPU staging regions
+#   (H200) done 1.36 ms after its post, this at 0.51 ms (docs/benchmarks.md, "GPU check").
 _POLL_FIRST_S = 0.0001
 _POLL_MAX_S = 0.002
 _POLL_SHARE = 0.25
 
 
-def poll_pause(waited_s: float) -> float:
-    """The pause before the next poll of a write waited `waited_s` so far."""
-    return min(_POLL_MAX_S, max(_POLL_FIRST_S, waited_s * _POLL_SHARE))
+def next_pause(pause_s: float, waited_s: float, device: bool) -> float:
+    """The pause before the next poll of a write that paused `pause_s` last and has been
+    waited `waited_s` so far; `device`: either side of it is device memory."""
+    if device:
+        return min(_POLL_MAX_S, max(_POLL_FIRST_S, waited_s * _POLL_SHARE))
+    return min(pause_s * 2, _POLL_MAX_S)
 
 
 # A host-to-host write up to this size is posted on the event loop's own thread when the
@@ -138,7 +145,8 @@ class Writes:
                 return XferStatus.ERROR
             s.xfer = handle
             self.open_handles += 1
-            status = await self._wait(s, status, conn)
+            device = local_memory.on_device or remote_memory.on_device
+            status = await self._wait(s, status, conn, device)
             if status is XferStatus.DONE and self.on_write_done is not None:
                 self.on_write_done(time.monotonic() - posted, len(local))
             if status is XferStatus.ERROR and s.terminal is None:
@@ -190,13 +198,17 @@ class Writes:
             remote_memory=remote_memory,
         )
 
-    async def _wait(self, s: TxSession, status: XferStatus, conn: PeerConnection) -> XferStatus:
-        """Poll until done, error, or an end requested between/inside slices."""
+    async def _wait(
+        self, s: TxSession, status: XferStatus, conn: PeerConnection, device: bool
+    ) -> XferStatus:
+        """Poll until done, error, or an end requested between/inside slices (`device`: the
+        write moves device memory, next_pause)."""
         assert s.xfer is not None
         backend = self._dp.backend
         deadline = s.deadline if s.deadline is not None else math.inf
         started = time.monotonic()
         slice_end = started + self._slice_s()
+        pause = _POLL_FIRST_S
         while status is XferStatus.IN_PROGRESS:
             if s.terminal is not None:
                 return status  # aborted, cancelled or peer lost: caller quiesces
@@ -216,8 +228,9 @@ class Writes:
                     return status
                 slice_end = now + self._slice_s()
             s.wake.clear()
-            wait = min(poll_pause(now - started), max(0.0, min(slice_end, deadline) - now))
+            wait = min(pause, max(0.0, min(slice_end, deadline) - now))
             await s.wake.wait(wait)
+            pause = next_pause(pause, time.monotonic() - started, device)
             try:
                 status = await self._dp.call_cheap(backend.poll, s.xfer)
             except TransferError as exc:

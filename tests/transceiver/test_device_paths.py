@@ -41,6 +41,7 @@ from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
 from kvxferd.peers.messages import PoolInfo, RequestData
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver import staging as staging_mod
+from kvxferd.transceiver import writes as writes_mod
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
@@ -265,6 +266,7 @@ class RecordingBackend:
 
     def __init__(self) -> None:
         self.posts: list[dict[str, Any]] = []
+        self.pending_polls = 0  # polls that answer IN_PROGRESS before a write is DONE
 
     def post_write(
         self, local: Any, remote: Any, agent_name: str, notif: bytes = b"", **kinds: Memory
@@ -273,9 +275,12 @@ class RecordingBackend:
         for (laddr, n), (raddr, _) in zip(local.tolist(), remote.tolist(), strict=True):
             ctypes.memmove(raddr, laddr, n)
         handle = XferHandle(object(), agent_name, int(local[:, 1].sum()), len(local))
-        return handle, XferStatus.DONE
+        return handle, XferStatus.IN_PROGRESS if self.pending_polls else XferStatus.DONE
 
     def poll(self, handle: XferHandle) -> XferStatus:
+        if self.pending_polls:
+            self.pending_polls -= 1
+            return XferStatus.IN_PROGRESS
         return XferStatus.DONE
 
     def release(self, handle: XferHandle) -> None:
@@ -399,9 +404,15 @@ async def _writes() -> AsyncIterator[tuple[Writes, RecordingBackend]]:
 
 
 async def _direct(
-    pool: LocalPool, conn: Any, bounce: BounceBuffers | None, blocks: list[int], **req: Any
+    pool: LocalPool,
+    conn: Any,
+    bounce: BounceBuffers | None,
+    blocks: list[int],
+    pending_polls: int = 0,
+    **req: Any,
 ) -> tuple[TxSession, RecordingBackend]:
     async with _writes() as (writes, backend):
+        backend.pending_polls = pending_polls
         mover = DirectMover(writes, bounce, pipelined=False)
         s = _session(pool, conn, blocks, blocks, **req)
         await mover.write_slice(s, 0, len(blocks), True)
@@ -507,6 +518,44 @@ def test_copy_only_pools_move_through_the_bounce_with_its_memory_kinds() -> None
     _run(go, bounce)
     assert np.array_equal(peer_bounce[:nbytes], _gathered(src, layout, [2]))
     assert not dst.any()  # the receiver's blocks are its own scatter's to fill
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_write_is_polled_on_its_memorys_schedule(
+    monkeypatch: pytest.MonkeyPatch, device: bool
+) -> None:
+    """A write still in progress is polled again after writes.next_pause, told whether the
+    write moves device memory: a host per-block write says no, a copy-only device request
+    (one write between two device bounce regions) says yes."""
+    told: list[bool] = []
+    real = writes_mod.next_pause
+
+    def next_pause(pause_s: float, waited_s: float, on_device: bool) -> float:
+        told.append(on_device)
+        return real(pause_s, waited_s, on_device)
+
+    monkeypatch.setattr(writes_mod, "next_pause", next_pause)
+    layout = _layout()
+    src = np.random.default_rng(7).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst, peer_bounce = np.zeros_like(src), np.zeros(1 << 16, np.uint8)
+    xp, _, _ = host_stand_in()
+    bounce = BounceBuffers(
+        1 << 16, DeviceCopier(0, xp=xp), memory=vram(0), backing=HostStandInBacking
+    )
+    if device:
+        conn = _conn(layout, dst, writable=False, bounce=peer_bounce, bounce_memory="vram")
+        pool, req = _pool(layout, src, vram(0), zero_copy=False), {"bounce_nbytes": 1 << 16}
+    else:
+        conn, pool, req = _conn(layout, dst), _pool(layout, src), {}
+
+    async def go() -> None:
+        s, _ = await _direct(pool, conn, bounce, [2, 0], 3, bounce_offset=0, **req)
+        assert s.terminal is None and s.written == 2
+
+    _run(go, bounce)
+    assert told == [device] * 4  # a pause before each poll: three in progress, then done
+    landed = peer_bounce[: 2 * layout.block_bytes] if device else dst
+    assert landed.any()
 
 
 def test_a_copy_only_head_merge_bounces_our_slice_of_the_receivers_blocks() -> None:
