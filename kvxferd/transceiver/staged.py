@@ -192,7 +192,8 @@ class StagedMover:
                     ROUND_BYTES
                     if self.transport is not None
                     else one_sided_round_bytes(
-                        (end - first) * leg_bytes, device=staging.memory.kind == "VRAM"
+                        (end - first) * leg_bytes,
+                        device_region=staging.send.nbytes if staging.memory.on_device else 0,
                     )
                 )
                 per_round = min(round_blocks(ring, leg_bytes, target), fits)

@@ -124,17 +124,25 @@ def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) 
     return max(1, min(k, ring_blocks))
 
 
-def one_sided_round_bytes(leg_bytes: int, *, device: bool = False) -> int:
+# On device staging a round is at most this share of our send region: with the next round
+# gathered ahead, one request then holds at most half of it, so a receiver that stalls
+# (SIGSTOP, a full GPU) cannot keep every other request out of the region until its
+# deadline. Host rounds are far smaller than that already.
+DEVICE_ROUND_SHARE = 4
+
+
+def one_sided_round_bytes(leg_bytes: int, *, device_region: int = 0) -> int:
     """The round target of a one-sided leg of `leg_bytes` in all (ONE_SIDED_ROUND_MAX_BYTES).
 
-    `device`: the staging regions are GPU memory. There a round's copies cost next to
-    nothing against its fixed costs, so the whole leg is one target (round_blocks still
-    keeps each round to half the receiver's reservation, so two rounds overlap). Measured
-    on an H200 (docs/benchmarks.md, "GPU check"): gathering a 62.5 MiB round took 0.7 ms,
-    of which the device needs ~0.05 ms, and 1000 MiB requests in 18 such rounds took
-    19.5 ms against 2.6 ms for the bare NIXL pair."""
-    if device:
-        return max(ROUND_BYTES, leg_bytes)
+    `device_region`: the staging regions are GPU memory, our send region this many bytes.
+    There a round's copies cost next to nothing against its fixed costs, so the target is
+    the whole leg, up to DEVICE_ROUND_SHARE of the region (round_blocks also keeps each
+    round to half the receiver's reservation, so two rounds overlap). Measured on an H200
+    (docs/benchmarks.md, "GPU check"): gathering a 62.5 MiB round took 0.7 ms, of which the
+    device needs ~0.05 ms, and 1000 MiB requests in 18 such rounds took 19.5 ms against
+    2.6 ms for the bare NIXL pair; in 4 rounds, 6.5 ms."""
+    if device_region:
+        return max(ROUND_BYTES, min(leg_bytes, device_region // DEVICE_ROUND_SHARE))
     return max(ROUND_BYTES, min(ONE_SIDED_ROUND_MAX_BYTES, leg_bytes // ONE_SIDED_ROUNDS))
 
 

@@ -642,25 +642,43 @@ def test_staged_rounds_name_the_staging_memory_on_both_sides() -> None:
     assert np.array_equal(peer_staging[: 2 * layout.block_bytes], _gathered(src, layout, [0, 3]))
 
 
-@pytest.mark.parametrize(("memory", "posts"), [(HOST, 4), (vram(0), 2)])
+@pytest.mark.parametrize(
+    ("memory", "region_blocks", "ring_blocks", "posts"),
+    [
+        (HOST, 16, 4, 4),  # host: rounds of one block (the targets shrunk to one block)
+        (vram(0), 16, 4, 2),  # device: the whole leg, split only to half the reservation
+        (vram(0), 8, 8, 4),  # device: at most a quarter of our send region per round
+    ],
+)
 def test_device_staging_moves_a_leg_in_the_fewest_rounds(
-    monkeypatch: pytest.MonkeyPatch, memory: Memory, posts: int
+    monkeypatch: pytest.MonkeyPatch,
+    memory: Memory,
+    region_blocks: int,
+    ring_blocks: int,
+    posts: int,
 ) -> None:
     """Rounds of one block on host staging (the targets shrunk to one block here); on device
-    staging the whole leg is the target, so only the half-reservation rule splits it."""
-    layout = _layout()
+    staging the whole leg is the target, bounded by half the receiver's reservation and a
+    quarter of our own send region."""
+    # 4 KiB blocks: a reservation takes whole pages (bounce.RESERVATION_ALIGN).
+    layout = tiny_layout(
+        num_kv_heads=2, head_dim=64, tokens_per_block=4, major=LAYER_MAJOR, num_blocks=ring_blocks
+    )
     monkeypatch.setattr(staging_mod, "ROUND_BYTES", layout.block_bytes)
     monkeypatch.setattr(staging_mod, "ONE_SIDED_ROUND_MAX_BYTES", layout.block_bytes)
     src = np.random.default_rng(5).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
-    ring = 4 * layout.block_bytes
+    ring = ring_blocks * layout.block_bytes
     dst, peer_staging = np.zeros_like(src), np.zeros(ring, np.uint8)
     conn = _conn(layout, dst, bounce=peer_staging, bounce_memory="vram", bounce_device=1)
     conn.info.round_offsets = True  # rounds through the reservation as a ring
     xp, _, _ = host_stand_in()
     staging = BounceBuffers(
-        4 * ring, DeviceCopier(0, xp=xp), memory=memory, backing=HostStandInBacking
+        region_blocks * layout.block_bytes,
+        DeviceCopier(0, xp=xp),
+        memory=memory,
+        backing=HostStandInBacking,
     )
-    blocks = [3, 0, 2, 1]
+    blocks = list(np.random.default_rng(8).permutation(ring_blocks).tolist())
 
     async def go() -> None:
         pool = _pool(layout, src, vram(0), zero_copy=False)

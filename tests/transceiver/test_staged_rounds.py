@@ -82,3 +82,16 @@ def test_round_size(ring: int, block: int, expected: int) -> None:
 )
 def test_one_sided_round_target(leg_bytes: int, expected: int) -> None:
     assert one_sided_round_bytes(leg_bytes) == expected
+
+
+@pytest.mark.parametrize(
+    ("leg_bytes", "region", "expected"),
+    [
+        (1000 * MIB, 1024 * MIB, 256 * MIB),  # a quarter of our send region
+        (100 * MIB, 1024 * MIB, 100 * MIB),  # the whole leg where it fits in that
+        (4 * MIB, 1024 * MIB, 16 * MIB),  # never under ROUND_BYTES
+        (1000 * MIB, 32 * MIB, 16 * MIB),  # a small region: ROUND_BYTES (fits bounds it)
+    ],
+)
+def test_device_round_target(leg_bytes: int, region: int, expected: int) -> None:
+    assert one_sided_round_bytes(leg_bytes, device_region=region) == expected
