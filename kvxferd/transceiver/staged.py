@@ -7,7 +7,8 @@ made in its receive staging region, and the generation side scatters them into
 the destination blocks.
 
 A request moves in rounds of a few MiB (staging.ROUND_BYTES; up to 64 MiB for a
-large one-sided leg, staging.one_sided_round_bytes; at most half the reservation)
+large one-sided leg, and on device staging the whole leg up to a quarter of the send
+region, staging.one_sided_round_bytes; at most half the reservation)
 through the receiver's reservation used as a ring (staging.plan_rounds): each
 round lies in the slots right after the one before it (Result.round_offset),
 and the receiver acknowledges each round (RoundAck) once scattered. While round
