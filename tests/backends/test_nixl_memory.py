@@ -249,3 +249,16 @@ def test_the_staged_runtime_asks_for_a_mutex_worker_lock_unless_the_operator_cho
     chosen = {UCX_MUTEX_ENV: "n"}
     assert prefer_mutex_worker_lock(chosen) is False
     assert chosen == {UCX_MUTEX_ENV: "n"}  # the operator's choice stands
+
+
+def test_the_tests_take_the_nixl_the_daemons_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/nixl_harness: the module nixl_module_name picks (nixl-cu13 on the GPU machine,
+    where a test asking for nixl_cu12 by name skipped), and a skip naming why without one."""
+    import nixl_harness
+
+    name = nixl_module_name()
+    if name is not None:
+        assert nixl_harness.nixl_or_skip().__name__ == name
+    monkeypatch.setattr(nixl_harness, "nixl_module_name", lambda: None)
+    with pytest.raises(pytest.skip.Exception, match="needs NIXL here"):
+        nixl_harness.nixl_or_skip("needs NIXL here")

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from cli_harness import kvxferd
+from nixl_harness import nixl_or_skip
 
 from kvxferd.memory.hugepages import HostPages, HugetlbReservation
 
@@ -15,7 +16,7 @@ from kvxferd.memory.hugepages import HostPages, HugetlbReservation
 # of tests running beside it would take or see: run alone (scripts/run-tests.sh).
 pytestmark = pytest.mark.host_global
 
-pytest.importorskip("nixl_cu12", reason="the bench runs real daemons over NIXL")
+nixl_or_skip("the bench runs real daemons over NIXL")
 
 TINY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens-per-block", "32"]
 RUN = [*TINY, "--configs", "nixl-python", "--tokens", "100", "--requests", "2", "--json"]

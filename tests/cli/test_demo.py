@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from cli_harness import kvxferd
+from nixl_harness import nixl_or_skip
 
-pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
+nixl_or_skip("the demo needs NIXL (scripts/install.sh)")
 
 
 def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

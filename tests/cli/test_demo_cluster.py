@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from cli_harness import kvxferd
+from nixl_harness import nixl_or_skip
 
 from kvxferd.sim.hosts.network import namespace_problem
 
-pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
+nixl_or_skip("the demo needs NIXL (scripts/install.sh)")
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 from cli_harness import kvxferd
+from nixl_harness import nixl_or_skip
 
-pytest.importorskip("nixl_cu12", reason="the demo needs NIXL (scripts/install.sh)")
+nixl_or_skip("the demo needs NIXL (scripts/install.sh)")
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:

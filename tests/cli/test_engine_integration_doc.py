@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from cli_harness import KVXFERD
+from nixl_harness import nixl_or_skip
 
-pytest.importorskip("nixl_cu12", reason="needs NIXL (scripts/install.sh)")
+nixl_or_skip("needs NIXL (scripts/install.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nixl_harness import nixl_or_skip
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
-pytest.importorskip("nixl_cu12", reason="the daemon tests need NIXL (scripts/install.sh)")
+nixl_or_skip("the daemon tests need NIXL (scripts/install.sh)")
 
 
 @pytest.fixture

@@ -50,6 +50,7 @@ from daemon_harness import (
     until,
     wait_all,
 )
+from nixl_harness import nixl_or_skip
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.messages import (
@@ -782,7 +783,7 @@ def _fake_gen_info(gen: DaemonProc, agent_name: str, metadata: bytes) -> Info:
 
 
 def test_malformed_peer_messages(cluster: LocalCluster) -> None:
-    nixl = pytest.importorskip("nixl_cu12")
+    nixl = nixl_or_skip()
     ctx, gen = start_pair(cluster, **_cfg(10000))
     secret = (cluster.workdir / "ctx.secret").read_bytes().rstrip()
     host, port = ctx.peer_address.rsplit(":", 1)

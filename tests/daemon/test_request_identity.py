@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from daemon_harness import SimEngine, assert_clean, opened, status, until
+from nixl_harness import nixl_or_skip
 
 from kvxferd.client import CallError
 from kvxferd.memory.layout import KvLayout
@@ -202,7 +203,7 @@ def test_a_hostile_context_peer_cannot_touch_another_contexts_receive(trio: Trio
     """An authenticated peer ("evil", a context daemon by its handshake) sends Abort,
     Result and RequestData for "r1" while gen's receive of "r1" from ctxa waits: with any
     token it cannot know, and the receive is served whole afterwards."""
-    nixl = pytest.importorskip("nixl_cu12")
+    nixl = nixl_or_skip()
     ctxa, _, gen = trio
     agent = nixl.nixl_agent(
         "evil.1", nixl.nixl_agent_config(enable_listen_thread=False, backends=["UCX"])

@@ -26,6 +26,7 @@ from daemon_harness import (
     status,
     wait_for,
 )
+from nixl_harness import nixl_or_skip
 
 from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory import ShmRegion, TpRank
@@ -751,7 +752,7 @@ class _Intruder:
 async def _intruder(
     cluster: LocalCluster, ctx: DaemonProc, like: DaemonProc, pools: list[PoolInfo]
 ) -> AsyncIterator[_Intruder]:
-    nixl = pytest.importorskip("nixl_cu12")
+    nixl = nixl_or_skip()
     agent = nixl.nixl_agent(
         "intruder.1", nixl.nixl_agent_config(enable_listen_thread=False, backends=["UCX"])
     )

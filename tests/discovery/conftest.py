@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from discovery_harness import CLUSTER, LEASE_TTL_S
+from nixl_harness import nixl_or_skip
 
 from kvxferd.sim.cluster import LocalCluster
 from kvxferd.sim.etcd_server import EtcdServer, etcd_binary
@@ -27,7 +28,7 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, etcd: EtcdServer) -> Iterator[LocalCluster]:
-    pytest.importorskip("nixl_cu12", reason="the daemon tests need NIXL (scripts/install.sh)")
+    nixl_or_skip("the daemon tests need NIXL (scripts/install.sh)")
     etcd_section = {"endpoints": [etcd.endpoint], "cluster": CLUSTER, "lease_ttl_s": LEASE_TTL_S}
     with LocalCluster(tmp_path / "cluster", etcd=etcd_section) as c:
         yield c

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import status, wait_for
 from discovery_harness import CLUSTER, LEASE_TTL_S, keys, members
+from nixl_harness import nixl_or_skip
 
 from kvxferd.peers import testca
 from kvxferd.sim.cluster import LocalCluster
@@ -36,7 +37,7 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[EtcdServer, Path]]:
 def test_daemons_register_over_tls_with_client_certificates(
     tmp_path: Path, tls_etcd: tuple[EtcdServer, Path]
 ) -> None:
-    pytest.importorskip("nixl_cu12", reason="the daemon tests need NIXL (scripts/install.sh)")
+    nixl_or_skip("the daemon tests need NIXL (scripts/install.sh)")
     etcd, certs = tls_etcd
     client = testca.issue(certs, "kvxferd-client", (certs / "ca.pem", certs / "ca.key"))
     section = {

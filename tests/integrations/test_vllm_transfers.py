@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nixl_harness import nixl_or_skip
 
 from kvxferd.client import Client
 from kvxferd.integrations.vllm.plan import Planner, Refusal, StepPlan
@@ -34,7 +35,7 @@ from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
-pytest.importorskip("nixl_cu12", reason="the daemons need NIXL (scripts/install.sh)")
+nixl_or_skip("the daemons need NIXL (scripts/install.sh)")
 
 # Small blocks (2 layers x K, V x 16 tokens x 2 heads x 16 dims x fp16 = 4 KiB): the bytes
 # are checked, not the bandwidth.

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nixl_harness import nixl_or_skip
 
 # The daemon tests' in-test engine (SimEngine) and helpers are reused here.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "daemon"))
@@ -17,6 +18,6 @@ from kvxferd.sim.cluster import LocalCluster
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    pytest.importorskip("nixl_cu12", reason="real daemons need NIXL (scripts/install.sh)")
+    nixl_or_skip("real daemons need NIXL (scripts/install.sh)")
     with LocalCluster(tmp_path) as c:
         yield c

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from nixl_harness import nixl_or_skip
 
-pytest.importorskip("nixl_cu12", reason="a daemon needs NIXL (scripts/install.sh)")
+nixl_or_skip("a daemon needs NIXL (scripts/install.sh)")
 
 _STARTER = """
 import sys, time
