@@ -6,10 +6,11 @@
 #
 # Usage: benchmarks/gpu_profile.sh [OUT_DIR]
 #   CONFIGS (nixl-python-bounce,nixl-cpp), REQUESTS (150), SECONDS_SAMPLED (5), RATE (1000),
-#   MEMORY (vram), PYTHON (python3), SAMPLE (1; 0: no py-spy), TRACE (0; 1: every process also
-#   notes when chosen kvxferd functions begin and end, benchmarks/trace_hooks, and
-#   <config>-timeline.txt lines them up per request, benchmarks/trace_timeline.py). Wheels: .whl/*.whl (scripts/fetch-gpu-wheels.sh) and the
-#   py-spy wheel in .whl-prof/ are installed into /tmp/kvxferd-gpu-site when present.
+#   MEMORY (vram), PYTHON (python3), SAMPLE (1; 0: no py-spy), TRACE (0; 1: every process
+#   also notes when chosen kvxferd functions begin and end, benchmarks/trace_hooks, and
+#   <config>-timeline.txt lines them up per request, benchmarks/trace_timeline.py).
+#   Wheels: .whl/*.whl (scripts/fetch-gpu-wheels.sh) and the py-spy wheel in .whl-prof/ are
+#   installed into /tmp/kvxferd-gpu-site when present (benchmarks/gpu_env.sh).
 # Writes OUT_DIR/<config>-bench.json (the bench's report), <config>-<process>.txt (py-spy's
 # raw collapsed stacks, one line per stack with its sample count) and summary.txt
 # (benchmarks/gpu_profile_summary.py of them, when it ran).
@@ -34,6 +35,27 @@ find_pid() {
   return 1
 }
 
+# py-spy on both daemons and both engines of configuration $1 while its requests run.
+sample() {
+  local cfg=$1 name spies=() ctx_engine gen_engine ctx_daemon gen_daemon
+  # The raw NIXL pair runs first; the daemons' engines start after it.
+  if ! gen_engine=$(find_pid "kvxferd.bench.engine.*--role generation"); then
+    echo "$cfg: no generation engine appeared" >&2
+    return
+  fi
+  ctx_engine=$(find_pid "kvxferd.bench.engine.*--role context")
+  ctx_daemon=$(find_pid "kvxferd.cli run --config .*/$cfg/bench-ctx.yaml")
+  gen_daemon=$(find_pid "kvxferd.cli run --config .*/$cfg/bench-gen.yaml")
+  sleep 1 # past the warm-up requests
+  for name in ctx_daemon gen_daemon ctx_engine gen_engine; do
+    "$SPY" record --pid "${!name}" --idle --threads --nonblocking --rate "${RATE:-1000}" \
+      --duration "${SECONDS_SAMPLED:-5}" --format raw \
+      --output "$OUT_DIR/$cfg-$name.txt" >"$OUT_DIR/$cfg-$name.spy.log" 2>&1 &
+    spies+=($!)
+  done
+  wait "${spies[@]}"
+}
+
 IFS=, read -r -a configs <<<"${CONFIGS:-nixl-python-bounce,nixl-cpp}"
 for cfg in "${configs[@]}"; do
   trace=()
@@ -45,25 +67,9 @@ for cfg in "${configs[@]}"; do
     --requests "${REQUESTS:-150}" --warmup 3 --configs "$cfg" --json --no-progress \
     --timeout 200 >"$OUT_DIR/$cfg-bench.json" 2>"$OUT_DIR/$cfg-bench.err" &
   bench=$!
-  # The raw NIXL pair runs first; the daemons' engines start after it.
-  if ! gen_engine=$(find_pid "kvxferd.bench.engine.*--role generation"); then
-    echo "$cfg: no generation engine appeared" >&2
-    wait "$bench"
-    continue
+  if [[ ${SAMPLE:-1} != 0 ]]; then
+    sample "$cfg"
   fi
-  ctx_engine=$(find_pid "kvxferd.bench.engine.*--role context")
-  ctx_daemon=$(find_pid "kvxferd.cli run --config .*/$cfg/bench-ctx.yaml")
-  gen_daemon=$(find_pid "kvxferd.cli run --config .*/$cfg/bench-gen.yaml")
-  sleep 1 # past the warm-up requests
-  spies=()
-  [[ ${SAMPLE:-1} == 0 ]] && names=() || names=(ctx_daemon gen_daemon ctx_engine gen_engine)
-  for name in "${names[@]}"; do
-    "$SPY" record --pid "${!name}" --idle --threads --nonblocking --rate "${RATE:-1000}" \
-      --duration "${SECONDS_SAMPLED:-5}" --format raw \
-      --output "$OUT_DIR/$cfg-$name.txt" >"$OUT_DIR/$cfg-$name.spy.log" 2>&1 &
-    spies+=($!)
-  done
-  ((${#spies[@]} > 0)) && wait "${spies[@]}"
   wait "$bench"
   echo "$cfg: bench exit $?"
   if [[ ${TRACE:-0} == 1 ]]; then
