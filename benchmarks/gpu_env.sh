@@ -1,6 +1,7 @@
 # Sourced by the GPU benchmarks (gpu_profile.sh, gpu_ab.sh): installs the carried wheels
 # (.whl/ from scripts/fetch-gpu-wheels.sh, .whl-prof/ for py-spy) into /tmp/kvxferd-gpu-site
-# when there are any, as scripts/gpu-check.sh does, and sets PY, SITE and PYTHONPATH.
+# when there are any (scripts/gpu-wheels.sh, as scripts/gpu-check.sh), and sets PY, SITE and
+# PYTHONPATH.
 PY=${PYTHON:-python3}
 # Absolute, for scripts that run it from another folder.
 [[ $PY == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
@@ -9,8 +10,9 @@ shopt -s nullglob
 wheels=(.whl/*.whl .whl-prof/*.whl)
 shopt -u nullglob
 if ((${#wheels[@]} > 0)); then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "${wheels[@]}" || exit 3
+  # shellcheck source=scripts/gpu-wheels.sh
+  source scripts/gpu-wheels.sh
+  install_gpu_wheels "$SITE" "${wheels[@]}" || exit 3
   export PYTHONPATH="$SITE"
 else
   export PYTHONPATH=""

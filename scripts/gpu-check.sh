@@ -31,11 +31,9 @@ wheels=("$WHEELS_DIR"/*.whl)
 shopt -u nullglob
 if ((${#wheels[@]} > 0)); then
   echo "gpu-check: installing ${#wheels[@]} wheels from $WHEELS_DIR/ into $SITE" | tee "$LOG"
-  rm -rf "$SITE"
-  # --no-deps: the set in .whl/ is complete by construction (scripts/fetch-gpu-wheels.sh), and
-  # nixl's declared torch must not be resolved; --no-index: the GPU machine has no network.
-  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "${wheels[@]}" 2>&1 | tee -a "$LOG"; then
+  # shellcheck source=scripts/gpu-wheels.sh
+  source scripts/gpu-wheels.sh
+  if ! install_gpu_wheels "$SITE" "${wheels[@]}" 2>&1 | tee -a "$LOG"; then
     echo "gpu-check: the wheels in $WHEELS_DIR/ did not install (see above)" | tee -a "$LOG" >&2
     exit 3
   fi
