@@ -30,7 +30,7 @@ import concurrent.futures
 import contextlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
@@ -365,6 +365,10 @@ class ArrayCopier(_PlannedCopier):
         self._run(copy)
 
 
+# Runs copy(*args) and returns once its bytes are in place.
+CopyRunner = Callable[..., Awaitable[None]]
+
+
 def _inline(copy: Callable[[], None]) -> None:
     copy()
 
@@ -376,9 +380,11 @@ def _backed(backing: Backing | None, nbytes: int, label: str) -> RegionBacking |
 class BounceBuffers:
     """A daemon's two regions (send and receive), their copier and counters.
 
-    By default both regions are host mappings copied by HostCopier. Device staging passes
-    `memory` (VRAM on its device), a `backing` that allocates each region there and a
-    copier that runs on the device (transceiver/device_copy.py: device_buffers)."""
+    By default both regions are host mappings copied by HostCopier, each copy on a thread
+    of our own. Device staging passes `memory` (VRAM on its device), a `backing` that
+    allocates each region there, a copier that runs on the device and `run_copy`, how a
+    copy runs and is awaited (transceiver/device_copy.py: device_buffers launches it from
+    the event loop and awaits the device, without a thread in between)."""
 
     def __init__(
         self,
@@ -387,6 +393,7 @@ class BounceBuffers:
         *,
         memory: Memory = HOST,
         backing: Backing | None = None,
+        run_copy: CopyRunner | None = None,
     ) -> None:
         self.memory = memory
         self.send = BounceRegion(nbytes, "send", _backed(backing, nbytes, "send"), memory)
@@ -401,6 +408,7 @@ class BounceBuffers:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvxferd-bounce"
         )
+        self._run_copy: CopyRunner = run_copy or self._off_loop
         self.reservations_made = 0
         self.fallbacks = 0
         # Copies made, and tensor-parallel legs moved with one side's copy only
@@ -426,9 +434,9 @@ class BounceBuffers:
         out = self.send.view(res, nbytes)
         self.gathers += 1
         if heads is None:
-            await self._off_loop(self.copier.gather, pool, layout, blocks, out)
+            await self._run_copy(self.copier.gather, pool, layout, blocks, out)
         else:
-            await self._off_loop(self.copier.gather_heads, pool, layout, blocks, heads, out)
+            await self._run_copy(self.copier.gather_heads, pool, layout, blocks, heads, out)
 
     async def scatter(
         self,
@@ -444,9 +452,9 @@ class BounceBuffers:
         packed = self.recv.view(res, nbytes)
         self.scatters += 1
         if heads is None:
-            await self._off_loop(self.copier.scatter, packed, pool, layout, blocks)
+            await self._run_copy(self.copier.scatter, packed, pool, layout, blocks)
         else:
-            await self._off_loop(self.copier.scatter_heads, packed, pool, layout, blocks, heads)
+            await self._run_copy(self.copier.scatter_heads, packed, pool, layout, blocks, heads)
 
     async def _off_loop(self, copy: Callable[..., None], *args: object) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, copy, *args)

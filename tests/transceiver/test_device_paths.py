@@ -91,8 +91,30 @@ class _FakeCuda:
             def synchronize(self) -> None:
                 outer.events.append("synchronize")
 
+        class Event:
+            """Done once it has been asked `outer.polls_until_done` times after recording."""
+
+            def __init__(self, block: bool = True, disable_timing: bool = False) -> None:
+                assert not block, "a blocking event would sleep the loop's thread"
+                self.asked = -1  # not recorded yet
+
+            def record(self, stream: Stream) -> None:
+                outer.events.append("record")
+                self.asked = 0
+
+            @property
+            def done(self) -> bool:
+                assert self.asked >= 0, "polled before it was recorded"
+                self.asked += 1
+                finished = self.asked > outer.polls_until_done
+                if finished:
+                    outer.events.append("event done")
+                return finished
+
         self.Device = Device
         self.Stream = Stream
+        self.Event = Event
+        self.polls_until_done = 0
 
 
 def host_stand_in() -> tuple[ModuleType, list[str], _FakeCuda]:
@@ -242,6 +264,103 @@ def test_bounce_buffers_on_a_backing_carry_their_memory_and_scatter_returns_sync
         for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
             assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
     assert all(b.closed for b in backings)
+
+
+def test_a_copy_on_the_loop_is_launched_there_and_awaited_until_the_device_ends() -> None:
+    xp, events, cuda = host_stand_in()
+    cuda.polls_until_done = 3
+    copier, host = DeviceCopier(2, xp=xp), HostCopier(threads=1)
+    layout = _layout()
+    pool = np.random.default_rng(7).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    out, want = (
+        np.zeros(2 * layout.block_bytes, np.uint8),
+        np.zeros(2 * layout.block_bytes, np.uint8),
+    )
+    host.gather(pool, layout, [2, 0], want)
+    host.close()
+
+    asyncio.run(copier.on_loop(copier.gather, pool, layout, [2, 0], out))
+    assert np.array_equal(out, want)
+    # Launched on the loop's thread, an event recorded after the copy, no synchronise: the
+    # loop awaited the event, which ended only after it was asked 3 times.
+    assert events == [
+        "device 2", "stream made", "stream", "copy", "stream exit", "record", "device exit",
+        "event done",
+    ]  # fmt: skip
+    assert cuda.stream_threads == [threading.get_ident()]
+    # Called directly (not through on_loop), a copy still returns synchronised.
+    events.clear()
+    copier.scatter(out, pool, layout, [1, 3])
+    assert events[-2:] == ["synchronize", "device exit"] and "record" not in events
+
+
+def test_a_cancelled_copy_on_the_loop_ends_only_once_the_device_let_go() -> None:
+    xp, events, cuda = host_stand_in()
+    cuda.polls_until_done = 40
+    copier = DeviceCopier(0, xp=xp)
+    layout = _layout()
+    pool = np.zeros(layout.pool_bytes, np.uint8)
+    packed = np.ones(layout.block_bytes, np.uint8)
+
+    async def cancel_mid_copy() -> None:
+        task = asyncio.ensure_future(copier.on_loop(copier.scatter, packed, pool, layout, [1]))
+        await asyncio.sleep(0)  # launched; now polling its event
+        assert "record" in events and "event done" not in events
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The cancel came through only after the device finished with the buffers.
+        assert events[-1] == "event done"
+
+    asyncio.run(cancel_mid_copy())
+
+
+def test_a_copy_refused_on_the_loop_launches_nothing_and_leaves_the_copier_as_it_was() -> None:
+    xp, events, _ = host_stand_in()
+    copier = DeviceCopier(0, xp=xp)
+    layout = _layout()
+    pool = np.zeros(layout.pool_bytes, np.uint8)
+    too_small = np.zeros(layout.block_bytes - 1, np.uint8)
+    with pytest.raises(Exception, match="packed"):
+        asyncio.run(copier.on_loop(copier.gather, pool, layout, [0], too_small))
+    assert "record" not in events and "copy" not in events
+    copier.gather(pool, layout, [0], np.zeros(layout.block_bytes, np.uint8))
+    assert events[-2:] == ["synchronize", "device exit"]  # not left launching without waiting
+
+
+def test_device_staging_copies_from_the_loop_not_a_copy_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvxferd.transceiver import device_copy
+
+    xp, events, cuda = host_stand_in()
+    monkeypatch.setattr(device_copy, "_cupy_for", lambda device: xp)
+    monkeypatch.setattr(
+        device_copy.DeviceRegion, "allocate", lambda n, device, label: HostStandInBacking(n, label)
+    )
+    bounce = device_buffers(1 << 16, 1)
+    layout = _layout()
+    src = np.random.default_rng(9).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    nbytes = 2 * layout.block_bytes
+
+    async def round_trip() -> None:
+        tx, rx = bounce.send.reserve(nbytes), bounce.recv.reserve(nbytes)
+        assert tx is not None and rx is not None
+        await bounce.gather(src, layout, [3, 0], tx, nbytes)
+        bounce.recv.view(rx, nbytes)[:] = bounce.send.view(tx, nbytes)
+        await bounce.scatter(rx, nbytes, dst, layout, [1, 2])
+
+    try:
+        asyncio.run(round_trip())
+    finally:
+        bounce.close()
+    assert cuda.stream_threads == [threading.get_ident()]  # one stream, the loop's
+    assert events.count("record") == 2 and events.count("event done") == 2
+    for ours, theirs in ((3, 1), (0, 2)):
+        a, b = layout.block_segments([ours]), layout.block_segments([theirs])
+        for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
+            assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
 
 
 def test_host_bounce_buffers_are_as_before() -> None:
