@@ -316,6 +316,10 @@ class HostCopier(_PlannedCopier):
         self._split(copy, index.size, plan.nbytes)
 
 
+# Copies a plan's rows (pool, packed, device index, unit bytes, into_pool) if it can.
+RowCopy = Callable[[Any, Any, Any, int, bool], bool]
+
+
 class ArrayCopier(_PlannedCopier):
     """Gather/scatter over any numpy-like array module `xp` (numpy, cupy): one 2-D take
     (gather) or one fancy-index assignment (scatter) per copy.
@@ -330,6 +334,10 @@ class ArrayCopier(_PlannedCopier):
     completed (a device copier: under its device and stream, then synchronising the
     stream): a gather's reservation is written, and a scatter's blocks are reported done,
     only after the bytes are where they belong. By default the copy runs inline.
+
+    `rows(pool, packed, index, unit, into_pool)`, when given, is tried first: a faster
+    copy of the plan's rows for the kinds it takes (device_rows.RowKernel), returning
+    False, having copied nothing, for the others.
     """
 
     def __init__(
@@ -337,9 +345,11 @@ class ArrayCopier(_PlannedCopier):
         xp: ModuleType = np,
         *,
         run: Callable[[Callable[[], None]], None] | None = None,
+        rows: RowCopy | None = None,
     ) -> None:
         self.xp = xp
         self._run: Callable[[Callable[[], None]], None] = run or _inline
+        self.rows = rows
 
     def close(self) -> None:
         pass
@@ -353,10 +363,12 @@ class ArrayCopier(_PlannedCopier):
         word, row = word_rows(plan.unit)
 
         def copy() -> None:
+            index = xp.asarray(plan.index)
+            if self.rows is not None and self.rows(pool, packed, index, plan.unit, into_pool):
+                return
             # Every unit divides the pool size (copyplan), so both views are whole rows.
             pool_rows = pool[: layout.pool_bytes].view(word).reshape(-1, row)
             packed_rows = packed[: plan.nbytes].view(word).reshape(-1, row)
-            index = xp.asarray(plan.index)
             if into_pool:
                 pool_rows[index] = packed_rows
             else:

@@ -2,9 +2,11 @@
 
 The arithmetic (which bytes go where, per round, with head slices) is the host path's
 (transceiver/copyplan.py, run by bounce.ArrayCopier, tested exhaustively on the host);
-this module only runs it with cupy on the daemon's own stream: one `take` (gather) or one
-indexed assignment (scatter) per round, i.e. one kernel launch over word rows, never a
-memcpy per segment.
+this module only runs it with cupy on the daemon's own stream: one kernel launch per
+copy, never a memcpy per segment. Rows of 512 bytes or more, 16-byte aligned (whole
+blocks, layer pieces of the usual geometries) go through device_rows' kernel; others
+(head slices of a few hundred bytes per token) through one `take` (gather) or one indexed
+assignment (scatter) over word rows.
 
 Ordering: the engine synchronises before `send` (docs/engine-integration.md), so a
 gather reads finished KV. A copy is complete before it is reported: a gather's
@@ -30,6 +32,7 @@ reason) only if it asks for device staging.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +42,10 @@ from typing import Any
 from kvxferd.backends.base import vram
 from kvxferd.memory.device import DeviceRegion, DeviceUnavailableError, probe
 from kvxferd.transceiver.bounce import ArrayCopier, BounceBuffers
+from kvxferd.transceiver.device_rows import RowKernel
 from kvxferd.transceiver.writes import next_pause
+
+log = logging.getLogger("kvxferd.device")
 
 
 def _cupy_for(device: int) -> ModuleType:
@@ -67,7 +73,9 @@ class DeviceCopier(ArrayCopier):
 
     def __init__(self, device: int, *, xp: ModuleType | None = None) -> None:
         module = xp if xp is not None else _cupy_for(device)
-        super().__init__(module, run=self._on_stream)
+        kernel = RowKernel(module)
+        super().__init__(module, run=self._on_stream, rows=kernel)
+        self._kernel = kernel
         self.device = device
         # One stream per copying thread (BounceBuffers copies on one thread), made there
         # under the device on first use: a stream belongs to the device current when it
@@ -102,6 +110,24 @@ class DeviceCopier(ArrayCopier):
             # The caller's next step (a NIXL write of the reservation, or `done`) must see
             # the bytes in place: wait for the copy here, in the calling thread.
             stream.synchronize()
+
+    def warm(self) -> None:
+        """Compile the row kernel now (at the daemon's start) rather than in its first
+        request. Where it cannot be compiled, copies keep to take and assignment, and the
+        log says why once."""
+        if self.rows is None:
+            return
+        try:
+            with self.xp.cuda.Device(self.device):
+                self._kernel.warm()
+        except Exception as exc:  # NVRTC missing or broken: a slower copy still works
+            log.warning(
+                "device copies on CUDA device %d use cupy's take: the row kernel did not "
+                "compile (%s)",
+                self.device,
+                exc,
+            )
+            self.rows = None
 
     async def on_loop(self, copy: Callable[..., None], *args: object) -> None:
         """Launch `copy(*args)` (one of our gather/scatter calls) from the event loop's
@@ -145,6 +171,7 @@ def device_buffers(nbytes: int, device: int) -> BounceBuffers:
     `nbytes`, copied by a DeviceCopier; registered by the daemon as VRAM on that device
     and announced to peers as such (Info.bounce_memory "vram", bounce_device)."""
     copier = DeviceCopier(device)  # raises DeviceUnavailableError first, with the reason
+    copier.warm()
     return BounceBuffers(
         nbytes,
         copier,

@@ -37,14 +37,16 @@ from kvxferd.errors import StartupError
 from kvxferd.memory import device as device_mod
 from kvxferd.memory.device import DeviceUnavailableError
 from kvxferd.memory.heads import tp_rank
-from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
+from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout
 from kvxferd.peers.messages import PoolInfo, RequestData
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver import staging as staging_mod
 from kvxferd.transceiver import writes as writes_mod
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
+from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
+from kvxferd.transceiver.device_rows import launch_shape
 from kvxferd.transceiver.direct import DirectMover, must_bounce, peer_memory
 from kvxferd.transceiver.direct_rx import DirectReceive, copy_only
 from kvxferd.transceiver.legs import RxLeg, TxLeg
@@ -131,7 +133,37 @@ def host_stand_in() -> tuple[ModuleType, list[str], _FakeCuda]:
     xp.asarray = asarray  # type: ignore[attr-defined]
     xp.take = np.take  # type: ignore[attr-defined]
     xp.cuda = cuda  # type: ignore[attr-defined]
+    xp.RawKernel = _RowKernelStandIn.made_by(events)  # type: ignore[attr-defined]
     return xp, events, cuda
+
+
+class _RowKernelStandIn:
+    """cupy.RawKernel for device_rows' kernel, run in numpy as the CUDA source would run
+    it (every row, every vector), after checking the launch is one CUDA would accept."""
+
+    events: list[str]
+
+    @classmethod
+    def made_by(cls, events: list[str]) -> type[_RowKernelStandIn]:
+        return type("RawKernel", (cls,), {"events": events})
+
+    def __init__(self, code: str, name: str) -> None:
+        assert f"void {name}(" in code
+
+    def compile(self) -> None:
+        self.events.append("kernel compiled")
+
+    def __call__(self, grid: tuple[int, int], block: tuple[int], args: tuple[Any, ...]) -> None:
+        src, dst, index, rows, vecs, gather = args
+        assert grid[0] >= 1 and 1 <= grid[1] <= 65535 and grid[1] <= rows
+        assert block[0] % 32 == 0 and 32 <= block[0] <= 1024
+        assert src.ctypes.data % 16 == 0 and dst.ctypes.data % 16 == 0
+        n = int(vecs) * 16
+        for r in range(int(rows)):
+            at = int(index[r])
+            s, d = (at, r) if gather else (r, at)
+            dst[d * n : (d + 1) * n] = src[s * n : (s + 1) * n]
+        self.events.append(f"kernel {'gather' if gather else 'scatter'} {int(rows)} rows")
 
 
 class HostStandInBacking:
@@ -193,6 +225,102 @@ def test_device_copier_with_a_host_stand_in_gives_host_copiers_bytes(
     host_scatter(packed, into_host, layout, blocks)
     assert np.array_equal(into_dev, into_host)
     host.close()
+
+
+@st.composite
+def big_rows(draw: st.DrawFn) -> tuple[KvLayout, list[int], Heads, int]:
+    """Layouts whose units are 512 B or more (what the row kernel takes), blocks, maybe a
+    head slice (whose smaller rows it declines), and an offset of the packed buffer (8:
+    not 16-byte aligned, which it declines too)."""
+    major = draw(st.sampled_from([BLOCK_MAJOR, LAYER_MAJOR]))
+    layout = tiny_layout(
+        num_layers=draw(st.integers(1, 3)),
+        num_kv_heads=2,
+        head_dim=draw(st.sampled_from([8, 16, 24])),
+        tokens_per_block=draw(st.sampled_from([8, 16])),
+        dtype=draw(st.sampled_from(["float16", "float32"])),
+        major=major,
+        num_blocks=6,
+    )
+    blocks = draw(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True))
+    heads = draw(st.sampled_from([None, None, (0, 1), (1, 2)]))
+    return layout, blocks, heads, draw(st.sampled_from([0, 0, 16, 8]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(big_rows(), st.integers(0, 2**32 - 1))
+def test_the_row_kernel_gives_host_copiers_bytes_or_declines(
+    case: tuple[KvLayout, list[int], Heads, int], seed: int
+) -> None:
+    layout, blocks, heads, offset = case
+    xp, events, _ = host_stand_in()
+    dev, host = DeviceCopier(0, xp=xp), HostCopier(threads=1)
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    per_block = (
+        layout.block_bytes
+        if heads is None
+        else layout.block_bytes // layout.num_kv_heads * (heads[1] - heads[0])
+    )
+    n = len(blocks) * per_block
+    room = np.zeros(n + 16, np.uint8)
+    start = (-room.ctypes.data) % 16 + offset  # a 16-byte aligned start, moved by offset
+    got, want = room[start : start + n], np.zeros(n, np.uint8)
+    (dev_gather, dev_scatter), (host_gather, host_scatter) = copies(dev, heads), copies(host, heads)
+    dev_gather(pool, layout, blocks, got)
+    host_gather(pool, layout, blocks, want)
+    assert np.array_equal(got, want)
+    into_dev, into_host = pool.copy(), pool.copy()
+    dev_scatter(got, into_dev, layout, blocks)
+    host_scatter(want, into_host, layout, blocks)
+    assert np.array_equal(into_dev, into_host)
+    host.close()
+    unit = copy_plan(layout, blocks, heads).unit
+    took = [e for e in events if e.startswith("kernel ")]
+    if unit >= 512 and unit % 16 == 0 and offset % 16 == 0:
+        assert took == [f"kernel gather {n // unit} rows", f"kernel scatter {n // unit} rows"]
+    else:
+        assert took == []
+
+
+@pytest.mark.parametrize("rows", [1, 7, 250, 65535, 65536, 300_000])
+@pytest.mark.parametrize("vecs", [32, 33, 100, 256, 4096, 262_144])
+def test_launch_shapes_stay_in_cudas_limits_and_fill_the_device(rows: int, vecs: int) -> None:
+    (grid_x, grid_y), (threads,) = launch_shape(rows, vecs)
+    assert threads % 32 == 0 and 32 <= threads <= 256
+    assert threads >= min(vecs, 256) - 31  # a row's vectors are not left to a few threads
+    assert 1 <= grid_y <= min(rows, 65535)
+    assert grid_x >= 1
+    # A small plan gets no more blocks than its vectors need; a big one about 2048 or more.
+    blocks_needed = rows * -(-vecs // (threads * 4))
+    assert grid_x * grid_y >= min(blocks_needed, 2048)
+    assert grid_x * threads * 4 <= max(vecs, threads * 4) + threads * 4
+
+
+def test_warm_compiles_the_row_kernel_and_a_failure_falls_back_to_take(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    xp, events, _ = host_stand_in()
+    copier = DeviceCopier(0, xp=xp)
+    copier.warm()
+    assert events == ["device 0", "kernel compiled", "device exit"] and copier.rows is not None
+
+    def broken() -> None:
+        raise RuntimeError("nvrtc: libnvrtc.so.13 not found")
+
+    copier._kernel._kernel.compile = broken  # type: ignore[attr-defined]
+    with caplog.at_level("WARNING", logger="kvxferd.device"):
+        copier.warm()
+    assert copier.rows is None
+    assert "row kernel did not compile (nvrtc: libnvrtc.so.13 not found)" in caplog.text
+    layout = tiny_layout(num_kv_heads=2, head_dim=16, tokens_per_block=16, num_blocks=2)
+    pool = np.arange(layout.pool_bytes, dtype=np.uint64).astype(np.uint8)
+    out = np.zeros(layout.block_bytes, np.uint8)
+    events.clear()
+    copier.gather(pool, layout, [1], out)  # take, not the kernel
+    assert np.array_equal(out, pool[layout.block_bytes :]) and not any(
+        e.startswith("kernel ") for e in events
+    )
 
 
 def _layout(num_blocks: int = 4) -> KvLayout:

@@ -1,0 +1,97 @@
+"""Device gather/scatter rates: device_rows' kernel against cupy's take / indexed assignment
+(what ArrayCopier does without it), and a device-to-device memcpy of the same bytes.
+
+Run on a GPU (benchmarks/gpu_session.sh does): prints one line per (row size, copy) with GB/s
+(bytes copied over time, medians of ITER launches timed with CUDA events) and the ratio to
+memcpy, and checks that kernel and take produce the same bytes. Usage:
+    python benchmarks/gpu_rows.py [--mib 1000] [--iters 20] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvxferd.transceiver.copyplan import word_rows
+from kvxferd.transceiver.device_rows import RowKernel
+
+
+def timed(cp: Any, fn: Callable[[], object], iters: int) -> float:
+    """Median seconds of fn() over `iters` launches, each timed alone with events."""
+    fn()
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
+
+
+def measure(cp: Any, kernel: RowKernel, unit: int, nbytes: int, iters: int) -> list[dict[str, Any]]:
+    """Each copy of `nbytes` in rows of `unit` bytes (a shuffled fifth of the pool left out)."""
+    count = nbytes // unit
+    pool_rows = count + count // 5
+    index = cp.asarray(np.random.default_rng(1).permutation(pool_rows)[:count].astype(np.int64))
+    pool = cp.random.randint(0, 256, pool_rows * unit, dtype=cp.uint8)
+    packed = cp.zeros(count * unit, dtype=cp.uint8)
+    other = cp.empty_like(packed)
+    word, row = word_rows(unit)
+    pool_w, packed_w = pool.view(word).reshape(-1, row), packed.view(word).reshape(-1, row)
+    runs: dict[str, Callable[[], object]] = {
+        "memcpy": lambda: other.__setitem__(slice(None), packed),
+        "take gather": lambda: cp.take(pool_w, index, axis=0, out=packed_w),
+        "kernel gather": lambda: kernel(pool, packed, index, unit, False),
+        "assign scatter": lambda: pool_w.__setitem__(index, packed_w),
+        "kernel scatter": lambda: kernel(pool, packed, index, unit, True),
+    }
+    seconds = {name: timed(cp, fn, iters) for name, fn in runs.items()}
+    cp.take(pool_w, index, axis=0, out=packed_w)
+    want = cp.asnumpy(packed)
+    packed[:] = 0
+    kernel(pool, packed, index, unit, False)
+    same = bool(np.array_equal(cp.asnumpy(packed), want))
+    return [
+        {
+            "unit": unit,
+            "copy": name,
+            "gbps": round(count * unit / s / 1e9, 1),
+            "ms": round(s * 1e3, 3),
+            "vs_memcpy": round(seconds["memcpy"] / s, 3),
+            "kernel_bytes_match_take": same,
+        }
+        for name, s in seconds.items()
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--mib", type=int, default=1000, help="bytes copied per launch")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args()
+    import cupy as cp
+
+    kernel = RowKernel(cp)
+    out: list[dict[str, Any]] = []
+    for unit in (4 << 20, 64 << 10, 4 << 10):
+        rows = measure(cp, kernel, unit, args.mib << 20, args.iters)
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        out += rows
+        cp.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
