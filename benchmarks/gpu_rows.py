@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.transceiver.copyplan import word_rows
+from kvxferd.transceiver.copyplan import copy_plan, word_rows
 from kvxferd.transceiver.device_rows import RowKernel
 
 
@@ -72,6 +72,77 @@ def measure(cp: Any, kernel: RowKernel, unit: int, nbytes: int, iters: int) -> l
     ]
 
 
+def cupyx_pinned(cp: Any, like: np.ndarray) -> np.ndarray:
+    """A numpy array shaped as `like` in page-locked host memory."""
+    mem = cp.cuda.alloc_pinned_memory(like.nbytes)
+    return np.frombuffer(mem, like.dtype, like.size).reshape(like.shape)
+
+
+def launch_costs(cp: Any, reps: int = 200) -> dict[str, float]:
+    """Microseconds of host time (median of `reps`, the stream idle before each) for the
+    pieces of one bounce copy's launch from the loop: a 250-block plan's index to the
+    device, the kernel's launch, an event made and recorded, and DeviceCopier's whole
+    deferred launch (what on_loop does before it awaits) of a 1000 MiB gather."""
+    import time
+
+    from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+    from kvxferd.transceiver.device_copy import DeviceCopier
+
+    layout = KvLayout(
+        num_layers=32, kv_factor=2, num_kv_heads=8, head_dim=128, tokens_per_block=32,
+        dtype="float16", major=BLOCK_MAJOR, num_blocks=300,
+    )  # fmt: skip
+    blocks = [int(b) for b in np.random.default_rng(2).permutation(300)[:250]]
+    pool = cp.zeros(layout.pool_bytes, dtype=cp.uint8)
+    out = cp.zeros(250 * layout.block_bytes, dtype=cp.uint8)
+    index_np = np.asarray(blocks, dtype=np.int64)
+    index = cp.asarray(index_np)
+    kernel = RowKernel(cp)
+    copier = DeviceCopier(0)
+    copier.warm()
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def event() -> None:
+        e = cp.cuda.Event(block=False, disable_timing=True)
+        e.record(stream)
+
+    def deferred() -> None:
+        copier._local.deferring = True
+        try:
+            copier.gather(pool, layout, blocks, out)
+        finally:
+            copier._local.deferring = False
+
+    pinned = cupyx_pinned(cp, index_np)
+    into = cp.empty_like(index)
+
+    def pinned_upload() -> None:
+        pinned[:] = index_np
+        into.set(pinned, stream)
+
+    pieces: dict[str, Callable[[], object]] = {
+        "copy_plan_us": lambda: copy_plan(layout, blocks),
+        "index_to_device_us": lambda: cp.asarray(index_np),
+        "index_via_pinned_us": pinned_upload,
+        "kernel_launch_us": lambda: kernel(pool, out, index, layout.block_bytes, False),
+        "event_record_us": event,
+        "whole_deferred_launch_us": deferred,
+    }
+    result = {}
+    with stream:
+        for name, fn in pieces.items():
+            fn()
+            times = []
+            for _ in range(reps):
+                cp.cuda.Device().synchronize()
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            result[name] = round(statistics.median(times) * 1e6, 1)
+    cp.cuda.Device().synchronize()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--mib", type=int, default=1000, help="bytes copied per launch")
@@ -88,9 +159,11 @@ def main() -> None:
             print(json.dumps(r), flush=True)
         out += rows
         cp.get_default_memory_pool().free_all_blocks()
+    launch = launch_costs(cp)
+    print(json.dumps(launch), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({"copies": out, "launch": launch}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ def _malloc(
             if zero:
                 try:
                     runtime.memset(pointer, 0, nbytes)
+                    # cudaMemset runs on the legacy default stream, which the copiers'
+                    # non-blocking streams do not wait for: the zeros land before any use.
+                    runtime.streamSynchronize(0)
                 except BaseException:
                     runtime.free(pointer)
                     raise

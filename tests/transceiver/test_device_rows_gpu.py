@@ -69,6 +69,9 @@ def test_a_copy_on_the_loop_ends_with_the_bytes_in_place(cp: Any) -> None:
     copier = DeviceCopier(0)
     copier.warm()
     d_pool, d_out = cp.asarray(pool), cp.zeros(want.size, dtype=cp.uint8)
+    # As an engine does before `send`: the pool's bytes (and the zeroed output) are in place
+    # before the copier, whose stream does not wait for the default one, reads them.
+    cp.cuda.Device().synchronize()
 
     async def gather() -> None:
         await copier.on_loop(copier.gather, d_pool, layout, blocks, d_out)
