@@ -152,22 +152,35 @@ def slice_block_bytes(layout: KvLayout, heads: int) -> int:
     )
 
 
-def head_slice_offsets(
-    layout: KvLayout, blocks: BlockIds, heads: tuple[int, int]
-) -> npt.NDArray[np.int64]:
-    """Pool offset of each (block, layer, K/V, token) run of the pool's heads [start, end)
-    (local indices), in the canonical packed order: logical block, then layer and K/V, then
-    token. Each run is (end - start) * head_dim * itemsize bytes long."""
+def check_head_slice(layout: KvLayout, heads: tuple[int, int]) -> tuple[int, int]:
+    """`heads` as ints when it is a slice [start, end) of the pool's heads; else LayoutError."""
     start, end = heads
     if not (_is_int(start) and _is_int(end) and 0 <= start < end <= layout.num_kv_heads):
         raise LayoutError(
             f"head slice [{start}, {end}) is not within the pool's {layout.num_kv_heads} heads"
         )
+    return int(start), int(end)
+
+
+def head_slice_offsets(
+    layout: KvLayout, blocks: BlockIds, heads: tuple[int, int], unit: int = 1
+) -> npt.NDArray[np.int64]:
+    """Pool offset of each (block, layer, K/V, token) run of the pool's heads [start, end)
+    (local indices), in the canonical packed order: logical block, then layer and K/V, then
+    token. Each run is (end - start) * head_dim * itemsize bytes long.
+
+    In units of `unit` bytes when given, which must divide the token size, the pieces'
+    offsets and the skipped heads' bytes (copyplan's unit does): the small per-piece and
+    per-token terms are divided before they are broadcast, not the (much longer) result."""
+    start, _ = check_head_slice(layout, heads)
     ids = layout.check_blocks(blocks)
     tokens = np.arange(layout.tokens_per_block, dtype=np.int64) * layout.token_bytes
-    skip = int(start) * layout.head_dim * layout.itemsize
+    tokens += int(start) * layout.head_dim * layout.itemsize  # the heads skipped
     pieces = layout.piece_offsets(ids, block_first=True)
-    offsets: npt.NDArray[np.int64] = (pieces[..., None] + (tokens + skip)).ravel()
+    if unit != 1:
+        pieces //= unit
+        tokens //= unit
+    offsets: npt.NDArray[np.int64] = (pieces[..., None] + tokens).ravel()
     return offsets
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.memory.heads import head_slice_offsets
+from kvxferd.memory.heads import check_head_slice, head_slice_offsets
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
 
 Index = npt.NDArray[np.intp]
@@ -71,17 +71,19 @@ def _whole_blocks(layout: KvLayout, blocks: list[int]) -> CopyPlan:
 
 
 def _head_slice(layout: KvLayout, blocks: list[int], heads: Heads) -> CopyPlan:
-    offsets = head_slice_offsets(layout, blocks, heads)
-    start, end = heads
+    start, end = check_head_slice(layout, heads)
     head_bytes = layout.head_dim * layout.itemsize
     run = (end - start) * head_bytes
     # Every run offset is a sum of multiples of the token size (pieces and blocks are whole
     # tokens) plus the skipped heads: this divides them all, and the pool size.
     unit = math.gcd(run, layout.token_bytes, start * head_bytes)
-    index = offsets // unit
+    # Computed in units directly: dividing half a million byte offsets cost ~3 ms of a
+    # 1000 MiB split's ~8 ms plan here.
+    index = head_slice_offsets(layout, blocks, heads, unit)
+    runs = index.size
     if unit != run:
         index = (index[:, None] + np.arange(run // unit, dtype=np.int64)).ravel()
-    return CopyPlan(unit, index.astype(np.intp), offsets.size * run)
+    return CopyPlan(unit, index.astype(np.intp, copy=False), runs * run)
 
 
 def copy_plan(layout: KvLayout, blocks: list[int], heads: Heads | None = None) -> CopyPlan:

@@ -116,6 +116,8 @@ def test_a_head_slice_starts_its_runs_where_head_slice_offsets_says(case: Case) 
     starts = head_slice_offsets(layout, blocks, heads)
     assert np.array_equal(_plan_bytes(plan)[::run], starts)
     assert run % plan.unit == 0
+    # Asked in the plan's units, the same starts (computed before broadcasting).
+    assert np.array_equal(head_slice_offsets(layout, blocks, heads, plan.unit), starts // plan.unit)
 
 
 def test_every_head_slice_of_every_small_geometry() -> None:
