@@ -150,19 +150,34 @@ class DeviceCopier(ArrayCopier):
                 synchronize()  # nothing of ours may still run when the regions are freed
 
 
+# How long a cancelled copy is still waited for. A copy takes milliseconds; a device that
+# has not finished one in this long is hung, and a cancel (a deadline, a shutdown) must not
+# hang with it. Later copies on the same stream cannot run before it either.
+CANCELLED_WAIT_S = 5.0
+
+
 async def _until_done(event: Any) -> None:
     """Poll `event` on the loop as device writes are polled (writes.next_pause: flat out
     for the first ~2 ms, since a pause under 0.5 ms is one turn of uvloop). A cancel waits
-    for the device too, then goes on: until then the copy may still touch the caller's
-    reservation or blocks, which the caller gives back as soon as it sees the cancel."""
-    start, pause, cancelled = time.monotonic(), 0.0, False
+    for the device too (up to CANCELLED_WAIT_S), then goes on: until then the copy may
+    still touch the caller's reservation or blocks, which the caller gives back as soon as
+    it sees the cancel."""
+    start, pause, cancelled_at = time.monotonic(), 0.0, None
     while not event.done:
-        pause = next_pause(pause, time.monotonic() - start, device=True)
+        now = time.monotonic()
+        if cancelled_at is not None and now - cancelled_at > CANCELLED_WAIT_S:
+            log.error(
+                "a cancelled device copy has not finished after %.0f s; giving its buffers "
+                "back anyway (is the GPU hung?)",
+                now - cancelled_at,
+            )
+            break
+        pause = next_pause(pause, now - start, device=True)
         try:
             await asyncio.sleep(pause)
         except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
+            cancelled_at = cancelled_at or time.monotonic()
+    if cancelled_at is not None:
         raise asyncio.CancelledError
 
 

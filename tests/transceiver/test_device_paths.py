@@ -443,6 +443,31 @@ def test_a_cancelled_copy_on_the_loop_ends_only_once_the_device_let_go() -> None
     asyncio.run(cancel_mid_copy())
 
 
+def test_a_cancel_gives_up_on_a_hung_device_after_a_bound(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvxferd.transceiver import device_copy
+
+    xp, events, cuda = host_stand_in()
+    cuda.polls_until_done = 10**9  # never
+    monkeypatch.setattr(device_copy, "CANCELLED_WAIT_S", 0.05)
+    copier = DeviceCopier(0, xp=xp)
+    layout = _layout()
+    pool, packed = np.zeros(layout.pool_bytes, np.uint8), np.ones(layout.block_bytes, np.uint8)
+
+    async def cancel_a_hung_copy() -> None:
+        task = asyncio.ensure_future(copier.on_loop(copier.scatter, packed, pool, layout, [1]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)  # ends: the bound, not the device
+
+    with caplog.at_level("ERROR", logger="kvxferd.device"):
+        asyncio.run(cancel_a_hung_copy())
+    assert "event done" not in events
+    assert "a cancelled device copy has not finished" in caplog.text
+
+
 def test_a_copy_refused_on_the_loop_launches_nothing_and_leaves_the_copier_as_it_was() -> None:
     xp, events, _ = host_stand_in()
     copier = DeviceCopier(0, xp=xp)
