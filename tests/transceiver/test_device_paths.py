@@ -355,6 +355,33 @@ def test_each_copy_runs_on_its_device_and_stream_and_returns_synchronised() -> N
 # ------------------------------------------------------------------ device staging
 
 
+def _round_trip(
+    bounce: BounceBuffers, ours: list[int], theirs: list[int], seed: int, between: Any = None
+) -> None:
+    """Gather `ours` of a random pool into a send reservation, copy it region to region (the
+    one NIXL write), call `between()`, scatter into `theirs` of an empty pool, and check
+    that each block arrived whole."""
+    layout = _layout()
+    src = np.random.default_rng(seed).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    nbytes = len(ours) * layout.block_bytes
+
+    async def run() -> None:
+        tx, rx = bounce.send.reserve(nbytes), bounce.recv.reserve(nbytes)
+        assert tx is not None and rx is not None
+        await bounce.gather(src, layout, ours, tx, nbytes)
+        bounce.recv.view(rx, nbytes)[:] = bounce.send.view(tx, nbytes)
+        if between is not None:
+            between()
+        await bounce.scatter(rx, nbytes, dst, layout, theirs)
+
+    asyncio.run(run())
+    for mine, yours in zip(ours, theirs, strict=True):
+        a, b = layout.block_segments([mine]), layout.block_segments([yours])
+        for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
+            assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
+
+
 def test_bounce_buffers_on_a_backing_carry_their_memory_and_scatter_returns_synchronised() -> None:
     xp, events, _ = host_stand_in()
     backings: list[HostStandInBacking] = []
@@ -368,29 +395,11 @@ def test_bounce_buffers_on_a_backing_carry_their_memory_and_scatter_returns_sync
     assert bounce.send.memory == bounce.recv.memory == vram(2)
     assert bounce.send.address == backings[0].address and bounce.send.array is backings[0].array
     assert bounce.status()["memory"] == "vram"
-    layout = _layout()
-    src = np.random.default_rng(5).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    nbytes = 3 * layout.block_bytes
-
-    async def round_trip() -> None:
-        tx, rx = bounce.send.reserve(nbytes), bounce.recv.reserve(nbytes)
-        assert tx is not None and rx is not None
-        await bounce.gather(src, layout, [3, 1, 0], tx, nbytes)
-        # The one NIXL write, region to region.
-        bounce.recv.view(rx, nbytes)[:] = bounce.send.view(tx, nbytes)
-        events.clear()
-        await bounce.scatter(rx, nbytes, dst, layout, [0, 2, 1])
-        assert events[-2:] == ["synchronize", "device exit"]  # done only after the device
-
     try:
-        asyncio.run(round_trip())
+        _round_trip(bounce, [3, 1, 0], [0, 2, 1], seed=5, between=events.clear)
+        assert events[-2:] == ["synchronize", "device exit"]  # done only after the device
     finally:
         bounce.close()
-    for ours, theirs in ((3, 0), (1, 2), (0, 1)):
-        a, b = layout.block_segments([ours]), layout.block_segments([theirs])
-        for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
-            assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
     assert all(b.closed for b in backings)
 
 
@@ -492,28 +501,12 @@ def test_device_staging_copies_from_the_loop_not_a_copy_thread(
         device_copy.DeviceRegion, "allocate", lambda n, device, label: HostStandInBacking(n, label)
     )
     bounce = device_buffers(1 << 16, 1)
-    layout = _layout()
-    src = np.random.default_rng(9).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    nbytes = 2 * layout.block_bytes
-
-    async def round_trip() -> None:
-        tx, rx = bounce.send.reserve(nbytes), bounce.recv.reserve(nbytes)
-        assert tx is not None and rx is not None
-        await bounce.gather(src, layout, [3, 0], tx, nbytes)
-        bounce.recv.view(rx, nbytes)[:] = bounce.send.view(tx, nbytes)
-        await bounce.scatter(rx, nbytes, dst, layout, [1, 2])
-
     try:
-        asyncio.run(round_trip())
+        _round_trip(bounce, [3, 0], [1, 2], seed=9)
     finally:
         bounce.close()
     assert cuda.stream_threads == [threading.get_ident()]  # one stream, the loop's
     assert events.count("record") == 2 and events.count("event done") == 2
-    for ours, theirs in ((3, 1), (0, 2)):
-        a, b = layout.block_segments([ours]), layout.block_segments([theirs])
-        for (ao, n), (bo, _) in zip(a.tolist(), b.tolist(), strict=True):
-            assert np.array_equal(dst[bo : bo + n], src[ao : ao + n])
 
 
 def test_host_bounce_buffers_are_as_before() -> None:
