@@ -11,10 +11,10 @@ Top-level roles (one per step of the check):
   shared with a child process by a legacy CUDA IPC handle, and one shared as a CUDA VMM
   allocation whose POSIX fd crosses a Unix socket (SCM_RIGHTS); each read and written on the
   device from the other side.
-* `device_copy`: device-to-device memcpy of 1 GiB, and the batched gather/scatter kvxferd's
-  device copier performs (one `cupy.take` / one indexed assignment over uint64 rows per round)
-  for 4 KiB and 64 KiB segments at random pool positions; a 16-byte-vector RawKernel of the
-  same gather/scatter beside it, for information.
+* `device_copy`: device-to-device memcpy of 1 GiB, and the batched gather/scatter of 4 KiB
+  and 64 KiB segments at random pool positions both ways kvxferd's device copier can make
+  it: one `cupy.take` / one indexed assignment over uint64 rows, and its row kernel
+  (`kvxferd.transceiver.device_rows.RowKernel`, which it runs for rows of 512 B or more).
 * `nixl_vram`: bare NIXL between two processes on the GPU, each with its own 1 GiB of VRAM
   registered as "VRAM": 64 MiB and 1 GiB writes, each write's bytes checked by the target.
 * `foreign --kind ipc|vmm`: memory one process (the "engine") allocated, opened in another (the
@@ -834,31 +834,6 @@ def role_setup(args: argparse.Namespace) -> None:
 
 # -- role: device_copy -----------------------------------------------------------------------
 
-_KERNELS = r"""
-// One block per row (grid-stride over rows), 16-byte words: how a hand-written batched
-// copy would do it, to compare with cupy's take / indexed assignment.
-extern "C" __global__ void gather_rows(const ulonglong2* __restrict__ pool,
-                                       ulonglong2* __restrict__ packed,
-                                       const long long* __restrict__ idx,
-                                       long long words, long long rows) {
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const ulonglong2* s = pool + idx[r] * words;
-        ulonglong2* d = packed + r * words;
-        for (long long w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
-    }
-}
-extern "C" __global__ void scatter_rows(const ulonglong2* __restrict__ packed,
-                                        ulonglong2* __restrict__ pool,
-                                        const long long* __restrict__ idx,
-                                        long long words, long long rows) {
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const ulonglong2* s = packed + r * words;
-        ulonglong2* d = pool + idx[r] * words;
-        for (long long w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
-    }
-}
-"""
-
 
 def _memcpy_rate(cp: Any, n: int, warm: int, reps: int) -> dict[str, Any]:
     src = cp.empty(n, dtype=cp.uint8)
@@ -888,8 +863,8 @@ def _row_rates(
     reps: int,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Gather (pool rows idx -> packed) and scatter (packed -> out_pool rows idx) of `seg`-byte
-    rows: cupy's take / indexed assignment (the daemon's copier), then the RawKernel pair
-    (`kernels`, or the text of why it did not compile)."""
+    rows: cupy's take / indexed assignment, then the daemon's row kernel (`kernels`, a
+    device_rows.RowKernel, or the text of why it could not be made)."""
     words, rows = seg // 8, int(idx.size)
     n = rows * seg
     pool2d = pool.view(cp.uint64).reshape(-1, words)
@@ -909,21 +884,21 @@ def _row_rates(
     g["cupy"]["verified"] = bool(cp.array_equal(packed2d, pool2d[idx]))
     s["cupy"] = rate(n, time_device(scatter, warm, reps))
     s["cupy"]["verified"] = bool(cp.array_equal(out2d[idx], packed2d))
-    if not isinstance(kernels, tuple):
+    if isinstance(kernels, str):
         g["kernel"] = s["kernel"] = kernels
         return g, s
     try:
-        grid, block = (min(rows, 1 << 20),), (256,)
-        vwords, nrows = cp.int64(seg // 16), cp.int64(rows)
         packed2d[...] = 0
         out2d[...] = 0
         sync()
 
         def kgather() -> None:
-            kernels[0](grid, block, (pool2d, packed2d, idx, vwords, nrows))
+            if not kernels(pool, packed[:n], idx, seg, False):
+                raise RuntimeError(f"the row kernel declined {seg}-byte rows")
 
         def kscatter() -> None:
-            kernels[1](grid, block, (packed2d, out2d, idx, vwords, nrows))
+            if not kernels(out_pool, packed[:n], idx, seg, True):
+                raise RuntimeError(f"the row kernel declined {seg}-byte rows")
 
         g["kernel"] = rate(n, time_device(kgather, warm, reps))
         g["kernel"]["verified"] = bool(cp.array_equal(packed2d, pool2d[idx]))
@@ -956,8 +931,10 @@ def role_device_copy(args: argparse.Namespace) -> None:
     sync()
     kernels: Any
     try:
-        module = cp.RawModule(code=_KERNELS)
-        kernels = (module.get_function("gather_rows"), module.get_function("scatter_rows"))
+        from kvxferd.transceiver.device_rows import RowKernel
+
+        kernels = RowKernel(cp)
+        kernels.warm()
     except Exception as exc:
         kernels = "error: " + error_text(exc, 300)
     rng = np.random.default_rng(args.seed)

@@ -171,6 +171,22 @@ def test_verdict_gather_scatter_at_half_the_copy_rate() -> None:
     assert passed["gather_scatter_ge_half_copy"] is False and passed["all"] is False
 
 
+def test_verdict_judges_the_row_kernel_where_it_ran_right_else_take() -> None:
+    steps = _steps(copy=400.0)  # take under half the copy rate
+    for way in ("gather", "scatter"):
+        for seg in ("4096", "65536"):
+            e = steps["device_copy"][way][seg]
+            e["kernel_gbps"], e["kernel_verified"] = 900.0, True
+    ratios, passed = verdict(steps)
+    assert ratios["gather_vs_memcpy"] == {"4096": 0.9, "65536": 0.9}
+    assert passed["gather_scatter_ge_half_copy"] is True
+    # One kernel copy with wrong bytes: that one is judged by take, the daemon's fallback.
+    steps["device_copy"]["scatter"]["65536"]["kernel_verified"] = False
+    ratios, passed = verdict(steps)
+    assert ratios["scatter_vs_memcpy"]["65536"] == 0.4
+    assert passed["gather_scatter_ge_half_copy"] is False
+
+
 @pytest.mark.parametrize(
     "steps",
     [
