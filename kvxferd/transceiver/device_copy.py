@@ -16,13 +16,14 @@ that).
 
 How a daemon's copy runs (`DeviceCopier.on_loop`): launched from the event loop's own
 thread onto that thread's stream, then awaited by polling an event recorded after it. A
-launch is a few microseconds; the hop to a copy thread and back that it replaces cost
-~0.3 ms per copy on an H200 (a traced 1000 MiB bounce request: 0.32 ms from the gather's
-call to the copy's start, 0.12 ms from its end back to the loop; as much again for the
-scatter). Because every copy of a daemon goes onto that one stream, in order, a copy into
-or out of a reservation that is reused runs after the copy before it; and a copy whose
-caller is cancelled is still awaited to its end before the cancel goes on, so its
-reservation and blocks are given back only once the device let go of them.
+launch takes ~0.13 ms of the loop's time on an H200 (benchmarks/gpu_rows.py; its largest part the
+copy plan); the hop to a copy thread and back that it replaces cost ~0.4 ms per copy (a
+traced 1000 MiB bounce request: 0.32 ms from the gather's call to the copy's start, 0.12 ms
+from its end back to the loop; as much again for the scatter). Because every copy of a
+daemon goes onto that one stream, in order, a copy into or out of a reservation that is
+reused runs after the copy before it; and a copy whose caller is cancelled is still
+awaited to its end (up to CANCELLED_WAIT_S) before the cancel goes on, so its reservation
+and blocks are given back only once the device let go of them.
 
 cupy is imported only when a DeviceCopier is made, never at module import: a host
 without a GPU imports this module and gets DeviceUnavailableError (with the probe's
@@ -77,9 +78,10 @@ class DeviceCopier(ArrayCopier):
         super().__init__(module, run=self._on_stream, rows=kernel)
         self._kernel = kernel
         self.device = device
-        # One stream per copying thread (BounceBuffers copies on one thread), made there
-        # under the device on first use: a stream belongs to the device current when it
-        # is created, and the copy thread is not the one that built the copier.
+        # One stream per copying thread (a daemon copies from its event loop's thread
+        # only: on_loop), made there under the device on first use: a stream belongs to
+        # the device current when it is created, and that thread may not be the one that
+        # built the copier.
         self._local = threading.local()
         self._streams: list[Any] = []
         self._lock = threading.Lock()
