@@ -107,11 +107,7 @@ def launch_costs(cp: Any, reps: int = 200) -> dict[str, float]:
         e.record(stream)
 
     def deferred() -> None:
-        copier._local.deferring = True
-        try:
-            copier.gather(pool, layout, blocks, out)
-        finally:
-            copier._local.deferring = False
+        copier.launch(copier.gather, pool, layout, blocks, out)
 
     pinned = cupyx_pinned(cp, index_np)
     into = cp.empty_like(index)

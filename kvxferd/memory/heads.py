@@ -175,7 +175,7 @@ def head_slice_offsets(
     start, _ = check_head_slice(layout, heads)
     ids = layout.check_blocks(blocks)
     tokens = np.arange(layout.tokens_per_block, dtype=np.int64) * layout.token_bytes
-    tokens += int(start) * layout.head_dim * layout.itemsize  # the heads skipped
+    tokens += start * layout.head_dim * layout.itemsize  # the heads skipped
     pieces = layout.piece_offsets(ids, block_first=True)
     if unit != 1:
         pieces //= unit

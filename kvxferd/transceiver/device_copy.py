@@ -131,15 +131,21 @@ class DeviceCopier(ArrayCopier):
             )
             self.rows = None
 
-    async def on_loop(self, copy: Callable[..., None], *args: object) -> None:
-        """Launch `copy(*args)` (one of our gather/scatter calls) from the event loop's
-        thread and return once the device finished it (BounceBuffers' CopyRunner)."""
+    def launch(self, copy: Callable[..., None], *args: object) -> Any:
+        """Run `copy(*args)` (one of our gather/scatter calls) in this thread up to its
+        launch, without waiting for the device: the event recorded after it, or None when
+        nothing was launched."""
         self._local.deferring, self._local.launched = True, None
         try:
             copy(*args)  # checks its arguments, then launches: raises before any launch
-            event = self._local.launched
+            return self._local.launched
         finally:
             self._local.deferring, self._local.launched = False, None
+
+    async def on_loop(self, copy: Callable[..., None], *args: object) -> None:
+        """Launch `copy(*args)` from the event loop's thread and return once the device
+        finished it (BounceBuffers' CopyRunner)."""
+        event = self.launch(copy, *args)
         if event is not None:
             await _until_done(event)
 
