@@ -17,23 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from kvxferd.bench.gpu_probes import time_device
 from kvxferd.transceiver.copyplan import copy_plan, word_rows
 from kvxferd.transceiver.device_rows import RowKernel
 
 
-def timed(cp: Any, fn: Callable[[], object], iters: int) -> float:
-    """Median seconds of fn() over `iters` launches, each timed alone with events."""
-    fn()
-    cp.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return statistics.median(times)
+def timed(fn: Callable[[], object], iters: int) -> float:
+    """Median seconds of fn() over `iters` launches, each timed alone with CUDA events on a
+    stream of its own (gpu_probes.time_device, as the GPU check times its copies)."""
+    return statistics.median(time_device(fn, 1, iters)) / 1e3
 
 
 def measure(cp: Any, kernel: RowKernel, unit: int, nbytes: int, iters: int) -> list[dict[str, Any]]:
@@ -46,6 +38,7 @@ def measure(cp: Any, kernel: RowKernel, unit: int, nbytes: int, iters: int) -> l
     other = cp.empty_like(packed)
     word, row = word_rows(unit)
     pool_w, packed_w = pool.view(word).reshape(-1, row), packed.view(word).reshape(-1, row)
+    cp.cuda.Device().synchronize()  # the timed stream does not wait for these fills
     runs: dict[str, Callable[[], object]] = {
         "memcpy": lambda: other.__setitem__(slice(None), packed),
         "take gather": lambda: cp.take(pool_w, index, axis=0, out=packed_w),
@@ -53,7 +46,7 @@ def measure(cp: Any, kernel: RowKernel, unit: int, nbytes: int, iters: int) -> l
         "assign scatter": lambda: pool_w.__setitem__(index, packed_w),
         "kernel scatter": lambda: kernel(pool, packed, index, unit, True),
     }
-    seconds = {name: timed(cp, fn, iters) for name, fn in runs.items()}
+    seconds = {name: timed(fn, iters) for name, fn in runs.items()}
     cp.take(pool_w, index, axis=0, out=packed_w)
     want = cp.asnumpy(packed)
     packed[:] = 0
