@@ -130,6 +130,11 @@ class AsyncClient:
         # Receives reported blocks_held, not released yet: by request id, their peers.
         self._held: dict[str, set[str]] = {}
         self._release_waiters: dict[str, list[_Waiter[Released]]] = {}
+        # Requests made with auto_release and not released here yet, as (request id, side,
+        # peer as in their outcome): the daemon frees their ids with the outcome, so the
+        # client keeps them taken until the engine releases them (refusing a second
+        # request under one, as the daemon does for a request that is not auto-released).
+        self._auto_ids: set[tuple[str, str, str]] = set()
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
         # Where a pool handoff's second connection goes (set by connect; else the peer name).
@@ -450,6 +455,7 @@ class AsyncClient:
         beam_width: int = 1,
         *,
         block_start: int = 0,
+        auto_release: bool = False,
     ) -> None:
         """Generation side: post a receive of `request_id` into `blocks`, from `peer`
         (a static peer name of the daemon's config, or the context daemon's HOST:PORT).
@@ -463,13 +469,19 @@ class AsyncClient:
         cache) and must not be written; `blocks` are ours for the request's logical blocks
         [k, k + len(blocks)), and only those move. `num_tokens` still counts the whole
         request's tokens, from token 0.
+
+        `auto_release`: as send's.
         """
         single = isinstance(peer, str)
         # A release of an earlier request of this id (from this context peer) is not its.
         # (No peer at all is the daemon's to refuse, with bad_request.)
         first = peer if isinstance(peer, str) else next(iter(peer), "")
+        key = (request_id, "recv", first)
+        self._take_id(key, auto_release, f"request {request_id!r} from {first!r}")
         _discard(self._released, request_id, first)
-        await self._ask(
+        await self._asked_with(
+            key,
+            auto_release,
             Recv,
             request_id=request_id,
             pool_id=pool_id,
@@ -479,6 +491,7 @@ class AsyncClient:
             beam_width=beam_width,
             peers=[] if single else list(peer),
             block_start=block_start,
+            auto_release=auto_release,
         )
 
     async def send(
@@ -491,6 +504,8 @@ class AsyncClient:
         last: bool = True,
         beam_width: int = 1,
         peer: str | None = None,
+        *,
+        auto_release: bool = False,
     ) -> None:
         """Context side: the KV of tokens [token_start, token_end) is ready. `blocks`
         are all blocks of the request up to token_end; `last` marks the final chunk
@@ -499,8 +514,21 @@ class AsyncClient:
         `peer`: the generation daemon this request is for, by the name it announces
         (its `daemon.name`); the daemon then serves only that daemon's receive and
         refuses any other's (`not_your_request`). None: whoever asks first (the first
-        chunk's value counts; a later chunk may repeat it or leave it out)."""
-        await self._ask(
+        chunk's value counts; a later chunk may repeat it or leave it out).
+
+        `auto_release`: the daemon forgets the request as it sends its outcome (as a
+        release right after it would; with `blocks_held`, once the blocks are back), and
+        the outcome says `auto_released`. `release` then makes no call: it only drops the
+        outcome kept here (so does `forget`). The id stays taken until then, as without
+        the option: this client refuses a second request under it (`duplicate_request`).
+        A daemon older than this option ignores it, and release asks it as before. The
+        first chunk's value counts."""
+        key = (request_id, "send", "")
+        if token_start == 0:  # a later chunk continues the request that took the id
+            self._take_id(key, auto_release, f"request {request_id!r}")
+        await self._asked_with(
+            key,
+            auto_release and token_start == 0,
             Send,
             request_id=request_id,
             pool_id=pool_id,
@@ -510,7 +538,36 @@ class AsyncClient:
             last=last,
             beam_width=beam_width,
             peer=peer or "",
+            auto_release=auto_release,
         )
+
+    def _take_id(self, key: tuple[str, str, str], auto_release: bool, what: str) -> None:
+        """Refuse a request under an id an auto-released request still holds here; take
+        it for this one if it is auto-released."""
+        if key in self._auto_ids:
+            raise CallError(
+                "duplicate_request",
+                f"{what} was made with auto_release and is not released yet; release "
+                "it (after its outcome) before reusing the id",
+            )
+        if auto_release:
+            self._auto_ids.add(key)
+
+    async def _asked_with(
+        self,
+        key: tuple[str, str, str],
+        took: bool,
+        call: Callable[Concatenate[int, P], EngineCall],
+        *args: P.args,
+        **kw: P.kwargs,
+    ) -> None:
+        """_ask, giving back the id `_take_id` took (`took`) if the call fails."""
+        try:
+            await self._ask(call, *args, **kw)
+        except BaseException:
+            if took:
+                self._auto_ids.discard(key)
+            raise
 
     async def cancel(self, request_id: str, peer: str | None = None) -> str:
         """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished".
@@ -520,13 +577,45 @@ class AsyncClient:
 
     async def release(self, request_id: str, peer: str | None = None) -> None:
         """Forget a finished request, so that its id may be used again (a request whose
-        blocks are held keeps its id until they are released). `peer`: as cancel's."""
+        blocks are held keeps its id until they are released). `peer`: as cancel's. A
+        request the daemon auto-released (its outcome here says so) needs no call: its
+        outcome is dropped here (`forget`)."""
+        if self.forget(request_id, peer):
+            return
         await self._ask(Release, request_id=request_id, peer=peer or "")
         if peer is None:
             for side in ("send", "recv"):
                 self._outcomes.pop((request_id, side), None)
+            self._auto_ids -= {k for k in self._auto_ids if k[0] == request_id}
         elif not _discard(self._outcomes, (request_id, "recv"), peer):
             self._outcomes.pop((request_id, "send"), None)
+            self._auto_ids.discard((request_id, "send", ""))
+        else:
+            self._auto_ids.discard((request_id, "recv", peer))
+
+    def forget(self, request_id: str, peer: str | None = None) -> bool:
+        """Drop the outcome kept here of a request the daemon auto-released (sent or
+        received with auto_release), without a call to the daemon; True if it did.
+        False when no such outcome is here (not arrived yet, not auto-released, or
+        receives of the id from several context peers and no `peer`): then release asks
+        the daemon, which answers for it. `peer`: as release's. Not thread-safe: call it
+        on the client's loop (the blocking Client's release does)."""
+        keys: list[tuple[str, str]] = []
+        recv = self._outcomes.get((request_id, "recv"))
+        if recv:
+            if peer is None and len(recv) == 1:
+                keys.append(("recv", next(iter(recv))))
+            elif peer is not None and (peer in recv or "" in recv):
+                keys.append(("recv", peer if peer in recv else ""))
+        if (peer is None or not keys) and "" in self._outcomes.get((request_id, "send"), {}):
+            keys.append(("send", ""))
+        kept = [self._outcomes[(request_id, side)][p] for side, p in keys]
+        if not kept or not all(outcome.auto_released for outcome in kept):
+            return False
+        for side, p in keys:
+            _discard(self._outcomes, (request_id, side), p)
+            self._auto_ids.discard((request_id, side, p))
+        return True
 
     async def query(self, request_id: str, peer: str | None = None) -> str:
         return await self._ask(Query, request_id=request_id, peer=peer or "")

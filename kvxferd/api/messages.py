@@ -98,7 +98,7 @@ class Recv(_RequestCall, tag="recv"):
 
     `blocks` hold the request's logical blocks [block_start, block_start + len(blocks)):
     the ones before are already here (a prefix cache) and are not written. `num_tokens`
-    counts the whole request's tokens, from token 0."""
+    counts the whole request's tokens, from token 0. `auto_release`: as Send's."""
 
     pool_id: str
     blocks: list[int]
@@ -107,11 +107,17 @@ class Recv(_RequestCall, tag="recv"):
     beam_width: int = 1
     peers: list[str] = []
     block_start: int = 0
+    auto_release: bool = False
 
 
 class Send(_RequestCall, tag="send"):
     """`peer`: the generation daemon (its announced name) whose receive this request
-    serves; "" serves whoever asks first."""
+    serves; "" serves whoever asks first.
+
+    `auto_release`: the daemon forgets the request as it delivers its outcome, as a
+    Release right after it would (the outcome says `auto_released`), so that the engine
+    need not make that call. The first chunk's value counts. An older daemon ignores the
+    field: its outcomes do not say `auto_released`, and the engine releases as before."""
 
     pool_id: str
     blocks: list[int]
@@ -120,6 +126,7 @@ class Send(_RequestCall, tag="send"):
     last: bool = True
     beam_width: int = 1
     peer: str = ""
+    auto_release: bool = False
 
 
 class Cancel(_RequestCall, tag="cancel"):

@@ -114,6 +114,7 @@ class EngineCalls:
             msg.num_tokens,
             msg.beam_width,
             msg.block_start,
+            msg.auto_release,
         )
         return ""
 
@@ -137,6 +138,7 @@ class EngineCalls:
             msg.last,
             msg.beam_width,
             msg.peer,
+            msg.auto_release,
         )
         return ""
 

@@ -62,6 +62,7 @@ from kvxferd.transceiver.sessions import (
     abort_engine_sessions,
     conclude,
     drain_sessions,
+    forget_auto_released,
     settle,
 )
 from kvxferd.transceiver.state import Reason, SessionState, Status
@@ -105,9 +106,11 @@ class Receiver:
         num_tokens: int | None,
         beam_width: int = 1,
         block_start: int = 0,
+        auto_release: bool = False,
     ) -> None:
         """Accept a receive from one context daemon, or from several (head-merge), of the
-        request's logical blocks [block_start, block_start + len(blocks)) into `blocks`."""
+        request's logical blocks [block_start, block_start + len(blocks)) into `blocks`.
+        `auto_release`: forget it with its outcome (Recv.auto_release)."""
         peers = [peers] if isinstance(peers, str) else list(peers)
         check_peers(request_id, peers, beam_width, self.pipelined)
         if not self.accepting:
@@ -127,6 +130,7 @@ class Receiver:
             num_tokens=num_tokens,
             rx_token=rx_token,
             legs=[RxLeg(peer) for peer in peers],
+            auto_release=auto_release,
         )
         self.sessions.add(s)
         pool.users.add(s.user)
@@ -427,6 +431,7 @@ class Receiver:
         if not s.held:
             self.loans.give_back(s.pool, s.blocks, s.key)
         conclude(s, "recv", s.pool, log, blocks_held=s.held)
+        forget_auto_released(self.sessions, s, s.held)
         if hold is not None:
             # In the same step as conclude (no await between): the pool never looks unused.
             # After it: a hold fenced at once still reports `released` after the outcome.

@@ -45,6 +45,7 @@ from kvxferd.transceiver.sessions import (
     abort_engine_sessions,
     conclude,
     drain_sessions,
+    forget_auto_released,
     release_finished,
 )
 from kvxferd.transceiver.state import Reason, Status
@@ -119,10 +120,12 @@ class Sender:
         last: bool,
         beam_width: int = 1,
         peer: str = "",
+        auto_release: bool = False,
     ) -> None:
         """Accept one send call (a chunk; `last` marks the final one) or raise RequestError.
         `peer`: the generation daemon (by name) the request is for; "" for anyone. The
-        first chunk's counts; a later chunk may repeat it or leave it empty."""
+        first chunk's counts; a later chunk may repeat it or leave it empty. So does
+        `auto_release`'s (forget the request with its outcome: Send.auto_release)."""
         check_send(request_id, pool, blocks, token_start, token_end, beam_width, self.pipelined)
         s = session_for_send(
             self.sessions, self.accepting, engine, request_id, token_start, blocks, peer
@@ -135,6 +138,7 @@ class Sender:
         now = time.monotonic()
         if s.task is None:
             s.serve_peer = peer
+            s.auto_release = auto_release
             self._matching.choose_receivers(s)
             # The timeout is read once, at the first send: a reload applies to requests
             # accepted after it (docs/operations.md).
@@ -310,6 +314,7 @@ class Sender:
                 await self._abort_receivers(s, term)
         # A drained write still reads the blocks: the engine hears `released` for them.
         conclude(s, "send", s.pool, log, blocks_held=s.held)
+        forget_auto_released(self.sessions, s, s.held)
 
     async def _abort_receivers(self, s: TxSession, term: Terminal) -> None:
         assert s.request is not None and s.conn is not None

@@ -79,6 +79,11 @@ class _Session:
     wake: Wake = field(default_factory=Wake)
     task: asyncio.Task[None] | None = None
     peer_told: bool = False  # the peer already knows the outcome (or cannot be told)
+    # The engine asked to have it forgotten with its outcome (Send/Recv.auto_release).
+    auto_release: bool = False
+    # Released (by the engine, or auto_release) while its blocks are held: the id stays
+    # taken until they are back.
+    forget: bool = False
 
     @property
     def finished(self) -> bool:
@@ -154,8 +159,6 @@ class TxSession(_Session):
     turned_away: list[tuple[TxLeg, str, str]] = field(default_factory=list)
     # Its write that ended in flight to another host, drained (transceiver/tx_drains.py).
     draining: list[Drain] = field(default_factory=list)
-    # Released by the engine while drained: the id stays taken until the blocks are back.
-    forget: bool = False
 
     @property
     def held(self) -> bool:
@@ -222,7 +225,6 @@ class RxSession(_Session):
     # Ended, but its blocks are still on loan until fenced (kvxferd.transceiver.holds);
     # `forget` once the engine released the id meanwhile.
     held: bool = False
-    forget: bool = False
     deadline: float = math.inf  # monotonic; set at admission (the per-task timeout)
     legs: list[RxLeg] = field(default_factory=list)
     # Rounds reported in a leg's reservation and not yet scattered, in arrival order:
@@ -337,6 +339,19 @@ def release_finished(sessions: MutableMapping[str, Any], request_id: str, what: 
     del sessions[request_id]
 
 
+def forget_auto_released(sessions: MutableMapping[Any, S], s: S, held: bool) -> None:
+    """After conclude: a request the engine asked to auto_release is forgotten now, as a
+    release right after its outcome would forget it (its blocks held: once they are back).
+    The outcome and the forgetting happen in one step, so a call the engine makes after
+    seeing the outcome (reusing the id) finds the id free."""
+    if not s.auto_release or s.engine is None:
+        return  # an engine that left: abort_engine_sessions forgets its sessions
+    if held:
+        s.forget = True
+    elif sessions.get(s.key) is s:
+        del sessions[s.key]
+
+
 def conclude(
     session: _Session,
     side: str,
@@ -407,4 +422,5 @@ def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Out
         elapsed_ms=(time.monotonic() - session.created) * 1e3,
         blocks_held=blocks_held,
         peer=session.peer,
+        auto_released=session.auto_release,
     )

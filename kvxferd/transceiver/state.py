@@ -89,3 +89,6 @@ class Outcome(msgspec.Struct, tag_field="type", tag="outcome", frozen=True):
     # head-merge's peers): request ids are unique per context instance only, so two
     # receives of one id are told apart by it. "" on sends, and from older daemons.
     peer: str = ""
+    # The request asked for auto_release: the daemon forgot it as it sent this (with
+    # blocks_held, once they are back), and a release of it needs no call.
+    auto_released: bool = False

@@ -117,8 +117,12 @@ def _session_of_chunk(
             )
         return s
     if token_start != 0:
+        # Also a later chunk of a request that ended and was released (or auto-released
+        # with its outcome): its session is gone, so this would start a new one.
         raise RequestError(
-            "bad_request", f"the first chunk of {request_id!r} must start at token 0"
+            "bad_request",
+            f"no send of {request_id!r} is active (ended and released, or never begun), "
+            "and the first chunk of a request must start at token 0",
         )
     if s is None:
         if not accepting:
