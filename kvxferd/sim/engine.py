@@ -293,7 +293,9 @@ class ReferenceEngine:
             rec.t_start_ns = time.monotonic_ns()
 
             async def send(rank: Rank) -> Outcome:
-                await rank.client.send(item.request_id, self.pool_id, blocks, item.num_tokens)
+                await rank.client.send(
+                    item.request_id, self.pool_id, blocks, item.num_tokens, auto_release=True
+                )
                 outcome = await rank.client.wait(item.request_id)
                 await rank.client.release(item.request_id)
                 return outcome
@@ -321,7 +323,12 @@ class ReferenceEngine:
                 peers = peer if peer and len(self.ranks) == 1 else rank.peers
                 try:
                     await rank.client.recv(
-                        item.request_id, self.pool_id, blocks, peers, item.num_tokens
+                        item.request_id,
+                        self.pool_id,
+                        blocks,
+                        peers,
+                        item.num_tokens,
+                        auto_release=True,
                     )
                 except CallError as exc:
                     # A refusal before any rank accepted (the peer named is unknown to

@@ -127,6 +127,7 @@ class Transfers:
                     r.peer,
                     r.num_tokens,
                     block_start=r.block_start,
+                    auto_release=True,  # release below then asks nothing of the daemon
                 ),
             )
         for send in plan.sends:
@@ -134,7 +135,12 @@ class Transfers:
                 send.req_id,
                 _Entry(send.transfer_id, "send"),
                 lambda c, s=send: c.send(  # type: ignore[misc]
-                    s.transfer_id, self.pool_id, s.blocks, s.num_tokens, peer=s.peer or None
+                    s.transfer_id,
+                    self.pool_id,
+                    s.blocks,
+                    s.num_tokens,
+                    peer=s.peer or None,
+                    auto_release=True,
                 ),
             )
 
