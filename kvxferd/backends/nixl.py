@@ -167,9 +167,19 @@ def _translate(exc: Exception, what: str) -> TransferError:
     return TransferError(f"NIXL {what} failed ({kind}: {exc})")
 
 
-def _descs(segments: Segments, device: int = 0) -> np.ndarray[Any, np.dtype[np.uint64]]:
+# Up to this many segments a list of tuples is the cheaper form to hand NIXL (measured:
+# 1.8 against 3.4 us for one segment, even at ~8; 11 against 4 us at 64).
+_TUPLES_MAX = 8
+
+
+def _descs(
+    segments: Segments, device: int = 0
+) -> np.ndarray[Any, np.dtype[np.uint64]] | list[tuple[int, int, int]]:
     """NIXL's (address, length, device) transfer descriptors; the device column is the
-    CUDA ordinal for VRAM and 0 for DRAM."""
+    CUDA ordinal for VRAM and 0 for DRAM. A few are tuples: a small request's post makes
+    two of these lists, and numpy's fixed costs were most of their price."""
+    if len(segments) <= _TUPLES_MAX:
+        return [(address, length, device) for address, length in segments.tolist()]
     out = np.zeros((len(segments), 3), dtype=np.uint64)
     out[:, :2] = segments
     out[:, 2] = device

@@ -85,9 +85,14 @@ def test_host_memory_registers_and_writes_as_before_and_vram_is_refused() -> Non
 
 
 def test_descriptors_carry_the_device_column() -> None:
+    """Both forms: tuples for a few segments, an Nx3 array for more."""
     segs = np.array([[4096, 100], [8192, 200]], dtype=np.int64)
-    assert nixl_mod._descs(segs).tolist() == [[4096, 100, 0], [8192, 200, 0]]
-    assert nixl_mod._descs(segs, 3).tolist() == [[4096, 100, 3], [8192, 200, 3]]
+    assert nixl_mod._descs(segs) == [(4096, 100, 0), (8192, 200, 0)]
+    assert nixl_mod._descs(segs, 3) == [(4096, 100, 3), (8192, 200, 3)]
+    many = np.array([[4096 * (i + 1), 100 + i] for i in range(9)], dtype=np.int64)
+    as_array = nixl_mod._descs(many, 3)
+    assert isinstance(as_array, np.ndarray)
+    assert as_array.tolist() == [[4096 * (i + 1), 100 + i, 3] for i in range(9)]
 
 
 class _RecordingAgent:
