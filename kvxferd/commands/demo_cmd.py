@@ -290,8 +290,8 @@ def _demo(args: argparse.Namespace) -> int:
             )
             os.close(wait_fd)
             os.close(notify_fd)
-            gen_report = cluster.engine_report(gen_engine)
-            ctx_report = cluster.engine_report(ctx_engine)
+            reports = cluster.engine_reports({"generation": gen_engine, "context": ctx_engine})
+            gen_report, ctx_report = reports["generation"], reports["context"]
             daemon_cpu = _cpu(ctx, gen) - daemon_cpu0
             # What the peer channel ran, as each generation daemon's status says.
             channels = sorted(

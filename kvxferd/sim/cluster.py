@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -283,6 +284,50 @@ class LocalCluster:
             )
         report: dict[str, Any] = json.loads(out.decode())
         return report
+
+    @staticmethod
+    def engine_reports(
+        procs: dict[str, subprocess.Popen[bytes]], timeout_s: float = 600.0
+    ) -> dict[str, dict[str, Any]]:
+        """Every engine's report, by name. The first engine to fail is the one reported
+        (named): the others may have failed only because it did (a closed pipe, a peer
+        gone), so they are killed rather than waited for. Each engine's output is read
+        as it comes (a thread each), so a long report never blocks its writer."""
+        ended: queue.Queue[str] = queue.Queue()
+        output: dict[str, tuple[bytes, bytes]] = {}
+
+        def collect(name: str, proc: subprocess.Popen[bytes]) -> None:
+            try:
+                output[name] = proc.communicate()
+            finally:
+                ended.put(name)
+
+        threads = [
+            threading.Thread(target=collect, args=item, daemon=True) for item in procs.items()
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            for _ in procs:
+                try:
+                    name = ended.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise ClusterError("reference engines still running") from None
+                proc = procs[name]
+                if proc.returncode != 0:
+                    err = output.get(name, (b"", b""))[1] or b""
+                    raise ClusterError(
+                        f"reference engine ({name}) exited with {proc.returncode}:\n"
+                        + err.decode(errors="replace")[-3000:]
+                    )
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+            for t in threads:
+                t.join()
+        return {name: json.loads(output[name][0].decode()) for name in procs}
 
     def stop_all(self, timeout_s: float = 30.0) -> dict[str, int]:
         codes = {}
