@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -44,6 +45,7 @@ from kvxferd.memory.hugepages import HUGE_PAGES_MODES, HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
+from kvxferd.sim.announce import ENDED, POSTED, Announcements, Announcer
 from kvxferd.sim.content import (
     clear_blocks,
     fill_blocks,
@@ -177,11 +179,12 @@ class ReferenceEngine:
             self.content = DeviceContent(cuda_device)
         self.alloc = BlockAllocator(layout.num_blocks)
         self._returning: set[asyncio.Task[None]] = set()  # held blocks waiting for release
-        # Generation-first coordination between the two engines of a run: the
-        # generation engine announces each posted receive; the context engine
-        # sends a request only once it was announced (as a real scheduler would).
-        self.notify: Callable[[str], None] | None = None
-        self.posted: dict[str, asyncio.Event] | None = None
+        # Generation-first coordination between the two engines of a run
+        # (kvxferd.sim.announce): the generation engine announces each posted receive
+        # and each that ended without its KV; the context engine sends a request only
+        # once it was posted, and not (or no longer) once it ended.
+        self.notify: Callable[[str, str], None] | None = None
+        self.announced: Announcements | None = None
         # Generation: a receive the daemon refuses (CallError) is recorded as a failed
         # request with the refusal's code as its reason, instead of ending the run.
         self.refusals_are_outcomes = False
@@ -275,15 +278,15 @@ class ReferenceEngine:
             rec.message = f"rank {outcomes.index(bad)}: {bad.message}"
         rec.nbytes = sum(o.nbytes for o in outcomes)
 
-    def _begin(self, item: Item) -> tuple[Record, list[int], int]:
-        """A request's record, its blocks (taken from the allocator: the caller gives them
-        back) and the seed of its content."""
+    async def _begin(self, item: Item) -> tuple[Record, list[int], int]:
+        """A request's record, its blocks (taken from the allocator, waiting for them while
+        the pool is full: the caller gives them back) and the seed of its content."""
         rec = Record(item.request_id, item.num_tokens)
-        blocks = self.alloc.take(self.blocks_for(item.num_tokens))
+        blocks = await self.alloc.take_when_free(self.blocks_for(item.num_tokens))
         return rec, blocks, request_seed(item.request_id)
 
     async def send_one(self, item: Item) -> Record:
-        rec, blocks, seed = self._begin(item)
+        rec, blocks, seed = await self._begin(item)
         try:
             for rank in self.ranks:
                 assert rank.region is not None
@@ -296,11 +299,13 @@ class ReferenceEngine:
                 await rank.client.send(
                     item.request_id, self.pool_id, blocks, item.num_tokens, auto_release=True
                 )
-                outcome = await rank.client.wait(item.request_id)
+                outcome = await self._outcome_or_cancel(rank, item.request_id)
                 await rank.client.release(item.request_id)
                 return outcome
 
             outcomes = await self._each(send)
+            if self.announced is not None:
+                self.announced.forget(item.request_id)
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
             rec.blocks_held = any(o.blocks_held for o in outcomes)
@@ -310,8 +315,26 @@ class ReferenceEngine:
             self.alloc.give(blocks)
         return rec
 
+    async def _outcome_or_cancel(self, rank: Rank, request_id: str) -> Outcome:
+        """The send's outcome. Should the generation engine say its receive ended first,
+        the send is cancelled (its outcome then comes at once) rather than left to wait
+        for a receiver that will not come: a send still writing ends on its own."""
+        waiting = asyncio.ensure_future(rank.client.wait(request_id))
+        if self.announced is None:
+            return await waiting
+        ended = asyncio.ensure_future(self.announced.ended(request_id).wait())
+        try:
+            await asyncio.wait({waiting, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                # CallError: finished, its outcome on its way; "busy": a write in flight.
+                with contextlib.suppress(CallError):
+                    await rank.client.cancel(request_id)
+            return await waiting
+        finally:
+            ended.cancel()
+
     async def recv_one(self, item: Item, peer: str | None = None) -> Record:
-        rec, blocks, seed = self._begin(item)
+        rec, blocks, seed = await self._begin(item)
         try:
             for rank in self.ranks:
                 assert rank.region is not None
@@ -339,15 +362,12 @@ class ReferenceEngine:
                     rec.status, rec.reason, rec.message = Status.FAILED, exc.code, exc.message
                     rec.t_end_ns = time.monotonic_ns()
                     if self.notify is not None:
-                        self.notify(item.request_id)  # the context side ends its send too
+                        self.notify(ENDED, item.request_id)  # the context side drops it
                     return rec
             if self.notify is not None:
-                self.notify(item.request_id)  # generation-first: the context may send now
+                self.notify(POSTED, item.request_id)  # the context may send now
 
-            async def wait(rank: Rank) -> Outcome:
-                return await rank.client.wait(item.request_id)
-
-            outcomes = await self._each(wait)
+            outcomes = await self._rank_outcomes(item.request_id)
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
             rec.blocks_held = any(o.blocks_held for o in outcomes)
@@ -362,12 +382,34 @@ class ReferenceEngine:
                         rec.verified = False
                         rec.verify_error = f"rank {rank.tp.rank}: {result.first_mismatch}"
                         break
+            if rec.status != Status.DONE and self.notify is not None:
+                self.notify(ENDED, item.request_id)  # the context side drops or cancels it
             for rank in self.ranks:
                 await rank.client.release(item.request_id)
             blocks = self._give_later(item.request_id, blocks, outcomes)
         finally:
             self.alloc.give(blocks)
         return rec
+
+    async def _rank_outcomes(self, request_id: str) -> list[Outcome]:
+        """Every rank's outcome of a receive, in rank order. One rank's failure dooms the
+        request (each rank holds only its heads): the other ranks' receives are cancelled
+        then, as a real engine aborts the request, instead of each waiting out its deadline
+        for a context side that serves a request only once every rank asked for it."""
+        waits: dict[asyncio.Future[Outcome], Rank] = {
+            asyncio.ensure_future(rank.client.wait(request_id)): rank for rank in self.ranks
+        }
+        pending: set[asyncio.Future[Outcome]] = set(waits)
+        doomed = False
+        while pending:
+            ended, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if not doomed and any(t.result().status != Status.DONE for t in ended):
+                doomed = True
+                for t in pending:
+                    # CallError: it just ended too; "busy": a write in flight ends by itself.
+                    with contextlib.suppress(CallError):
+                        await waits[t].client.cancel(request_id)
+        return [t.result() for t in waits]
 
     def _give_later(self, request_id: str, blocks: list[int], outcomes: list[Outcome]) -> list[int]:
         """The blocks to give back now: none when a rank's outcome held them (a write may
@@ -408,8 +450,11 @@ class ReferenceEngine:
 
         async def one(item: Item) -> Record:
             nonlocal done
-            if peer is None and self.posted is not None:
-                await self.posted.setdefault(item.request_id, asyncio.Event()).wait()
+            announced = self.announced if peer is None else None
+            if announced is not None and not await announced.wait_posted(item.request_id):
+                announced.forget(item.request_id)
+                done += 1
+                return _not_sent(item)
             async with sem:
                 if peer is None:
                     rec = await self.send_one(item)
@@ -424,6 +469,17 @@ class ReferenceEngine:
         if progress:
             print(file=sys.stderr)
         return list(records)
+
+
+def _not_sent(item: Item) -> Record:
+    """A context engine's record of a request whose receive ended before it was sent."""
+    return Record(
+        item.request_id,
+        item.num_tokens,
+        status=Status.FAILED,
+        reason="receive_ended",
+        message="the generation engine's receive ended before the context engine sent it",
+    )
 
 
 def layout_from_args(args: argparse.Namespace, ranks: int = 1) -> KvLayout:
@@ -515,15 +571,10 @@ async def _main(args: argparse.Namespace) -> EngineReport:
     await engine.open()
     reader_task = None
     if args.notify_fd is not None:
-        notify_file = os.fdopen(args.notify_fd, "w", buffering=1)
-
-        def announce(request_id: str) -> None:
-            notify_file.write(request_id + "\n")
-
-        engine.notify = announce
+        engine.notify = Announcer(args.notify_fd)
     if args.wait_fd is not None:
-        engine.posted = {}
-        reader_task = asyncio.create_task(_read_posted(args.wait_fd, engine.posted))
+        engine.announced = Announcements()
+        reader_task = asyncio.create_task(engine.announced.listen(args.wait_fd))
     cpu0 = time.process_time()
     try:
         records = await engine.run(items, args.in_flight, peer, args.progress)
@@ -540,14 +591,6 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         pool_bytes=layout.pool_bytes * len(sockets),
         cpu_s=round(cpu_s, 4),
     )
-
-
-async def _read_posted(fd: int, posted: dict[str, asyncio.Event]) -> None:
-    reader = asyncio.StreamReader()
-    loop = asyncio.get_running_loop()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb"))
-    while line := await reader.readline():
-        posted.setdefault(line.decode().strip(), asyncio.Event()).set()
 
 
 def main(argv: list[str] | None = None) -> int:
