@@ -160,7 +160,18 @@ class AsyncClient:
         client.socket_path = socket_path
         writer.write(ENGINE_CODEC.encode(EngineHello(version=PROTOCOL_VERSION, engine=engine)))
         await writer.drain()
-        hello = await asyncio.wait_for(DAEMON_CODEC.read(reader), timeout_s)
+        try:
+            hello = await asyncio.wait_for(DAEMON_CODEC.read(reader), timeout_s)
+        except asyncio.TimeoutError:
+            writer.close()
+            # Its socket accepted us (the kernel does that for a stopped process too).
+            raise DaemonGoneError(
+                f"the kvxferd daemon at {socket_path} accepted the connection but did not "
+                f"answer the hello within {timeout_s:g} s (stopped, hung or overloaded?)"
+            ) from None
+        except (ConnectionError, OSError) as exc:
+            writer.close()
+            raise DaemonGoneError(f"the kvxferd daemon at {socket_path} failed: {exc}") from exc
         if isinstance(hello, Reply) and not hello.ok:
             writer.close()
             raise CallError(hello.error, hello.message)

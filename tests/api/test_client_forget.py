@@ -5,6 +5,7 @@ outcomes it drops without asking the daemon, and when it leaves the call to the 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,17 @@ def test_an_auto_released_id_stays_taken_until_released() -> None:
             await client.send("r", "pool0", [1], 16)
 
     asyncio.run(calls())
+
+
+def test_a_daemon_that_never_answers_the_hello_is_named(tmp_path: Path) -> None:
+    """A daemon stopped (SIGSTOP) still has its socket accept connections: connect then
+    fails with DaemonGoneError saying so, not a bare TimeoutError."""
+    path = str(tmp_path / "silent.sock")
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(lambda r, w: None, path)
+        async with server:
+            with pytest.raises(DaemonGoneError, match=r"did not answer the hello within 0\.2 s"):
+                await AsyncClient.connect(path, timeout_s=0.2)
+
+    asyncio.run(scenario())
