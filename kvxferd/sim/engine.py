@@ -271,7 +271,11 @@ class ReferenceEngine:
     def _record(rec: Record, outcomes: list[Outcome]) -> None:
         """One record for all ranks: done only if every rank is; else the first failure
         (naming its rank when there are several)."""
-        bad = next((o for o in outcomes if o.status != Status.DONE), None)
+        # A rank we cancelled because another failed says "cancelled": report the cause.
+        failed = [o for o in outcomes if o.status != Status.DONE]
+        bad = next((o for o in failed if o.status != Status.CANCELLED), None) or next(
+            iter(failed), None
+        )
         first = bad or outcomes[0]
         rec.status, rec.reason, rec.message = first.status, first.reason, first.message
         if bad is not None and len(outcomes) > 1:

@@ -30,7 +30,8 @@ STALL_REASONS = {
     "peer_lost",  # in flight when the heartbeat gave up
     "peer_unreachable",  # posted while the daemon could not answer a dial
     "receiver_timeout",
-    "sender_timeout",
+    "peer_timed_out",
+    "peer_failed",  # the context daemon ended one rank's leg when another rank's ended
     "receive_ended",  # the context engine dropped one whose receive was over
 }
 

@@ -82,13 +82,18 @@ def test_engine_calls_with_and_without_a_peer(old: type, new: type) -> None:
 
 
 def test_outcomes_and_released_events_carry_the_peer_last() -> None:
-    new = Outcome("r1", "recv", "done", "ok", "local", "", 4096, 1.5, peer="10.0.0.2:7000")
+    """New fields come after the old ones (peer, then auto_released), and an old client
+    reads a new outcome while a new one reads an old daemon's."""
+    new = Outcome(
+        "r1", "recv", "done", "ok", "local", "", 4096, 1.5, peer="10.0.0.2:7000", auto_released=True
+    )
     body = _body(DAEMON_CODEC.encode(new))
     old = msgspec.msgpack.decode(body, type=OldOutcome)
     assert (old.request_id, old.status, old.nbytes, old.blocks_held) == ("r1", "done", 4096, False)
-    assert _keys(body)[:-1] == _keys(msgspec.msgpack.encode(old)) and _keys(body)[-1] == "peer"
+    old_keys = _keys(msgspec.msgpack.encode(old))
+    assert _keys(body) == [*old_keys, "peer", "auto_released"]
     again = DAEMON_CODEC.decode(msgspec.msgpack.encode(old))  # an old daemon's outcome
-    assert isinstance(again, Outcome) and again.peer == ""
+    assert isinstance(again, Outcome) and again.peer == "" and not again.auto_released
 
     released = ReleasedMsg("r1", "recv", "abort_ack", 12.0, peer="ctx-b")
     read = msgspec.msgpack.decode(_body(DAEMON_CODEC.encode(released)), type=OldReleased)
