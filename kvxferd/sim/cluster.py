@@ -277,13 +277,7 @@ class LocalCluster:
     @staticmethod
     def engine_report(proc: subprocess.Popen[bytes], timeout_s: float = 600.0) -> dict[str, Any]:
         out, err = proc.communicate(timeout=timeout_s)
-        if proc.returncode != 0:
-            raise ClusterError(
-                f"reference engine exited with {proc.returncode}:\n"
-                + (err or b"").decode(errors="replace")[-3000:]
-            )
-        report: dict[str, Any] = json.loads(out.decode())
-        return report
+        return _report(proc.returncode, out, err)
 
     @staticmethod
     def engine_reports(
@@ -295,6 +289,7 @@ class LocalCluster:
         as it comes (a thread each), so a long report never blocks its writer."""
         ended: queue.Queue[str] = queue.Queue()
         output: dict[str, tuple[bytes, bytes]] = {}
+        reports: dict[str, dict[str, Any]] = {}
 
         def collect(name: str, proc: subprocess.Popen[bytes]) -> None:
             try:
@@ -314,20 +309,14 @@ class LocalCluster:
                     name = ended.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     raise ClusterError("reference engines still running") from None
-                proc = procs[name]
-                if proc.returncode != 0:
-                    err = output.get(name, (b"", b""))[1] or b""
-                    raise ClusterError(
-                        f"reference engine ({name}) exited with {proc.returncode}:\n"
-                        + err.decode(errors="replace")[-3000:]
-                    )
+                reports[name] = _report(procs[name].returncode, *output.get(name, (b"", b"")), name)
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
                     proc.kill()
             for t in threads:
                 t.join()
-        return {name: json.loads(output[name][0].decode()) for name in procs}
+        return reports
 
     def stop_all(self, timeout_s: float = 30.0) -> dict[str, int]:
         codes = {}
@@ -350,6 +339,17 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def _report(returncode: int | None, out: bytes, err: bytes, name: str = "") -> dict[str, Any]:
+    """A reference engine's JSON report, or ClusterError with the end of its stderr."""
+    if returncode != 0:
+        raise ClusterError(
+            f"reference engine{f' ({name})' if name else ''} exited with {returncode}:\n"
+            + (err or b"").decode(errors="replace")[-3000:]
+        )
+    report: dict[str, Any] = json.loads(out.decode())
+    return report
 
 
 def summarise(ctx_report: dict[str, Any], gen_report: dict[str, Any]) -> dict[str, Any]:

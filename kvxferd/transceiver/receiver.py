@@ -63,6 +63,7 @@ from kvxferd.transceiver.sessions import (
     conclude,
     drain_sessions,
     forget_auto_released,
+    forget_finished,
     settle,
 )
 from kvxferd.transceiver.state import Reason, SessionState, Status
@@ -178,18 +179,16 @@ class Receiver:
         """The engine forgets a finished receive, so that its id (from its context peer)
         may be used again."""
         s = self._named(request_id, peer)
-        if s.finished and s.held:
-            s.forget = True  # the id stays taken until the blocks are back
-            return
-        if s.engine is None:
-            raise RequestError("unknown_request", f"no receive for request {request_id!r}")
-        if not s.finished:
-            raise RequestError(
-                "still_active",
-                f"request {request_id!r} from {s.peer!r} has no outcome yet; "
-                "cancel it or wait for it first",
-            )
-        del self.sessions[s.key]
+        if not (s.finished and s.held):  # held: forgotten once the blocks are back
+            if s.engine is None:
+                raise RequestError("unknown_request", f"no receive for request {request_id!r}")
+            if not s.finished:
+                raise RequestError(
+                    "still_active",
+                    f"request {request_id!r} from {s.peer!r} has no outcome yet; "
+                    "cancel it or wait for it first",
+                )
+        forget_finished(self.sessions, s)
 
     # ----------------------------------------------------------- peer messages
 
@@ -431,7 +430,7 @@ class Receiver:
         if not s.held:
             self.loans.give_back(s.pool, s.blocks, s.key)
         conclude(s, "recv", s.pool, log, blocks_held=s.held)
-        forget_auto_released(self.sessions, s, s.held)
+        forget_auto_released(self.sessions, s)
         if hold is not None:
             # In the same step as conclude (no await between): the pool never looks unused.
             # After it: a hold fenced at once still reports `released` after the outcome.

@@ -167,10 +167,7 @@ class Sender:
         return "cancelled"
 
     def release(self, request_id: str) -> None:
-        s = self.sessions.get(request_id)
-        if s is not None and s.engine is not None and s.finished and s.held:
-            s.forget = True  # the id stays taken until the blocks are back
-            return
+        # Held (a drained write still reads the blocks): forgotten once they are back.
         release_finished(self.sessions, request_id, "send")
 
     # ----------------------------------------------------------- peer messages
@@ -314,7 +311,7 @@ class Sender:
                 await self._abort_receivers(s, term)
         # A drained write still reads the blocks: the engine hears `released` for them.
         conclude(s, "send", s.pool, log, blocks_held=s.held)
-        forget_auto_released(self.sessions, s, s.held)
+        forget_auto_released(self.sessions, s)
 
     async def _abort_receivers(self, s: TxSession, term: Terminal) -> None:
         assert s.request is not None and s.conn is not None

@@ -336,20 +336,25 @@ def release_finished(sessions: MutableMapping[str, Any], request_id: str, what: 
             "still_active",
             f"request {request_id!r} has no outcome yet; cancel it or wait for it first",
         )
-    del sessions[request_id]
+    forget_finished(sessions, s)
 
 
-def forget_auto_released(sessions: MutableMapping[Any, S], s: S, held: bool) -> None:
-    """After conclude: a request the engine asked to auto_release is forgotten now, as a
-    release right after its outcome would forget it (its blocks held: once they are back).
-    The outcome and the forgetting happen in one step, so a call the engine makes after
-    seeing the outcome (reusing the id) finds the id free."""
-    if not s.auto_release or s.engine is None:
-        return  # an engine that left: abort_engine_sessions forgets its sessions
-    if held:
+def forget_finished(sessions: MutableMapping[Any, Any], s: TxSession | RxSession) -> None:
+    """A finished session its engine released: forget it now, or, while its blocks are
+    held, once they are back (`forget`: the id stays taken until then)."""
+    if s.held:
         s.forget = True
     elif sessions.get(s.key) is s:
         del sessions[s.key]
+
+
+def forget_auto_released(sessions: MutableMapping[Any, Any], s: TxSession | RxSession) -> None:
+    """After conclude: a request the engine asked to auto_release is released now, as the
+    engine's release right after its outcome would be. The outcome and the release happen
+    in one step, so a call the engine makes after seeing the outcome finds the daemon's
+    side of the id settled."""
+    if s.auto_release and s.engine is not None:  # an engine that left: abort_engine_sessions
+        forget_finished(sessions, s)
 
 
 def conclude(
