@@ -13,6 +13,7 @@ Without the attribute every call goes through the worker thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
@@ -111,9 +112,12 @@ class Backend(Protocol):
         *,
         local_memory: Memory = HOST,
         remote_memory: Memory = HOST,
+        remote_regions: Sequence[tuple[int, int]] = (),
     ) -> tuple[XferHandle, XferStatus]:
         """Post one WRITE of `local` (ours, in `local_memory`) into `remote` (the peer's, in
-        `remote_memory` as the peer registered it); TransferError if it cannot be posted."""
+        `remote_memory` as the peer registered it); TransferError if it cannot be posted.
+        `remote_regions`: the (address, nbytes) regions the peer announced, a hint a backend
+        may use to prepare descriptors once per region, never to decide what is written."""
         ...
 
     def poll(self, handle: XferHandle) -> XferStatus: ...

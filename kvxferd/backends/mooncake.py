@@ -107,6 +107,7 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -517,6 +518,7 @@ class MooncakeBackend:
         *,
         local_memory: Memory = HOST,
         remote_memory: Memory = HOST,
+        remote_regions: Sequence[tuple[int, int]] = (),
     ) -> tuple[XferHandle, XferStatus]:
         refused = host_only(self.name, local_memory, remote_memory)
         if refused is not None:

@@ -16,12 +16,13 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus
+from kvxferd.backends.nixl_prepared import PreparedLists
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -226,6 +227,7 @@ class NixlBackend:
             self._agent = _make_agent(nixl, agent_name, conf, progress_delay_us)
         except Exception as exc:
             raise StartupError(f"NIXL agent {agent_name!r} could not start: {exc}") from exc
+        self._prepared = PreparedLists(self._agent)
         if "UCX" not in self._agent.backends:
             raise StartupError(
                 f"NIXL agent {agent_name!r} has no UCX plugin (available: "
@@ -235,11 +237,16 @@ class NixlBackend:
 
     def register(self, address: int, nbytes: int, memory: Memory = HOST) -> object:
         try:
-            return self._agent.register_memory([(address, nbytes, memory.device, "")], memory.kind)
+            registration = self._agent.register_memory(
+                [(address, nbytes, memory.device, "")], memory.kind
+            )
         except Exception as exc:
             raise StartupError(_register_failure(address, nbytes, memory, exc)) from exc
+        self._prepared.registered(registration, address, nbytes, memory)
+        return registration
 
     def deregister(self, registration: object) -> None:
+        self._prepared.deregistered(registration)
         self._agent.deregister_memory(registration)
 
     def metadata(self) -> bytes:
@@ -250,9 +257,12 @@ class NixlBackend:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransferError(f"NIXL rejected the peer's agent metadata: {exc}") from exc
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._prepared.peer_reloaded(name)
+        return name
 
     def remove_peer(self, agent_name: str) -> None:
+        self._prepared.peer_reloaded(agent_name)
         try:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:
@@ -275,17 +285,23 @@ class NixlBackend:
         *,
         local_memory: Memory = HOST,
         remote_memory: Memory = HOST,
+        remote_regions: Sequence[tuple[int, int]] = (),
     ) -> tuple[XferHandle, XferStatus]:
         try:
-            # Each side names its own memory kind and device: NIXL finds the registration
-            # by (kind, device, address range), so a wrong kind is "not registered".
-            ldescs = self._agent.get_xfer_descs(
-                _descs(local, local_memory.device), local_memory.kind
+            native = self._prepared.make(
+                local, remote, agent_name, notif, local_memory, remote_memory, remote_regions
             )
-            rdescs = self._agent.get_xfer_descs(
-                _descs(remote, remote_memory.device), remote_memory.kind
-            )
-            native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, notif)
+            if native is None:
+                # Each side names its own memory kind and device: NIXL finds the
+                # registration by (kind, device, address range), so a wrong kind is "not
+                # registered".
+                ldescs = self._agent.get_xfer_descs(
+                    _descs(local, local_memory.device), local_memory.kind
+                )
+                rdescs = self._agent.get_xfer_descs(
+                    _descs(remote, remote_memory.device), remote_memory.kind
+                )
+                native = self._agent.initialize_xfer("WRITE", ldescs, rdescs, agent_name, notif)
         except Exception as exc:
             if type(exc).__name__ == "nixlNotFoundError":
                 # Our side is our registered pool; what NIXL cannot find is the remote
@@ -342,4 +358,6 @@ class NixlBackend:
 
     def close(self) -> None:
         # nixl_agent frees its resources on garbage collection; drop our reference.
+        if self._agent is not None:
+            self._prepared.close()
         self._agent = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
@@ -127,6 +127,7 @@ class NoOneSidedBackend:
         *,
         local_memory: Memory = HOST,
         remote_memory: Memory = HOST,
+        remote_regions: Sequence[tuple[int, int]] = (),
     ) -> tuple[XferHandle, XferStatus]:
         raise TransferError(
             host_only(self.name, local_memory, remote_memory)

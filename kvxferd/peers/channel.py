@@ -63,8 +63,8 @@ class PeerConnection:
         # Parsed once per pools message, off the per-request path; a bad layout
         # is kept as its error so only requests into that pool fail.
         self.layouts: dict[str, KvLayout | LayoutError] = {}
-        self.set_pools(info.pools)
         self.info = info
+        self.set_pools(info.pools)
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         self._last_heard = time.monotonic()
@@ -96,6 +96,12 @@ class PeerConnection:
                 self.layouts[p.pool_id] = layout
             except LayoutError as exc:
                 self.layouts[p.pool_id] = exc
+        # The peer's memory we may write, (address, nbytes): a hint the backend may use to
+        # prepare descriptors once per region (kvxferd.backends.nixl_prepared).
+        regions = [(p.base, p.nbytes) for p in pools if p.writable and p.nbytes > 0]
+        if self.info.bounce_nbytes > 0:
+            regions.append((self.info.bounce_base, self.info.bounce_nbytes))
+        self.regions: tuple[tuple[int, int], ...] = tuple(regions)
 
     @property
     def tls(self) -> str | None:

@@ -189,7 +189,7 @@ class Writes:
         local_memory, remote_memory = memories
         if local_memory == HOST and remote_memory == HOST:
             # Host to host: the call every backend took before device memory existed.
-            return backend.post_write(local, remote, conn.agent_name)
+            return backend.post_write(local, remote, conn.agent_name, remote_regions=conn.regions)
         return backend.post_write(
             local,
             remote,

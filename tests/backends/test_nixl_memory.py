@@ -120,6 +120,7 @@ def _backend_with(agent: _RecordingAgent) -> nixl_mod.NixlBackend:
     backend = nixl_mod.NixlBackend.__new__(nixl_mod.NixlBackend)  # no real agent
     backend.agent_name = "rec"
     backend._agent = agent
+    backend._prepared = nixl_mod.PreparedLists(agent)  # no regions told: never prepares
     return backend
 
 

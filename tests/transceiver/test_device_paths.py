@@ -600,6 +600,7 @@ def _conn(
             round_offsets=False,  # one round per reservation: one post to look at
         ),
         agent_name="gen",
+        regions=((info.base, info.nbytes),) if writable else (),
         closed=asyncio.Event(),
         close_reason="",
         clock_offset_ms=0,
@@ -693,8 +694,9 @@ def test_host_to_host_per_block_writes_are_posted_as_before() -> None:
     async def go() -> None:
         s, backend = await _direct(_pool(layout, src), conn, None, [0, 2])
         assert s.terminal is None and s.written == 2
-        # No memory keywords at all: the exact call every backend took before.
-        assert [p["kinds"] for p in backend.posts] == [{}]
+        # No memory keywords: the call every backend took before device memory existed,
+        # with the peer's announced regions as the only hint (prepared descriptors).
+        assert [p["kinds"] for p in backend.posts] == [{"remote_regions": conn.regions}]
 
     _run(go)
     assert np.array_equal(dst, np.where(np.isin(np.arange(dst.size) // 64 % 4, [0, 2]), src, 0))
