@@ -23,6 +23,7 @@ pool's base. Everything here is vectorised: a transfer of thousands of pieces co
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -255,33 +256,35 @@ class KvLayout:
         )
 
     # -- sizes -------------------------------------------------------------------------------
+    # Worked out once per layout (fields are frozen): the write plan, the content checks and
+    # the engines ask for them several times per request, thousands of requests a second.
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int:
         """Bytes per element."""
         return DTYPE_ITEMSIZE[self.dtype]
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         """Bytes of one token of one (layer, kv) pair."""
         return self.num_kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @functools.cached_property
     def piece_bytes(self) -> int:
         """Bytes of one (layer, kv) slice of one block; its tokens are contiguous."""
         return self.tokens_per_block * self.token_bytes
 
-    @property
+    @functools.cached_property
     def pieces_per_block(self) -> int:
         """Number of (layer, kv) pieces in one block."""
         return self.num_layers * self.kv_factor
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         """Bytes of one block (all layers, K and V)."""
         return self.pieces_per_block * self.piece_bytes
 
-    @property
+    @functools.cached_property
     def pool_bytes(self) -> int:
         """Bytes of the whole pool."""
         return self.num_blocks * self.block_bytes
