@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Histogram,
     Info,
     ProcessCollector,
     disable_created_metrics,
@@ -48,6 +47,7 @@ from kvxferd.errors import (
     TlsError,
 )
 from kvxferd.peers.framing import FrameTooLargeError
+from kvxferd.service.loop_histogram import LoopHistogram
 from kvxferd.service.metrics_live import LiveCollector
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
@@ -118,7 +118,8 @@ class DaemonMetrics:
         self.set_info(name, role, backend, runtime, fingerprint)
         # Every series of this daemon's registry.
         counter = partial(Counter, registry=r)
-        histogram = partial(Histogram, registry=r)
+        # Fed per request on the event loop and scraped there: no locks (loop_histogram).
+        histogram = partial(LoopHistogram, registry=r)
         self.requests = counter(
             "kvxferd_requests",
             "Requests that reached a terminal state, by side, status and reason.",
