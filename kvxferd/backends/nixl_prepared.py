@@ -71,6 +71,10 @@ class _Region:
         return self.address <= lo and hi <= self.address + self.nbytes
 
 
+def _same(a: Memory, b: Memory) -> bool:
+    return a is b or a == b  # HOST is one object: the comparison of fields is rare
+
+
 class PreparedLists:
     """The prepared lists of one NIXL agent (kvxferd.backends.nixl.NixlBackend owns one).
 
@@ -82,6 +86,7 @@ class PreparedLists:
         self._local: dict[object, _Region] = {}  # registration -> region
         # agent name -> its announced regions (address, nbytes) -> prepared region
         self._remote: dict[str, dict[Region, _Region]] = {}
+        self._last_local: _Region | None = None  # the region the last write came from
         self.prepared_writes = 0  # writes posted from prepared lists (status, tests)
 
     # -- lifetimes -----------------------------------------------------------------------
@@ -91,6 +96,8 @@ class PreparedLists:
 
     def deregistered(self, registration: object) -> None:
         region = self._local.pop(id(registration), None)
+        if region is self._last_local:
+            self._last_local = None
         if region is not None:
             self._release(region)
 
@@ -105,6 +112,7 @@ class PreparedLists:
         for name in list(self._remote):
             self.peer_reloaded(name)
         self._local.clear()
+        self._last_local = None
 
     def _release(self, region: _Region) -> None:
         for lst in region.lists.values():
@@ -131,21 +139,24 @@ class PreparedLists:
         or None when this write does not qualify (the caller takes the usual path).
         NIXL's errors propagate, as from initialize_xfer."""
         n = len(local)
-        if n == 0 or n > MAX_SEGMENTS or not remote_regions:
+        if n == 0 or n > MAX_SEGMENTS or not remote_regions or len(remote) != n:
             return None
-        lsegs = local.tolist()
+        lsegs, rsegs = local.tolist(), remote.tolist()
         unit = lsegs[0][1]
-        if unit <= 0 or any(length != unit for _, length in lsegs):
+        if unit <= 0:
             return None
-        rsegs = remote.tolist()
-        if len(rsegs) != n or any(length != unit for _, length in rsegs):
-            return None
-        laddrs = [a for a, _ in lsegs]
-        raddrs = [a for a, _ in rsegs]
-        lregion = self._local_region(laddrs, unit, local_memory)
+        laddrs, raddrs = [], []
+        for (la, ll), (ra, rl) in zip(lsegs, rsegs, strict=True):
+            if ll != unit or rl != unit:
+                return None
+            laddrs.append(la)
+            raddrs.append(ra)
+        lo, hi = (laddrs[0], laddrs[0] + unit) if n == 1 else (min(laddrs), max(laddrs) + unit)
+        lregion = self._local_region(lo, hi, local_memory)
         if lregion is None:
             return None
-        rregion = self._remote_region(agent_name, raddrs, unit, remote_memory, remote_regions)
+        lo, hi = (raddrs[0], raddrs[0] + unit) if n == 1 else (min(raddrs), max(raddrs) + unit)
+        rregion = self._remote_region(agent_name, lo, hi, remote_memory, remote_regions)
         if rregion is None:
             return None
         lside = self._indices(lregion, laddrs, unit, "NIXL_INIT_AGENT")
@@ -158,27 +169,24 @@ class PreparedLists:
         self.prepared_writes += 1
         return native
 
-    def _local_region(self, addrs: list[int], unit: int, memory: Memory) -> _Region | None:
-        lo, hi = min(addrs), max(addrs) + unit
+    def _local_region(self, lo: int, hi: int, memory: Memory) -> _Region | None:
+        last = self._last_local
+        if last is not None and last.holds(lo, hi) and _same(last.memory, memory):
+            return last
         for region in self._local.values():
-            if region.memory == memory and region.holds(lo, hi):
+            if region.holds(lo, hi) and _same(region.memory, memory):
+                self._last_local = region
                 return region
         return None
 
     def _remote_region(
-        self,
-        agent_name: str,
-        addrs: list[int],
-        unit: int,
-        memory: Memory,
-        announced: Sequence[Region],
+        self, agent_name: str, lo: int, hi: int, memory: Memory, announced: Sequence[Region]
     ) -> _Region | None:
-        lo, hi = min(addrs), max(addrs) + unit
+        regions = self._remote.setdefault(agent_name, {})
         for address, nbytes in announced:
             if address <= lo and hi <= address + nbytes:
-                regions = self._remote.setdefault(agent_name, {})
                 region = regions.get((address, nbytes))
-                if region is None or region.memory != memory:
+                if region is None or not _same(region.memory, memory):
                     if region is not None:
                         self._release(region)
                     region = regions[(address, nbytes)] = _Region(address, nbytes, memory, {})

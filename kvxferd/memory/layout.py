@@ -255,6 +255,15 @@ class KvLayout:
             flat, shape=shape, strides=(*(strides[d] for d in DIMS), 1), writeable=True
         )
 
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        # Once per layout, not per lookup: the per-pair caches of the write plan and the
+        # head checks hash two layouts for every request.
+        return self._hash
+
     # -- sizes -------------------------------------------------------------------------------
     # Worked out once per layout (fields are frozen): the write plan, the content checks and
     # the engines ask for them several times per request, thousands of requests a second.
