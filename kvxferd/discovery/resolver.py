@@ -3,6 +3,7 @@ the check that a name resolved through etcd reached that daemon."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 
 from kvxferd import hostport
@@ -41,7 +42,10 @@ class AddressResolver:
         )
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_hostport(text: str) -> bool:
+    # A pure function of the text, asked for every receive that names its peer as HOST:PORT;
+    # an engine names the same few peers again and again.
     try:
         _, port = hostport.split_hostport(text)
     except ValueError:
