@@ -13,7 +13,11 @@ four processes kept busy (a run near the host's core count is bound by CPU; one 
 below it by its processes waiting on each other).
 
     .venv/bin/python benchmarks/issue16_small.py --passes 4 [--in-flight 1 8 32]
-        [--seconds 8] [--base DIR] [--json]
+        [--seconds 8] [--base DIR] [--verify each slot] [--json]
+
+`--verify each slot`: this tree's engines with either content discipline in the same passes
+(kvxferd bench --verify: each request filled and checked, or each slot once per group as the
+raw pair does).
 
 `--base DIR`: e.g. `git worktree add DIR COMMIT` (the same .venv serves it: the bench runs
 with DIR as its working directory and on PYTHONPATH). A checkout from before the bench
@@ -43,9 +47,11 @@ FIELDS = {
 }
 
 
-def bench(tree: str | None, in_flight: int, seconds: float) -> dict[str, Any]:
+def bench(tree: str | None, in_flight: int, seconds: float, verify: str | None) -> dict[str, Any]:
     args = ["bench", "--configs", "nixl-python", "--small", *GEOMETRY, "--in-flight",
             str(in_flight), "--seconds", str(seconds), "--json", "--no-progress"]  # fmt: skip
+    if verify is not None:  # a checkout from before --verify knows only "each", unnamed
+        args += ["--verify", verify]
     row: dict[str, Any] = kvxferd_json(args, tree, timeout=600)["results"][0]
     row["load"] = os.getloadavg()[0]
     return row
@@ -77,20 +83,29 @@ def main() -> int:
     p.add_argument("--in-flight", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--base", help="another checkout, measured in the same passes")
+    p.add_argument(
+        "--verify",
+        nargs="+",
+        choices=["each", "slot"],
+        help="the engines' content discipline(s) of this tree (kvxferd bench --verify); several "
+        "are measured in the same passes, as trees of their own (the base runs its default)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    trees: list[tuple[str, str | None]] = [("this", None)]
+    trees: list[tuple[str, str | None, str | None]] = (
+        [(f"this/{v}", None, v) for v in args.verify] if args.verify else [("this", None, None)]
+    )
     if args.base:
-        trees.append(("base", os.path.abspath(args.base)))
+        trees.append(("base", os.path.abspath(args.base), None))
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for k in range(args.passes):
         order = trees if k % 2 == 0 else trees[::-1]
         for n in args.in_flight:
-            for name, tree in order:
-                row = bench(tree, n, args.seconds)
+            for name, tree, verify in order:
+                row = bench(tree, n, args.seconds, verify)
                 runs.setdefault((name, n), []).append(row)
                 print(
-                    f"pass {k + 1} {name:4} in flight {n:3}: {row['requests_per_s']:.0f} req/s, "
+                    f"pass {k + 1} {name:9} in flight {n:3}: {row['requests_per_s']:.0f} req/s, "
                     f"bare {row['bare_requests_per_s']:.0f}, load {row['load']:.1f}",
                     file=sys.stderr,
                 )

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxferd.bench import cpu
-from kvxferd.bench.plan import Item, Plan, pool_huge_pages
+from kvxferd.bench.plan import VERIFY_SLOT, Group, Item, Plan, pool_huge_pages
 from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
@@ -125,6 +125,11 @@ class _Side:
 
             self.content = DeviceContent(self.region.device)
 
+    @property
+    def per_slot(self) -> bool:
+        """--verify slot: content filled and checked once per slot and group, not per request."""
+        return self.plan.verify == VERIFY_SLOT
+
     def fail(self, message: str) -> None:
         if not self.error:
             self.error = message
@@ -167,6 +172,8 @@ class GenerationSide(_Side):
     timed_start_ns: int = field(default=0, init=False)
     cpu: list[dict[str, Any]] = field(default_factory=list, init=False)
     _unreported: int = field(default=0, init=False)
+    # --verify slot: the group's records of each slot, checked together at the group's end.
+    _slot_records: dict[int, list[GenRecord]] = field(default_factory=dict, init=False)
     _notices: list[str] = field(default_factory=list, init=False)
     _reported_at: float = field(default=0.0, init=False)
 
@@ -215,10 +222,14 @@ class GenerationSide(_Side):
                 before = cpu.sample(self.cpu_pids)
                 engines_before = cpu.sample(self.engine_pids)
                 wall_start = time.monotonic()
+                if self.per_slot:
+                    self._clear_slots(group)
                 await asyncio.gather(
                     *(self._slot(group.slot_items(s, self.plan.in_flight), deadline)
                       for s in range(self.plan.in_flight))
                 )  # fmt: skip
+                if self.per_slot:
+                    self._check_slots(group)
                 if self.cpu_pids:
                     self.cpu.append(
                         {"group": group.key, "tokens": group.tokens, "timed": group.timed,
@@ -234,6 +245,38 @@ class GenerationSide(_Side):
                 self._notices.append(_END)
                 self._flush_notices()
 
+    def _slot_blocks(self, group: Group, slot: int) -> list[int]:
+        return self.plan.dst_blocks[slot][: group.blocks]
+
+    def _clear_slots(self, group: Group) -> None:
+        self._slot_records = {}
+        for s in range(self.plan.in_flight):
+            self.content.clear(self.region.array, self.layout, self._slot_blocks(group, s))
+        self.content.synchronize()  # device pools: zeros first, then the daemon's writes
+
+    def _check_slots(self, group: Group) -> None:
+        """--verify slot: every slot that moved a request holds its slot's content; its
+        requests are verified together (as the raw pair's are)."""
+        for s, records in sorted(self._slot_records.items()):
+            done = [r for r in records if r.status == Status.DONE]
+            if not done:
+                continue
+            result = self.content.verify(
+                self.region.array,
+                self.layout,
+                self._slot_blocks(group, s),
+                group.slot_seed(s),
+                group.tokens,
+            )
+            for rec in done:
+                rec.verified = result.ok
+                rec.verify_error = result.first_mismatch or ""
+            if not result.ok:
+                self.fail(
+                    f"group {group.key} slot {s} (requests {done[0].request_id} to "
+                    f"{done[-1].request_id}): verification failed: {result.first_mismatch}"
+                )
+
     async def _slot(self, items: Any, deadline: float | None) -> None:
         for item in items:
             if self.error or (deadline is not None and time.monotonic() >= deadline):
@@ -245,8 +288,11 @@ class GenerationSide(_Side):
         blocks = self.plan.dst_for(item)
         rec = GenRecord(item.request_id, item.slot, item.tokens, item.timed)
         self.records.append(rec)
-        self.content.clear(pool, self.layout, blocks)
-        self.content.synchronize()  # device pools: zeros first, then the daemon's writes
+        if self.per_slot:
+            self._slot_records.setdefault(item.slot, []).append(rec)
+        else:
+            self.content.clear(pool, self.layout, blocks)
+            self.content.synchronize()  # device pools: zeros first, then the daemon's writes
         rec.t_post_ns = time.monotonic_ns()
         await self.client.recv(
             item.request_id, self.pool_id, blocks, self.peer, item.tokens, auto_release=True
@@ -256,7 +302,9 @@ class GenerationSide(_Side):
         rec.t_done_ns = self.client.arrival(item.request_id)
         rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
         rec.nbytes = outcome.nbytes
-        if outcome.status == Status.DONE:
+        if outcome.status == Status.DONE and self.per_slot:
+            pass  # checked with the rest of its slot at the group's end (_check_slots)
+        elif outcome.status == Status.DONE:
             result = self.content.verify(
                 pool, self.layout, blocks, request_seed(item.request_id), item.tokens
             )
@@ -353,6 +401,14 @@ class ContextSide(_Side):
     async def _slot(self, slot: int) -> None:
         corrupt = os.environ.get(CORRUPT_ENV) == "1"
         for group in self.plan.groups():
+            if self.per_slot:
+                # --verify slot: the slot's content once for the whole group (the raw pair's
+                # way); the first timed group's is wrong on purpose when a test asks.
+                seed = group.slot_seed(slot)
+                if corrupt and group.timed:
+                    seed, corrupt = request_seed(group.key + "-not"), False
+                self._fill(self.plan.src_blocks[slot][: group.blocks], seed)
+                self.content.synchronize()
             for item in group.slot_items(slot, self.plan.in_flight):
                 blocks = self.plan.src_for(item)
                 seed = request_seed(item.request_id)
@@ -371,8 +427,9 @@ class ContextSide(_Side):
                 # sent: memory left untouched for a while is slow to read on some hosts
                 # (this 2-core VM: ~10 ms per 4 MiB after 0.2 s), and the raw pair fills
                 # right before its post too.
-                self._fill(blocks, seed)
-                self.content.synchronize()  # device pools: the KV is there before the send
+                if not self.per_slot:
+                    self._fill(blocks, seed)
+                    self.content.synchronize()  # device pools: the KV is there before the send
                 rec = CtxRecord(item.request_id)
                 self.records.append(rec)
                 self.sending.add(item.request_id)

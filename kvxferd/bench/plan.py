@@ -34,6 +34,13 @@ from kvxferd.sim.cluster import GEOMETRY_FLAGS
 
 SWEEP = "sweep"
 SMALL = "small"
+# How the bench engines fill and check the KV (Plan.verify): EACH, every request's blocks are
+# filled before its send and checked after it arrives; SLOT, as the raw pair does whenever it
+# runs several requests at a time: each slot's blocks are filled and zeroed once per group and
+# checked at the group's end (every request of a slot carries the same content).
+VERIFY_EACH = "each"
+VERIFY_SLOT = "slot"
+VERIFY_CHOICES = (VERIFY_EACH, VERIFY_SLOT)
 WARMUP = "warmup"
 TIMED = "timed"
 
@@ -123,6 +130,13 @@ class Group:
     def timed(self) -> bool:
         return self.phase == TIMED
 
+    def slot_seed(self, slot: int) -> int:
+        """The content seed of `slot`'s blocks when a slot is filled once per group (the raw
+        pair with several requests in flight; the engines with --verify slot)."""
+        from kvxferd.sim.content import request_seed
+
+        return request_seed(f"{self.key}-slot{slot}")
+
     def slot_items(self, slot: int, in_flight: int) -> Iterator[Item]:
         """The requests of this group that run in `slot`, in order."""
         js: Iterator[int] = (
@@ -147,6 +161,7 @@ class Plan:
     run_id: str
     src_blocks: list[list[int]] = field(default_factory=list)
     dst_blocks: list[list[int]] = field(default_factory=list)
+    verify: str = VERIFY_EACH
 
     @classmethod
     def build(
@@ -162,7 +177,10 @@ class Plan:
         run_id: str,
         seed: int = 1,
         shuffle: bool = True,
+        verify: str = VERIFY_EACH,
     ) -> Plan:
+        if verify not in VERIFY_CHOICES:
+            raise ValueError(f"verify must be one of {VERIFY_CHOICES}, got {verify!r}")
         if mode == SMALL:
             lengths = [geometry.tokens_per_block]
         per_slot = max(geometry.blocks_for(t) for t in lengths)
@@ -186,6 +204,7 @@ class Plan:
             run_id=run_id,
             src_blocks=slot_lists(),
             dst_blocks=slot_lists(),
+            verify=verify,
         )
 
     def layout(self) -> KvLayout:

@@ -335,7 +335,7 @@ class Initiator:
         n = self.plan.in_flight
         queues = [group.slot_items(s, n) for s in range(n)]
         last: dict[int, Item] = {}
-        slot_seed = {s: request_seed(f"{group.key}-slot{s}") for s in range(n)}
+        slot_seed = {s: group.slot_seed(s) for s in range(n)}
         if not self.refresh:
             for s in range(n):
                 probe = Item(f"{group.key}-slot{s}", group.tokens, group.blocks, s, group.timed)

@@ -32,8 +32,15 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     else:
         lines.append(
             f"  run       {report['requests']} timed + {report['warmup']} warm-up requests per "
-            f"length, {report['in_flight']} in flight; every byte verified"
+            f"length, {report['in_flight']} in flight"
         )
+    if report.get("verify") == "slot":
+        lines.append(
+            "  verify    each slot's blocks filled and checked once per group, as the raw pair "
+            "does (--verify slot)"
+        )
+    else:
+        lines.append("  verify    every request's KV filled before its send, every byte checked")
     load = h.get("loadavg_start")
     lines.append(
         f"  host      {h['cpu_count']} CPUs ({h['cpu_model'] or 'unknown'}), Python "

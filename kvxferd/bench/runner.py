@@ -32,7 +32,7 @@ from kvxferd.bench.children import spawn as _spawn
 from kvxferd.bench.children import wait_all as _wait
 from kvxferd.bench.configs import BenchConfig
 from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
-from kvxferd.bench.plan import SMALL, SWEEP, Geometry, Plan
+from kvxferd.bench.plan import SMALL, SWEEP, VERIFY_EACH, Geometry, Plan
 from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
 
@@ -59,6 +59,8 @@ class Options:
     # shared with the daemons by `vram_share`).
     memory: str = "host"
     vram_share: str = "ipc"
+    # The engines' content discipline (kvxferd.bench.plan VERIFY_*).
+    verify: str = VERIFY_EACH
 
     @property
     def mode(self) -> str:
@@ -378,6 +380,7 @@ def build_plan(
         run_id=run_id,
         seed=opts.seed,
         shuffle=opts.shuffle,
+        verify=opts.verify,
     )
 
 
@@ -445,6 +448,7 @@ def _header(opts: Options, plan: Plan) -> dict[str, Any]:
         "in_flight": plan.in_flight,
         "seconds": plan.seconds if opts.small else None,
         "block_order": "shuffled" if opts.shuffle else "sequential",
+        "verify": plan.verify,
         "pool_blocks": plan.pool_blocks,
         "configs": [c.name for c in opts.configs],
         # host or vram: where every pool of the run (the raw pair's too) lived.

@@ -88,6 +88,15 @@ def add_parser(sub: Any) -> None:
         "cache; sequential: consecutive ids (block-major requests coalesce into one segment)",
     )
     r.add_argument("--seed", type=int, default=1, help="seed of the block lists")
+    r.add_argument(
+        "--verify",
+        choices=["each", "slot"],  # kvxferd.bench.plan VERIFY_CHOICES (not imported: numpy)
+        default="each",
+        help="each (default): the engines fill every request's KV before its send and check "
+        "every byte after it arrives; slot: as the raw pair does with several requests in "
+        "flight (and with --small), each slot's blocks are filled once per group and checked "
+        "at the group's end, so the engines' content work leaves the comparison",
+    )
     s = p.add_argument_group("per-request overhead")
     s.add_argument(
         "--small",
@@ -241,6 +250,11 @@ def _options(args: argparse.Namespace) -> Any:
     if args.pipeline_compare:
         if args.small:
             raise _UsageError("--pipeline-compare and --small are two different measurements")
+        if args.verify != "each":
+            raise _UsageError(
+                "--pipeline-compare times each request's prefill chunk by chunk: it fills and "
+                "checks every request (--verify each)"
+            )
         _positive_int("chunk-tokens", args.chunk_tokens)
         if not args.compute_ms >= 0:
             raise _UsageError(f"--compute-ms must not be negative, got {args.compute_ms}")
@@ -281,6 +295,7 @@ def _options(args: argparse.Namespace) -> Any:
         keep=args.keep,
         memory=args.memory,
         vram_share=args.vram_share,
+        verify=args.verify,
         command="kvxferd " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )
 

@@ -187,6 +187,47 @@ def test_wrong_bytes_fail_the_run() -> None:
     assert proc.stdout == ""
 
 
+@pytest.mark.timeout(120)
+def test_small_with_slot_verification_checks_each_slot_once_per_group() -> None:
+    """--verify slot: the raw pair's content discipline. Every request still counts as
+    verified (by its slot's check at the group's end) and the header says which way."""
+    proc = bench(*TINY, "--small", "--seconds", "2", "--in-flight", "4", "--verify", "slot",
+                 "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["verify"] == "slot"
+    (r,) = report["results"]
+    assert r["requests"] == r["verified"] > 0
+    text = bench(*TINY, "--small", "--seconds", "1", "--in-flight", "2", "--verify", "slot",
+                 "--no-progress")  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    assert "verify    each slot's blocks filled and checked once per group" in text.stdout
+
+
+@pytest.mark.timeout(120)
+def test_slot_verification_still_catches_wrong_bytes() -> None:
+    from kvxferd.bench.engine import CORRUPT_ENV
+
+    tmp = tempfile.mkdtemp(prefix="kvb-")
+    try:
+        proc = bench(
+            *TINY, "--small", "--seconds", "1", "--in-flight", "2", "--verify", "slot",
+            "--json", env={CORRUPT_ENV: "1", "TMPDIR": tmp},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "slot 0" in proc.stderr and "verification failed: logical block 0" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_pipeline_compare_refuses_slot_verification() -> None:
+    proc = bench(*TINY, "--pipeline-compare", "--verify", "slot", timeout=30)
+    assert proc.returncode == 2
+    assert "--pipeline-compare times each request's prefill chunk by chunk" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
