@@ -249,6 +249,11 @@ class NixlBackend:
         self._prepared.deregistered(registration)
         self._agent.deregister_memory(registration)
 
+    @property
+    def prepared_writes(self) -> int:
+        """Writes posted from prepared descriptor lists (kvxferd.backends.nixl_prepared)."""
+        return self._prepared.prepared_writes
+
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 

@@ -109,6 +109,9 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "holds": _holds(daemon),
         "engines": len(daemon.api.engines),
         "open_transfer_handles": daemon.sender.writes.open_handles,
+        # The small-request fast paths: backend calls made on the event loop's thread, and
+        # writes posted from NIXL descriptor lists prepared once per region.
+        "data_plane": daemon.dataplane.counters(),
         # Writes ended in flight to another host, waited out rather than cancelled.
         "drains": daemon.sender.writes.drains.status(),
         # Context side: receives of other daemons waiting for the send to say whose request

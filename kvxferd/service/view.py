@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvxferd.service.sdnotify import Notifier
     from kvxferd.transceiver.admission import AdmissionWindow
     from kvxferd.transceiver.bounce import BounceBuffers
+    from kvxferd.transceiver.dataplane import DataPlane
     from kvxferd.transceiver.receiver import Receiver
     from kvxferd.transceiver.sender import Sender
 
@@ -65,6 +66,8 @@ class DaemonView(Protocol):
     def api(self) -> ApiServer: ...
     @property
     def bounce(self) -> BounceBuffers | None: ...
+    @property
+    def dataplane(self) -> DataPlane: ...
     @property
     def device(self) -> dict[str, object] | None: ...
     @property

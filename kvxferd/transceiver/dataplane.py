@@ -51,6 +51,12 @@ class DataPlane:
             raise RuntimeError("data plane not started")
         return self._backend
 
+    def counters(self) -> dict[str, int | None]:
+        """For the status page: backend calls made on the loop's own thread, and writes
+        posted from prepared descriptor lists (None: the backend has none, or is not up)."""
+        prepared = getattr(self._backend, "prepared_writes", None)
+        return {"inline_calls": self.inline_calls, "prepared_writes": prepared}
+
     async def start(self) -> Backend:
         loop = asyncio.get_running_loop()
         self._backend = await loop.run_in_executor(self._pool, self._factory)

@@ -143,3 +143,17 @@ def test_status_reports_peers_and_fingerprint(pair: Pair) -> None:
     assert [p["name"] for p in doc["peers"]] == ["ctx"]
     assert doc["fingerprint"] == status(ctx)["fingerprint"]
     assert doc["settings"]["runtime"] == "PYTHON" and doc["settings"]["backend"] == "NIXL"
+
+
+def test_small_writes_go_out_from_prepared_lists(pair: Pair) -> None:
+    """A one-block request is written from NIXL descriptor lists prepared once per region
+    (kvxferd.backends.nixl_prepared), arrives intact, and the status page counts it; the
+    gen daemon, which writes nothing, prepares nothing."""
+    ctx, gen = pair
+    before = status(ctx)["data_plane"]
+    asyncio.run(_transfer(ctx, gen, [("prepared-1", 10), ("prepared-2", 32)]))
+    after = status(ctx)["data_plane"]
+    assert after["prepared_writes"] - before["prepared_writes"] == 2
+    assert after["inline_calls"] > before["inline_calls"]
+    assert status(gen)["data_plane"]["prepared_writes"] == 0
+    assert_clean(ctx, gen)
