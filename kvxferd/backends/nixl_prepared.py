@@ -57,7 +57,6 @@ Region = tuple[int, int]  # (address, nbytes)
 class _List:
     handle: Any  # NIXL's prepared list; None: this shape cannot be prepared
     first: int  # address of unit 0
-    count: int
 
 
 @dataclass
@@ -231,6 +230,6 @@ class PreparedLists:
                     agent,
                     exc,
                 )
-        lst = _List(handle, first, count)
+        lst = _List(handle, first)
         region.lists[(unit, phase)] = lst
         return lst

@@ -245,13 +245,11 @@ class GenerationSide(_Side):
                 self._notices.append(_END)
                 self._flush_notices()
 
-    def _slot_blocks(self, group: Group, slot: int) -> list[int]:
-        return self.plan.dst_blocks[slot][: group.blocks]
-
     def _clear_slots(self, group: Group) -> None:
         self._slot_records = {}
         for s in range(self.plan.in_flight):
-            self.content.clear(self.region.array, self.layout, self._slot_blocks(group, s))
+            blocks = self.plan.dst_for(group.slot_item(s))
+            self.content.clear(self.region.array, self.layout, blocks)
         self.content.synchronize()  # device pools: zeros first, then the daemon's writes
 
     def _check_slots(self, group: Group) -> None:
@@ -264,7 +262,7 @@ class GenerationSide(_Side):
             result = self.content.verify(
                 self.region.array,
                 self.layout,
-                self._slot_blocks(group, s),
+                self.plan.dst_for(group.slot_item(s)),
                 group.slot_seed(s),
                 group.tokens,
             )
@@ -302,9 +300,12 @@ class GenerationSide(_Side):
         rec.t_done_ns = self.client.arrival(item.request_id)
         rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
         rec.nbytes = outcome.nbytes
-        if outcome.status == Status.DONE and self.per_slot:
-            pass  # checked with the rest of its slot at the group's end (_check_slots)
-        elif outcome.status == Status.DONE:
+        if outcome.status != Status.DONE:
+            self.fail(
+                f"request {item.request_id} (generation side): {outcome.status} "
+                f"({outcome.reason}): {outcome.message}"
+            )
+        elif not self.per_slot:  # per slot: checked with its slot at the group's end
             result = self.content.verify(
                 pool, self.layout, blocks, request_seed(item.request_id), item.tokens
             )
@@ -312,11 +313,6 @@ class GenerationSide(_Side):
             rec.verify_error = result.first_mismatch or ""
             if not result.ok:
                 self.fail(f"request {item.request_id}: verification failed: {rec.verify_error}")
-        else:
-            self.fail(
-                f"request {item.request_id} (generation side): {outcome.status} "
-                f"({outcome.reason}): {outcome.message}"
-            )
         self.release(item.request_id)
         self._tick()
 
@@ -407,13 +403,10 @@ class ContextSide(_Side):
                 seed = group.slot_seed(slot)
                 if corrupt and group.timed:
                     seed, corrupt = request_seed(group.key + "-not"), False
-                self._fill(self.plan.src_blocks[slot][: group.blocks], seed)
+                self._fill(self.plan.src_for(group.slot_item(slot)), seed)
                 self.content.synchronize()
             for item in group.slot_items(slot, self.plan.in_flight):
                 blocks = self.plan.src_for(item)
-                seed = request_seed(item.request_id)
-                if corrupt and item.timed:
-                    seed, corrupt = request_seed(item.request_id + "-not"), False
                 posted = await self.queues[slot].get()
                 if posted == _END:
                     return
@@ -428,6 +421,9 @@ class ContextSide(_Side):
                 # (this 2-core VM: ~10 ms per 4 MiB after 0.2 s), and the raw pair fills
                 # right before its post too.
                 if not self.per_slot:
+                    seed = request_seed(item.request_id)
+                    if corrupt and item.timed:
+                        seed, corrupt = request_seed(item.request_id + "-not"), False
                     self._fill(blocks, seed)
                     self.content.synchronize()  # device pools: the KV is there before the send
                 rec = CtxRecord(item.request_id)

@@ -137,6 +137,11 @@ class Group:
 
         return request_seed(f"{self.key}-slot{slot}")
 
+    def slot_item(self, slot: int) -> Item:
+        """A stand-in for every request of `slot` in this group (they share its blocks:
+        Plan.src_for and dst_for), named after the slot."""
+        return Item(f"{self.key}-slot{slot}", self.tokens, self.blocks, slot, self.timed)
+
     def slot_items(self, slot: int, in_flight: int) -> Iterator[Item]:
         """The requests of this group that run in `slot`, in order."""
         js: Iterator[int] = (

@@ -338,7 +338,7 @@ class Initiator:
         slot_seed = {s: group.slot_seed(s) for s in range(n)}
         if not self.refresh:
             for s in range(n):
-                probe = Item(f"{group.key}-slot{s}", group.tokens, group.blocks, s, group.timed)
+                probe = group.slot_item(s)
                 self.content.fill(
                     self.region.array, self.layout, self.plan.src_for(probe), slot_seed[s]
                 )
