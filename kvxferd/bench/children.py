@@ -20,6 +20,7 @@ from typing import Any
 
 from kvxferd.bench.progress import Progress
 from kvxferd.errors import KvxferdError
+from kvxferd.service.listeners import pin_ucx_devices
 
 #: How long a child's partner gets to finish after it exited, before it is killed.
 _GRACE_S = 15.0
@@ -69,6 +70,13 @@ def spawn(
     stdin: int | None = subprocess.DEVNULL,
 ) -> Child:
     out_path, err_path = workdir / f"{name}.out", workdir / f"{name}.err"
+    # Every pair the bench runs is on loopback: UCX (NIXL's, ucxx's, MPICH's) stays on
+    # `lo` as the daemons' does (service/listeners.py). Besides measuring both with the
+    # same UCX set-up, that keeps the children clear of devices that come and go on the
+    # host (pods' veths): UCX enumerating one as it vanishes failed MPI_Init and NIXL's
+    # createBackend with "Destination is unreachable".
+    env = dict(os.environ)
+    pin_ucx_devices("127.0.0.1", env)
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, *argv],
@@ -76,6 +84,7 @@ def spawn(
             stderr=err,
             stdin=stdin,
             pass_fds=tuple(pass_fds),
+            env=env,
         )
     return Child(name, proc, out_path, err_path)
 
@@ -117,9 +126,26 @@ def wait_all(children: list[Child], progress_fd: int, prog: Progress, timeout_s:
                 c.killed = True
                 c.proc.kill()
                 c.proc.wait(10)
-    for c in children:
-        if c.proc.returncode != 0 and not c.killed:
-            raise BenchError(f"{c.name} exited with status {c.proc.returncode}:\n{c.stderr_tail()}")
+    failed = [c for c in children if c.proc.returncode != 0 and not c.killed]
+    if failed:
+        # The partners' fate too: a crash in one is often the other's doing (an MPI
+        # peer that gave up mid-connect, say), and its log says so.
+        others = "".join(
+            f"\n--- {c.name}: {_fate(c)}\n{c.stderr_tail(1500)}"
+            for c in children
+            if c is not failed[0]
+        )
+        first = failed[0]
+        raise BenchError(
+            f"{first.name} exited with status {first.proc.returncode}:\n"
+            f"{first.stderr_tail()}{others}"
+        )
+
+
+def _fate(c: Child) -> str:
+    if c.killed:
+        return f"stopped after {_GRACE_S:.0f} s of grace"
+    return f"exited with status {c.proc.returncode}"
 
 
 def check_report(what: str, report: dict[str, Any], logs: str = "") -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from kvxferd.sim.cluster import ClusterError, die_with_parent
+from kvxferd.sim.ports import free_port
 
 # A 10 ms heartbeat and 100 ms election timeout: a one-member cluster elects itself at
 # once (~70 ms to ready, measured) and etcd's minimum lease TTL drops to 1 s.
@@ -26,12 +26,6 @@ FAST_FLAGS = ("--heartbeat-interval=10", "--election-timeout=100")
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd")
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:
@@ -60,8 +54,8 @@ class EtcdServer:
         self.tls = tls
         # "user:password" etcdctl authenticates with, once auth is enabled (enable_auth).
         self.user: str | None = None
-        self.client_port = _free_port(host)
-        self.peer_port = _free_port()
+        self.client_port = free_port(host)
+        self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kvxferd.sim.cluster import DEFAULT_GEOMETRY
+from kvxferd.sim.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("KVXFERD_TEST_IMAGE", "localhost/kvxferd:test")
@@ -108,13 +108,6 @@ def http_get(address: str, path: str, timeout: float = 3.0) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def metric(exposition: str, name: str, **labels: str) -> float:

@@ -4,7 +4,6 @@ content type, /healthz, and the CLI by address or by configuration file."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 
@@ -12,20 +11,15 @@ from cli_harness import kvxferd
 from ops_harness import http_get
 
 from kvxferd.sim.cluster import LocalCluster
+from kvxferd.sim.ports import free_port
 
 
 def _status_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return kvxferd("status", *args, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_status_endpoint_and_cli(cluster: LocalCluster, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     gen = cluster.start_daemon(
         "gen",
         "generation",

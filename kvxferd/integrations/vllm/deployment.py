@@ -21,12 +21,12 @@ from kvxferd.integrations.vllm.launch import (
     LaunchError,
     VllmServer,
     connector_config,
-    free_port,
     http_json,
     make_tiny_model,
     start_vllm,
 )
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.ports import free_port
 
 #: Prefill runs chunked (64-token chunks), so longer prompts' KV is written over several
 #: steps before it is sent.

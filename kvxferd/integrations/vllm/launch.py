@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxferd.errors import KvxferdError
+from kvxferd.sim.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("KVXFERD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -63,12 +63,6 @@ def make_tiny_model(directory: Path) -> Path:
             timeout=300,
         )
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def connector_config(

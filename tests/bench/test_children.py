@@ -1,0 +1,46 @@
+"""The bench's children: a failure names the child that failed AND what became of its
+partners, whose log often says why (an MPI peer that gave up mid-connect, say)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvxferd.bench.children import BenchError, spawn, wait_all
+from kvxferd.bench.progress import Progress
+
+
+def test_a_failed_child_is_reported_with_its_partners_logs(tmp_path: Path) -> None:
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)  # no progress bytes: the children report nothing but their exit
+    try:
+        crashed = spawn(
+            tmp_path,
+            "sender",
+            ["-c", "import sys; print('sender log', file=sys.stderr); sys.exit(3)"],
+        )
+        partner = spawn(
+            tmp_path,
+            "receiver",
+            ["-c", "import sys; print('receiver gave up at accept', file=sys.stderr)"],
+        )
+        with pytest.raises(BenchError) as caught:
+            wait_all([crashed, partner], read_fd, Progress(1, enabled=False), 60)
+    finally:
+        os.close(read_fd)
+    text = str(caught.value)
+    assert text.startswith("sender exited with status 3:\nsender log")
+    assert "--- receiver: exited with status 0\nreceiver gave up at accept" in text
+
+
+def test_children_that_all_succeed_raise_nothing(tmp_path: Path) -> None:
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)
+    try:
+        kids = [spawn(tmp_path, f"c{i}", ["-c", "pass"]) for i in range(2)]
+        wait_all(kids, read_fd, Progress(1, enabled=False), 60)
+    finally:
+        os.close(read_fd)
+    assert [k.proc.returncode for k in kids] == [0, 0]
