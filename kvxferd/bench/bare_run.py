@@ -113,7 +113,7 @@ def run_pair(
             )  # fmt: skip
             os.close(prog_w)
             prog_w = -1
-            wait_all([sender], prog_r, prog, timeout_s)
+            wait_all([sender], prog_r, prog, timeout_s, partners=[receiver])
         finally:
             os.close(prog_r)
             if prog_w >= 0:

@@ -89,10 +89,18 @@ def spawn(
     return Child(name, proc, out_path, err_path)
 
 
-def wait_all(children: list[Child], progress_fd: int, prog: Progress, timeout_s: float) -> None:
+def wait_all(
+    children: list[Child],
+    progress_fd: int,
+    prog: Progress,
+    timeout_s: float,
+    partners: Sequence[Child] = (),
+) -> None:
     """Wait for every child, relaying the progress bytes. Once one has exited, the others get
     _GRACE_S to follow (partners finish within milliseconds of each other), then are killed.
-    Raises for a child that failed by itself; the caller reads the reports of the rest."""
+    Raises for a child that failed by itself, with the logs of the others and of
+    `partners` (children not waited for here, such as a pair's receiver); the caller reads
+    the reports of the rest."""
     deadline = time.monotonic() + timeout_s
     fd_open = True
     first_exit: float | None = None
@@ -132,7 +140,7 @@ def wait_all(children: list[Child], progress_fd: int, prog: Progress, timeout_s:
         # peer that gave up mid-connect, say), and its log says so.
         others = "".join(
             f"\n--- {c.name}: {_fate(c)}\n{c.stderr_tail(1500)}"
-            for c in children
+            for c in [*children, *partners]
             if c is not failed[0]
         )
         first = failed[0]
@@ -145,7 +153,8 @@ def wait_all(children: list[Child], progress_fd: int, prog: Progress, timeout_s:
 def _fate(c: Child) -> str:
     if c.killed:
         return f"stopped after {_GRACE_S:.0f} s of grace"
-    return f"exited with status {c.proc.returncode}"
+    code = c.proc.poll()
+    return "still running" if code is None else f"exited with status {code}"
 
 
 def check_report(what: str, report: dict[str, Any], logs: str = "") -> None:

@@ -126,7 +126,7 @@ def _raw_run(
             )
             os.close(prog_w)
             prog_w = -1
-            _wait([init], prog_r, prog, timeout_s)
+            _wait([init], prog_r, prog, timeout_s, partners=[target])
         finally:
             os.close(prog_r)
             if prog_w >= 0:
