@@ -8,7 +8,6 @@ clear error and a closed connection, every fd received is closed, and the server
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import os
 import socket
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fd_harness import fd_table
 from layout_harness import tiny_layout
 
 from kvxferd import PROTOCOL_VERSION
@@ -41,15 +41,6 @@ LAYOUT = tiny_layout(num_kv_heads=2, head_dim=64, tokens_per_block=32, num_block
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def fd_table() -> set[tuple[str, str]]:
-    """(fd, what it is) of every open fd: an fd number reused for something else differs."""
-    table = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # listdir's own fd, closed by now
-            table.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-    return table
 
 
 class Handler:
@@ -100,8 +91,7 @@ def run(scenario: Callable[[ApiServer, Handler, str], Awaitable[None]], tmp_path
             await scenario(server, handler, path)
         finally:
             await server.close()
-        # Nothing opened since is left. (Not a count: an fd an earlier test of this process
-        # left behind may be collected meanwhile, which once failed an equal count.)
+        # Nothing opened since is left (an equal count once failed: fd_harness).
         await wait_until(lambda: fd_table() <= baseline, "the server's fds to be closed")
 
     asyncio.run(main())
