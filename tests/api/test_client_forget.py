@@ -64,8 +64,8 @@ def test_an_auto_released_id_stays_taken_until_released() -> None:
     its id taken: a second request under it is refused here, without a call, until the
     engine released the first."""
     client = client_with()
-    client._auto_ids.add(("r", "send", ""))  # as send(..., auto_release=True) leaves it
-    client._auto_ids.add(("q", "recv", "ctx0"))
+    client._book.auto_ids.add(("r", "send", ""))  # as send(..., auto_release=True) leaves it
+    client._book.auto_ids.add(("q", "recv", "ctx0"))
 
     async def calls() -> None:
         with pytest.raises(CallError) as dup:
@@ -78,13 +78,13 @@ def test_an_auto_released_id_stays_taken_until_released() -> None:
         # (no daemon behind this client: the call itself then fails).
         with pytest.raises(DaemonGoneError):
             await client.recv("q", "pool0", [1], "ctx1", 16, auto_release=True)
-        assert ("q", "recv", "ctx1") not in client._auto_ids, "a failed call gives it back"
+        assert ("q", "recv", "ctx1") not in client._book.auto_ids, "a failed call gives it back"
         with pytest.raises(DaemonGoneError):
             await client.send("r", "pool0", [1, 2], 32, token_start=16)
         # Its outcome arrives, the engine releases it: the id is free.
         client._on_outcome(outcome("r", "send"))
         await client.release("r")
-        assert ("r", "send", "") not in client._auto_ids
+        assert ("r", "send", "") not in client._book.auto_ids
         with pytest.raises(DaemonGoneError):
             await client.send("r", "pool0", [1], 16)
 

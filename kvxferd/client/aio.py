@@ -1,36 +1,13 @@
-"""kvxferd.client: what an inference engine imports to talk to its daemon.
-
-Two forms over the same Unix-socket protocol:
-
-* `AsyncClient` for engines running an asyncio loop;
-* `Client`, the blocking form, which runs a private loop in a background thread.
-
-Calls raise `CallError` (with the daemon's error `code`) when the daemon refuses
-them; nothing a call did is then left half-done. Every accepted recv or send
-produces exactly one `Outcome`, available through `wait` or `poll`. A failure
-whose blocks a write may still reach says `blocks_held`; those blocks may be
-reused only after `wait_released` returns (the daemon proved no write can land). A send
-may say it too: its write to another host ended in flight and is drained, still reading
-those blocks, until `released` (how "drained").
-
-Request ids are unique per context instance only: a generation engine may receive the
-same id from two context instances at once. Those receives are told apart by their
-context peer as the recv named it (Outcome.peer): cancel, release, query, poll, wait,
-released and wait_released take an optional `peer`. Left out, they mean the only
-request of the id, and raise CallError `ambiguous_request` when there are several.
-"""
+"""AsyncClient: the engine client for engines running an asyncio loop (the package
+docstring says what the calls promise)."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import itertools
 import os
-import threading
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec
 
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.api.handoff import hand_off_fd
@@ -50,23 +27,15 @@ from kvxferd.api.messages import (
     Reply,
     Send,
 )
-from kvxferd.errors import KvxferdError, ProtocolError
+from kvxferd.client.book import IdKey, Released, RequestBook
+from kvxferd.client.errors import CallError, DaemonGoneError
+from kvxferd.errors import ProtocolError
 from kvxferd.memory.device import DevicePool
 from kvxferd.memory.hugepages import HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
-
-__all__ = [
-    "AsyncClient",
-    "CallError",
-    "Client",
-    "DaemonGoneError",
-    "Outcome",
-    "Released",
-    "host_pool",
-]
 
 
 def host_pool(
@@ -80,61 +49,20 @@ def host_pool(
     return MemfdRegion.create(nbytes, name, huge_pages=huge_pages)
 
 
-@dataclass(frozen=True)
-class Released:
-    """Blocks an outcome reported held are back: no write into them can land any more.
-    `how`: the fence (abort_ack: the writer confirmed; peer_exited: its process is gone;
-    peer_restarted: it came back as a new incarnation; peer_quiescent: it refused our
-    stale incarnation and said that nothing of ours is in flight)."""
-
-    request_id: str
-    side: str
-    how: str
-    held_ms: float
-    peer: str = ""  # the receive's context peer, as its Outcome.peer
-
-
-T = TypeVar("T")
-E = TypeVar("E")
 P = ParamSpec("P")
 
 
-class CallError(KvxferdError):
-    """The daemon refused a call; `code` says why (see kvxferd.api.messages.ApiError)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class DaemonGoneError(KvxferdError):
-    """The connection to the daemon closed."""
-
-
 class AsyncClient:
+    """An engine's connection to its daemon, on the engine's asyncio loop: the calls, and
+    the outcomes and releases the daemon pushes (kept in a RequestBook)."""
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         self._out = CorkedWriter(writer)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[str]] = {}
-        # By (request id, side), then by peer (Outcome.peer: "" for sends): one id may be
-        # received from several context instances.
-        self._outcomes: dict[tuple[str, str], dict[str, Outcome]] = {}
-        # Who waits, by request id: each with the peer it waits for (None: any).
-        self._waiters: dict[str, list[_Waiter[Outcome]]] = {}
-        # Requests whose held blocks came back (ReleasedMsg), and who waits for that; by
-        # request id, then by peer.
-        self._released: dict[str, dict[str, Released]] = {}
-        # Receives reported blocks_held, not released yet: by request id, their peers.
-        self._held: dict[str, set[str]] = {}
-        self._release_waiters: dict[str, list[_Waiter[Released]]] = {}
-        # Requests made with auto_release and not released here yet, as (request id, side,
-        # peer as in their outcome): the daemon frees their ids with the outcome, so the
-        # client keeps them taken until the engine releases them (refusing a second
-        # request under one, as the daemon does for a request that is not auto-released).
-        self._auto_ids: set[tuple[str, str, str]] = set()
+        self._book = RequestBook()
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
         # Where a pool handoff's second connection goes (set by connect; else the peer name).
@@ -201,7 +129,7 @@ class AsyncClient:
                 elif isinstance(msg, Outcome):
                     self._on_outcome(msg)
                 elif isinstance(msg, ReleasedMsg):
-                    self._on_released(msg)
+                    self._book.on_released(msg)
             self._closed_reason = "the daemon closed the connection"
         except (ProtocolError, ConnectionError, OSError) as exc:
             self._closed_reason = f"connection to the daemon failed: {exc}"
@@ -211,25 +139,7 @@ class AsyncClient:
             self._fail_all()
 
     def _on_outcome(self, outcome: Outcome) -> None:
-        rid, peer = outcome.request_id, outcome.peer
-        # A new outcome is a new request under this id: an earlier release is not its.
-        # Either side may hold blocks: a receive that a write may still reach, a send
-        # whose drained write still reads them.
-        _discard(self._released, rid, peer)
-        if outcome.blocks_held:
-            self._held.setdefault(rid, set()).add(peer)
-        self._outcomes.setdefault((rid, outcome.side), {})[peer] = outcome
-        _wake(self._waiters, rid, peer, outcome)
-
-    def _on_released(self, msg: ReleasedMsg) -> None:
-        released = Released(msg.request_id, msg.side, msg.how, msg.held_ms, msg.peer)
-        held = self._held.get(msg.request_id)
-        if held is not None:
-            held.discard(msg.peer)
-            if not held:
-                del self._held[msg.request_id]
-        self._released.setdefault(msg.request_id, {})[msg.peer] = released
-        _wake(self._release_waiters, msg.request_id, msg.peer, released)
+        self._book.on_outcome(outcome)
 
     def _fail_all(self) -> None:
         err = DaemonGoneError(self._closed_reason)
@@ -237,13 +147,7 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
-        waiting: list[asyncio.Future[Any]] = [w for ws in self._waiters.values() for _, w in ws]
-        waiting += [w for ws in self._release_waiters.values() for _, w in ws]
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_exception(err)
-        self._waiters.clear()
-        self._release_waiters.clear()
+        self._book.fail_waiters(err)
 
     async def _ask(
         self, call: Callable[Concatenate[int, P], EngineCall], *args: P.args, **kw: P.kwargs
@@ -253,8 +157,7 @@ class AsyncClient:
         return await self._call(call(next(self._ids), *args, **kw))
 
     async def _call(self, msg: EngineCall) -> str:
-        if self._reader_task is None or self._reader_task.done():
-            raise DaemonGoneError(self._closed_reason or "not connected")
+        self._check_connected()
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending[msg.call_id] = fut
         try:
@@ -488,8 +391,8 @@ class AsyncClient:
         # (No peer at all is the daemon's to refuse, with bad_request.)
         first = peer if isinstance(peer, str) else next(iter(peer), "")
         key = (request_id, "recv", first)
-        self._take_id(key, auto_release, f"request {request_id!r} from {first!r}")
-        _discard(self._released, request_id, first)
+        self._book.take_id(key, auto_release, f"request {request_id!r} from {first!r}")
+        self._book.new_receive(request_id, first)
         await self._asked_with(
             key,
             auto_release,
@@ -536,7 +439,7 @@ class AsyncClient:
         first chunk's value counts."""
         key = (request_id, "send", "")
         if token_start == 0:  # a later chunk continues the request that took the id
-            self._take_id(key, auto_release, f"request {request_id!r}")
+            self._book.take_id(key, auto_release, f"request {request_id!r}")
         await self._asked_with(
             key,
             auto_release and token_start == 0,
@@ -552,32 +455,20 @@ class AsyncClient:
             auto_release=auto_release,
         )
 
-    def _take_id(self, key: tuple[str, str, str], auto_release: bool, what: str) -> None:
-        """Refuse a request under an id an auto-released request still holds here; take
-        it for this one if it is auto-released."""
-        if key in self._auto_ids:
-            raise CallError(
-                "duplicate_request",
-                f"{what} was made with auto_release and is not released yet; release "
-                "it (after its outcome) before reusing the id",
-            )
-        if auto_release:
-            self._auto_ids.add(key)
-
     async def _asked_with(
         self,
-        key: tuple[str, str, str],
+        key: IdKey,
         took: bool,
         call: Callable[Concatenate[int, P], EngineCall],
         *args: P.args,
         **kw: P.kwargs,
     ) -> None:
-        """_ask, giving back the id `_take_id` took (`took`) if the call fails."""
+        """_ask, giving back the id `take_id` took (`took`) if the call fails."""
         try:
             await self._ask(call, *args, **kw)
         except BaseException:
             if took:
-                self._auto_ids.discard(key)
+                self._book.auto_ids.discard(key)
             raise
 
     async def cancel(self, request_id: str, peer: str | None = None) -> str:
@@ -594,15 +485,7 @@ class AsyncClient:
         if self.forget(request_id, peer):
             return
         await self._ask(Release, request_id=request_id, peer=peer or "")
-        if peer is None:
-            for side in ("send", "recv"):
-                self._outcomes.pop((request_id, side), None)
-            self._auto_ids -= {k for k in self._auto_ids if k[0] == request_id}
-        elif not _discard(self._outcomes, (request_id, "recv"), peer):
-            self._outcomes.pop((request_id, "send"), None)
-            self._auto_ids.discard((request_id, "send", ""))
-        else:
-            self._auto_ids.discard((request_id, "recv", peer))
+        self._book.released_by_daemon(request_id, peer)
 
     def forget(self, request_id: str, peer: str | None = None) -> bool:
         """Drop the outcome kept here of a request the daemon auto-released (sent or
@@ -611,22 +494,7 @@ class AsyncClient:
         receives of the id from several context peers and no `peer`): then release asks
         the daemon, which answers for it. `peer`: as release's. Not thread-safe: call it
         on the client's loop (the blocking Client's release does)."""
-        keys: list[tuple[str, str]] = []
-        recv = self._outcomes.get((request_id, "recv"))
-        if recv:
-            if peer is None and len(recv) == 1:
-                keys.append(("recv", next(iter(recv))))
-            elif peer is not None and (peer in recv or "" in recv):
-                keys.append(("recv", peer if peer in recv else ""))
-        if (peer is None or not keys) and "" in self._outcomes.get((request_id, "send"), {}):
-            keys.append(("send", ""))
-        kept = [self._outcomes[(request_id, side)][p] for side, p in keys]
-        if not kept or not all(outcome.auto_released for outcome in kept):
-            return False
-        for side, p in keys:
-            _discard(self._outcomes, (request_id, side), p)
-            self._auto_ids.discard((request_id, side, p))
-        return True
+        return self._book.forget(request_id, peer)
 
     async def query(self, request_id: str, peer: str | None = None) -> str:
         return await self._ask(Query, request_id=request_id, peer=peer or "")
@@ -637,51 +505,27 @@ class AsyncClient:
         """The outcome of `request_id` if it has arrived. `peer`: a receive's context
         peer as the recv named it; None: the only one (CallError `ambiguous_request` when
         receives of this id from several context peers have outcomes)."""
-        for s in (side,) if side else ("recv", "send"):
-            outcome = _pick(self._outcomes.get((request_id, s)), request_id, peer)
-            if outcome is not None:
-                return outcome
-        return None
+        return self._book.poll(request_id, side, peer)
 
     async def wait(
         self, request_id: str, timeout_s: float | None = None, peer: str | None = None
     ) -> Outcome:
         """The outcome of `request_id` (from `peer`, as poll's), waiting for it if needed;
         without a peer, the first to arrive."""
-        return await self._wait_event(
-            self.poll(request_id, peer=peer), self._waiters, request_id, peer, timeout_s
-        )
-
-    async def _wait_event(
-        self,
-        got: E | None,
-        waiters: dict[str, list[_Waiter[E]]],
-        request_id: str,
-        peer: str | None,
-        timeout_s: float | None,
-    ) -> E:
-        """`got` if it already arrived, else wait for the daemon to push it."""
+        got = self.poll(request_id, peer=peer)
         if got is not None:
             return got
+        self._check_connected()
+        return await self._book.wait_outcome(request_id, peer, timeout_s)
+
+    def _check_connected(self) -> None:
         if self._reader_task is None or self._reader_task.done():
             raise DaemonGoneError(self._closed_reason or "not connected")
-        waiter: _Waiter[E] = (peer, asyncio.get_running_loop().create_future())
-        waiters.setdefault(request_id, []).append(waiter)
-        try:
-            return await asyncio.wait_for(waiter[1], timeout_s)
-        finally:
-            # A wait that timed out leaves no future behind (an engine polling with short
-            # timeouts would otherwise pile them up until the event came).
-            pending = waiters.get(request_id)
-            if pending is not None and waiter in pending:
-                pending.remove(waiter)
-                if not pending:
-                    del waiters[request_id]
 
     def released(self, request_id: str, peer: str | None = None) -> Released | None:
         """The release of `request_id`'s held blocks (from `peer`, as poll's), if it has
         arrived."""
-        return _pick(self._released.get(request_id), request_id, peer)
+        return self._book.released(request_id, peer)
 
     @property
     def gone(self) -> str:
@@ -699,161 +543,14 @@ class AsyncClient:
         DaemonGoneError if the daemon goes away first (then never reuse those blocks), and
         CallError `not_held` at once for a request whose blocks were not reported held.
         `peer`: as poll's."""
-        known = self._held.get(request_id, set()) | set(self._released.get(request_id, {}))
-        if not known or (peer is not None and peer not in known and "" not in known):
-            raise CallError(
-                "not_held",
-                f"request {request_id!r}{f' from {peer!r}' if peer is not None else ''} "
-                "has no held blocks (no outcome with blocks_held)",
-            )
-        return await self._wait_event(
-            self.released(request_id, peer),
-            self._release_waiters,
-            request_id,
-            peer,
-            timeout_s,
-        )
+        self._book.check_held(request_id, peer)
+        got = self.released(request_id, peer)
+        if got is not None:
+            return got
+        self._check_connected()
+        return await self._book.wait_released(request_id, peer, timeout_s)
 
     async def close(self) -> None:
         self._out.close()
         if self._reader_task is not None:
             await asyncio.gather(self._reader_task, return_exceptions=True)
-
-
-# One wait for an event of a request: the peer it waits for (None: any) and its future.
-_Waiter = tuple["str | None", "asyncio.Future[E]"]
-K = TypeVar("K")
-
-
-def _pick(by_peer: dict[str, E] | None, request_id: str, peer: str | None) -> E | None:
-    """The event of `peer` among a request's (by Outcome.peer). An older daemon names no
-    peer (""): that one is anyone's. None: the only one, or `ambiguous_request`."""
-    if not by_peer:
-        return None
-    if peer is not None:
-        return by_peer.get(peer, by_peer.get(""))
-    if len(by_peer) == 1:
-        return next(iter(by_peer.values()))
-    raise CallError(
-        "ambiguous_request",
-        f"request {request_id!r} has events from the context peers "
-        f"{', '.join(repr(p) for p in by_peer)}; say which (peer=...)",
-    )
-
-
-def _discard(table: dict[K, dict[str, Any]], key: K, peer: str) -> bool:
-    """Forget the event of `peer` under `key`; True when there was one."""
-    by_peer = table.get(key)
-    if by_peer is None or by_peer.pop(peer, None) is None:
-        return False
-    if not by_peer:
-        del table[key]
-    return True
-
-
-def _wake(waiters: dict[str, list[_Waiter[E]]], request_id: str, peer: str, event: E) -> None:
-    """Hand `event` (of `peer`) to those waiting for it or for any peer of the request."""
-    pending = waiters.get(request_id)
-    if not pending:
-        return
-    keep: list[_Waiter[E]] = []
-    for wanted, fut in pending:
-        if wanted is None or wanted == peer or not peer:
-            if not fut.done():
-                fut.set_result(event)
-        else:
-            keep.append((wanted, fut))
-    if keep:
-        waiters[request_id] = keep
-    else:
-        del waiters[request_id]
-
-
-def _blocking(
-    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
-) -> Callable[Concatenate[Client, P], T]:
-    """The Client method for AsyncClient's `method`: the same parameters and docstring; it
-    runs the call on the client's loop thread and returns its result."""
-
-    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(method(self._client, *args, **kwargs))
-
-    functools.update_wrapper(call, method)
-    call.__qualname__ = f"Client.{method.__name__}"
-    return call
-
-
-class Client:
-    """Blocking client: the same calls as AsyncClient, run on a private loop thread."""
-
-    def __init__(self, socket_path: str, engine: str = "engine", timeout_s: float = 10.0) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvxferd-client", daemon=True
-        )
-        self._thread.start()
-        try:
-            self._client = self._run(AsyncClient.connect(socket_path, engine, timeout_s))
-        except BaseException:
-            self._stop_loop()
-            raise
-        self.daemon = self._client.daemon
-        self.role = self._client.role
-        self.tokens_per_block = self._client.tokens_per_block
-
-    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError("no answer from the kvxferd daemon in time") from None
-
-    # The calls: AsyncClient's, with their parameters and docs, waited for on the loop thread.
-    register_pool = _blocking(AsyncClient.register_pool)
-    register_memfd_pool = _blocking(AsyncClient.register_memfd_pool)
-    register_device_pool = _blocking(AsyncClient.register_device_pool)
-    register_ipc_pool = _blocking(AsyncClient.register_ipc_pool)
-    register_vmm_pool = _blocking(AsyncClient.register_vmm_pool)
-    deregister_pool = _blocking(AsyncClient.deregister_pool)
-    recv = _blocking(AsyncClient.recv)
-    send = _blocking(AsyncClient.send)
-    cancel = _blocking(AsyncClient.cancel)
-    release = _blocking(AsyncClient.release)
-    query = _blocking(AsyncClient.query)
-    wait = _blocking(AsyncClient.wait)
-
-    def poll(
-        self, request_id: str, side: str | None = None, peer: str | None = None
-    ) -> Outcome | None:
-        return self._client.poll(request_id, side, peer)
-
-    def released(self, request_id: str, peer: str | None = None) -> Released | None:
-        return self._client.released(request_id, peer)
-
-    @property
-    def gone(self) -> str:
-        """Why the connection to the daemon ended; "" while it is up."""
-        return self._client.gone
-
-    def wait_released(
-        self, request_id: str, timeout_s: float | None = None, peer: str | None = None
-    ) -> Released:
-        return self._run(self._client.wait_released(request_id, timeout_s, peer), timeout_s)
-
-    def close(self) -> None:
-        try:
-            self._run(self._client.close(), 5.0)
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
-        self._loop.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

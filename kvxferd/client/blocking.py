@@ -1,0 +1,107 @@
+"""The blocking engine client: AsyncClient's calls, run on a private loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from kvxferd.client.aio import AsyncClient
+from kvxferd.client.book import Released
+from kvxferd.transceiver.state import Outcome
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """The Client method for AsyncClient's `method`: the same parameters and docstring; it
+    runs the call on the client's loop thread and returns its result."""
+
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._client, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    call.__qualname__ = f"Client.{method.__name__}"
+    return call
+
+
+class Client:
+    """Blocking client: the same calls as AsyncClient, run on a private loop thread."""
+
+    def __init__(self, socket_path: str, engine: str = "engine", timeout_s: float = 10.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvxferd-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._client = self._run(AsyncClient.connect(socket_path, engine, timeout_s))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.daemon = self._client.daemon
+        self.role = self._client.role
+        self.tokens_per_block = self._client.tokens_per_block
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError("no answer from the kvxferd daemon in time") from None
+
+    # The calls: AsyncClient's, with their parameters and docs, waited for on the loop thread.
+    register_pool = _blocking(AsyncClient.register_pool)
+    register_memfd_pool = _blocking(AsyncClient.register_memfd_pool)
+    register_device_pool = _blocking(AsyncClient.register_device_pool)
+    register_ipc_pool = _blocking(AsyncClient.register_ipc_pool)
+    register_vmm_pool = _blocking(AsyncClient.register_vmm_pool)
+    deregister_pool = _blocking(AsyncClient.deregister_pool)
+    recv = _blocking(AsyncClient.recv)
+    send = _blocking(AsyncClient.send)
+    cancel = _blocking(AsyncClient.cancel)
+    release = _blocking(AsyncClient.release)
+    query = _blocking(AsyncClient.query)
+    wait = _blocking(AsyncClient.wait)
+
+    def poll(
+        self, request_id: str, side: str | None = None, peer: str | None = None
+    ) -> Outcome | None:
+        return self._client.poll(request_id, side, peer)
+
+    def released(self, request_id: str, peer: str | None = None) -> Released | None:
+        return self._client.released(request_id, peer)
+
+    @property
+    def gone(self) -> str:
+        """Why the connection to the daemon ended; "" while it is up."""
+        return self._client.gone
+
+    def wait_released(
+        self, request_id: str, timeout_s: float | None = None, peer: str | None = None
+    ) -> Released:
+        return self._run(self._client.wait_released(request_id, timeout_s, peer), timeout_s)
+
+    def close(self) -> None:
+        try:
+            self._run(self._client.close(), 5.0)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
