@@ -110,6 +110,23 @@ def _report(container: str) -> dict[str, Any]:
     return report
 
 
+def _runs_seen(pod: str) -> str:
+    """What else tells why an engine failed: how often podman restarted it, whether the
+    kernel killed it for memory (neither leaves a line in its log), and what its daemon
+    logged last (an engine seen leaving, a pool kept registered for its holds)."""
+    engine = f"{pod}-engine"
+    restarts = podman(
+        "inspect", "--type", "container", "--format", "{{.RestartCount}}", engine, check=False
+    ).stdout.strip()
+    state = container_state(engine)
+    daemon_log = podman("logs", "--tail", "40", f"{pod}-kvxferd", check=False)
+    return (
+        f"--- podman: restarts {restarts or '?'}, OOMKilled {state.get('OOMKilled')}, "
+        f"error {state.get('Error') or '-'}; the daemon's last lines:\n"
+        f"{(daemon_log.stdout + daemon_log.stderr)[-4000:]}"
+    )
+
+
 def _assert_workload_verified(prefill_pod: str, decode_pod: str) -> None:
     """Both engines exited 0 and all 16 requests verified: the decode engine checks every
     byte and exits once its workload is done."""
@@ -125,7 +142,9 @@ def _assert_workload_verified(prefill_pod: str, decode_pod: str) -> None:
             # the cause, the last one what the restarts ran into.
             err = podman("logs", f"{pod}-engine").stderr
             shown = err if len(err) <= 6000 else err[:3000] + "\n[...]\n" + err[-3000:]
-            raise AssertionError(f"{pod}'s engine exited {state['ExitCode']}:\n{shown}")
+            raise AssertionError(
+                f"{pod}'s engine exited {state['ExitCode']}:\n{shown}\n{_runs_seen(pod)}"
+            )
     summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
     assert summary["requests"] == 16
     assert summary["verified"] == 16, summary
