@@ -1,4 +1,6 @@
-"""UCX adapter for the staged (CPP) runtime: the only module that imports ucxx.
+"""UCX adapter for the staged (CPP) runtime: the only module that imports ucxx
+(ucx_progress.py reaches into the ucxx it loaded; ucx_wire.py holds the hello and the
+tag hashing described below).
 
 Each round of a request crosses as ONE contiguous tagged message, from the
 context daemon's staging buffer to the generation daemon's staging buffer,
@@ -77,8 +79,8 @@ within noise of it in throughput and costs nothing idle, so it is the
 default. It is ucx-py's blocking mode, progress on the event loop when UCX's
 epoll descriptor is readable; ucxx 0.52's BlockingMode lost the step that
 re-arms the worker after each event, so once an endpoint exists it
-progresses on every loop turn (97 % idle above). _EventLoopProgress replaces
-it on our loop. Set UCXPY_PROGRESS_MODE (blocking, polling, thread,
+progresses on every loop turn (97 % idle above). EventLoopProgress
+(ucx_progress.py) replaces it on our loop. Set UCXPY_PROGRESS_MODE (blocking, polling, thread,
 thread-polling) to override; it is read once, when the first transport of the
 process starts.
 
@@ -101,18 +103,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import importlib
 import logging
 import math
 import os
-import struct
 from collections.abc import Awaitable
 from typing import Any
 
 from kvxferd.backends import ucx_peer_info
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.backends.twosided import connect_failures, connect_timeout
+from kvxferd.backends.ucx_progress import (
+    EventLoopProgress,
+    install_event_loop_progress,
+    progress_mode,
+)
+from kvxferd.backends.ucx_wire import (
+    ACK_TAG,
+    HELLO_BYTES,
+    HELLO_TAG,
+    decode_hello,
+    encode_hello,
+    wire_tag,
+)
 from kvxferd.errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -130,19 +143,6 @@ _INSTALL_HINT = (
     "ucxx is its maintained successor)"
 )
 
-PROGRESS_MODE_ENV = "UCXPY_PROGRESS_MODE"
-DEFAULT_PROGRESS_MODE = "blocking"
-PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
-
-# The hello: magic, version, key length, key (UTF-8), zero padded to a fixed size.
-_HELLO_MAGIC = b"KVXU"
-_HELLO_VERSION = 1
-_HELLO_HEAD = struct.Struct("!4sBH")
-_HELLO_BYTES = 512
-_MAX_KEY_BYTES = _HELLO_BYTES - _HELLO_HEAD.size
-# Small tags that ucxx hashes with the endpoint's private tag (no force_tag).
-_HELLO_TAG = 1
-_ACK_TAG = 2
 # How long a listener waits for an incoming endpoint's hello.
 HELLO_TIMEOUT_S = 10.0
 
@@ -151,9 +151,6 @@ HELLO_TIMEOUT_S = 10.0
 _PROBE_SPINS = 32
 _PROBE_MAX_SLEEP_S = 0.001
 _DRAIN_PERIOD_S = 0.01
-# The blocking mode's safety net: progress and re-arm this often regardless.
-_PROGRESS_TICK_S = 0.1
-
 # ucxx exception class names that mean the connection is gone (a request of
 # an endpoint closed by us or by an error is cancelled).
 _PEER_LOST_ERRORS = {
@@ -212,48 +209,6 @@ def _load() -> Any:
     return ucxx
 
 
-def progress_mode() -> str:
-    """The ucxx progress mode to use: $UCXPY_PROGRESS_MODE, else DEFAULT_PROGRESS_MODE."""
-    mode = os.environ.get(PROGRESS_MODE_ENV) or DEFAULT_PROGRESS_MODE
-    if mode not in PROGRESS_MODES:
-        raise StartupError(
-            f"{PROGRESS_MODE_ENV}={mode!r} is not a ucxx progress mode; use one of "
-            + ", ".join(PROGRESS_MODES)
-        )
-    return mode
-
-
-def wire_tag(sender_key: str, tag: int) -> int:
-    """The UCX tag that carries `tag` from the daemon whose key is `sender_key`."""
-    if not 0 <= tag < 1 << 64:
-        raise ValueError(f"tag {tag} is not a 64-bit unsigned integer")
-    h = hashlib.blake2b(digest_size=8, person=b"kvxferd-ucx-tag")
-    h.update(sender_key.encode())
-    h.update(b"\0")
-    h.update(tag.to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little")
-
-
-def _encode_hello(key: str) -> bytearray:
-    raw = key.encode()
-    if len(raw) > _MAX_KEY_BYTES:
-        raise StartupError(f"UCX peer key {key[:40]!r}... is longer than {_MAX_KEY_BYTES} bytes")
-    out = bytearray(_HELLO_BYTES)
-    _HELLO_HEAD.pack_into(out, 0, _HELLO_MAGIC, _HELLO_VERSION, len(raw))
-    out[_HELLO_HEAD.size : _HELLO_HEAD.size + len(raw)] = raw
-    return out
-
-
-def _decode_hello(buf: bytearray) -> str:
-    magic, version, n = _HELLO_HEAD.unpack_from(buf, 0)
-    if magic != _HELLO_MAGIC or version != _HELLO_VERSION or n > _MAX_KEY_BYTES:
-        raise TransferError(
-            f"not a kvxferd UCX hello (magic {magic!r}, version {version}); "
-            "another program, or another kvxferd version, connected to the UCX port"
-        )
-    return bytes(buf[_HELLO_HEAD.size : _HELLO_HEAD.size + n]).decode()
-
-
 def _named(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -263,74 +218,6 @@ def _split_address(address: str) -> tuple[str, int]:
         return split_hostport(address, "UCX peer address")
     except ValueError as exc:
         raise TransferError(str(exc)) from None
-
-
-class _EventLoopProgress:
-    """UCX progress on the event loop, woken by the worker's epoll descriptor.
-
-    This is ucx-py's "blocking" mode, which ucxx 0.52 carries over with its
-    re-arm step lost: its BlockingMode arms the worker once and never again,
-    so after the first event the descriptor stays readable and the loop
-    progresses UCX on every turn, a whole core even when idle. Here every
-    event re-arms the worker once the loop has run what was ready, as ucx-py
-    did, and a slow tick progresses and re-arms in case an event was missed.
-    """
-
-    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop, retired: Any) -> None:
-        self._worker = worker
-        self._loop = loop
-        # ucxx's BlockingMode removes the reader when it is garbage collected:
-        # keep it alive, or it would remove ours (same descriptor).
-        self._retired = retired
-        self._fd = worker.epoll_file_descriptor
-        self._arm_task: asyncio.Task[None] | None = None
-        loop.add_reader(self._fd, self._on_event)
-        self._tick_task = loop.create_task(self._tick())
-        self._rearm()
-
-    def _on_event(self) -> None:
-        self._worker.progress()
-        self._rearm()
-
-    def nudge(self) -> None:
-        """Progress soon: after we posted or cancelled something, which may
-        need progress that no descriptor event will ask for."""
-        self._rearm()
-
-    def _rearm(self) -> None:
-        if self._arm_task is None or self._arm_task.done():
-            self._arm_task = self._loop.create_task(self._arm())
-
-    async def _arm(self) -> None:
-        while True:
-            self._worker.progress()
-            # Arm only once the callbacks that were ready have run (they may
-            # post operations that need progress); arm() refuses while UCX
-            # still has events to process.
-            await asyncio.sleep(0)
-            if self._worker.arm():
-                return
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(_PROGRESS_TICK_S)
-            self._worker.progress()
-            self._rearm()
-
-
-def _install_event_loop_progress(ctx: Any, loop: asyncio.AbstractEventLoop) -> _EventLoopProgress:
-    """Replace ucxx's BlockingMode on `loop` by _EventLoopProgress."""
-    tasks = importlib.import_module("ucxx._lib_async.application_context").ProgressTasks
-    current = tasks.get(loop)
-    if isinstance(current, _EventLoopProgress):
-        return current
-    if current is not None:
-        loop.remove_reader(ctx.worker.epoll_file_descriptor)
-        for task in current._tasks:
-            task.cancel()
-    driver = _EventLoopProgress(ctx.worker, loop, current)
-    tasks[loop] = driver
-    return driver
 
 
 class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
@@ -345,9 +232,9 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
 
     def _open(self) -> None:
         self._ucxx = _load()
-        self._hello = _encode_hello(self.key)
+        self._hello = encode_hello(self.key)
         self._ctx: Any = None
-        self._driver: _EventLoopProgress | None = None
+        self._driver: EventLoopProgress | None = None
         self._listener: Any = None
         # peer key -> its endpoints (one per direction at most, normally one).
         self._peers: dict[str, list[Any]] = {}
@@ -382,7 +269,7 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
             ctx.continuous_ucx_progress()
             if ctx.progress_mode == "blocking":
                 try:
-                    self._driver = _install_event_loop_progress(ctx, asyncio.get_running_loop())
+                    self._driver = install_event_loop_progress(ctx, asyncio.get_running_loop())
                 except Exception as exc:  # ucxx internals moved: keep its own mode
                     log.warning(
                         "UCX: could not replace ucxx's blocking progress (%s); it may keep "
@@ -417,15 +304,15 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         """Listener callback: read the hello, register the endpoint, acknowledge."""
         key = None
         try:
-            hello = bytearray(_HELLO_BYTES)
-            await self._bounded(ep.recv(hello, tag=_HELLO_TAG), HELLO_TIMEOUT_S)
-            key = _decode_hello(hello)
+            hello = bytearray(HELLO_BYTES)
+            await self._bounded(ep.recv(hello, tag=HELLO_TAG), HELLO_TIMEOUT_S)
+            key = decode_hello(hello)
             if self._closed:
                 raise TransferError("transport closed")
             self._register(key, ep)
             # Registered before the ack: once connect() returns on the other
             # side, our recv() for that peer finds the endpoint.
-            await self._bounded(ep.send(self._hello, tag=_ACK_TAG), HELLO_TIMEOUT_S)
+            await self._bounded(ep.send(self._hello, tag=ACK_TAG), HELLO_TIMEOUT_S)
         except Exception as exc:
             # Before the peer channel vouched for it: the key is whatever was sent.
             log.warning(
@@ -454,12 +341,12 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
                 timeout_s,
             )
         try:
-            ack = bytearray(_HELLO_BYTES)
+            ack = bytearray(HELLO_BYTES)
             await self._bounded(
-                ep.send(self._hello, tag=_HELLO_TAG), max(deadline - loop.time(), 0.001)
+                ep.send(self._hello, tag=HELLO_TAG), max(deadline - loop.time(), 0.001)
             )
-            await self._bounded(ep.recv(ack, tag=_ACK_TAG), max(deadline - loop.time(), 0.001))
-            got = _decode_hello(ack)
+            await self._bounded(ep.recv(ack, tag=ACK_TAG), max(deadline - loop.time(), 0.001))
+            got = decode_hello(ack)
         except BaseException as exc:
             self._abort(ep)
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
