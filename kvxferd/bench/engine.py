@@ -45,7 +45,7 @@ from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.service.runner import run_event_loop
 from kvxferd.sim.content import request_seed
-from kvxferd.sim.engine import HostContent, add_memory_args, register_device_pool
+from kvxferd.sim.engine_pools import HostContent, add_memory_args, register_device_pool
 from kvxferd.transceiver.state import Outcome, Status
 
 if TYPE_CHECKING:

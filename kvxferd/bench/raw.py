@@ -50,7 +50,7 @@ from kvxferd.memory.layout import KvLayout, pair_segments
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.content import VerifyResult, request_seed
-from kvxferd.sim.engine import HostContent, add_memory_args
+from kvxferd.sim.engine_pools import HostContent, add_memory_args
 
 #: The CUDA device both pools of a vram run are on (the bench runs on one GPU).
 _DEVICE = 0

@@ -41,16 +41,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxferd.client import AsyncClient, CallError, DaemonGoneError
 from kvxferd.memory.heads import TpRank, overlapping_ranks
-from kvxferd.memory.hugepages import HUGE_PAGES_MODES, HugePagesMode
+from kvxferd.memory.hugepages import HugePagesMode
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import HostRegion, MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.announce import ENDED, POSTED, Announcements, Announcer
-from kvxferd.sim.content import (
-    clear_blocks,
-    fill_blocks,
-    request_seed,
-    verify_blocks,
+from kvxferd.sim.content import request_seed
+from kvxferd.sim.engine_pools import (
+    MEMORY,
+    VRAM_SHARE,
+    HostContent,
+    add_geometry_args,
+    add_memory_args,
+    layout_from_args,
+    register_device_pool,
 )
 from kvxferd.sim.workload import BlockAllocator, Item, fixed_workload, make_workload
 from kvxferd.transceiver.state import Outcome, Status
@@ -59,10 +63,6 @@ if TYPE_CHECKING:
     from kvxferd.memory.device import DevicePool
 
 T = TypeVar("T")
-
-#: Where the reference engine keeps its pools (--memory) and how a device pool is shared.
-MEMORY = ("host", "vram")
-VRAM_SHARE = ("ipc", "vmm")
 
 
 log = logging.getLogger("kvxferd.sim")
@@ -119,28 +119,6 @@ def context_peers_for(
     heads = (gen_tp.rank * heads_per_gen_rank, (gen_tp.rank + 1) * heads_per_gen_rank)
     names = [context_peers[r] for r in overlapping_ranks(heads, total // ctx_size, ctx_size)]
     return names[0] if len(names) == 1 else names
-
-
-class HostContent:
-    """The reference content of host pools (kvxferd.sim.content), behind the same four
-    calls as kvxferd.sim.device_content.DeviceContent; nothing to synchronise."""
-
-    # The content functions themselves: a host pool needs no device or stream around them.
-    fill = staticmethod(fill_blocks)
-    clear = staticmethod(clear_blocks)
-    verify = staticmethod(verify_blocks)
-
-    @staticmethod
-    def synchronize() -> None:
-        pass
-
-
-async def register_device_pool(
-    client: AsyncClient, pool_id: str, pool: DevicePool, layout: KvLayout, tp: TpRank
-) -> None:
-    """Register a device pool with its daemon: by its VMM fd when it was created with
-    vmm=True, else by its CUDA IPC handle (the client chooses by the pool)."""
-    await client.register_device_pool(pool_id, pool, layout, tp.rank, tp.size)
 
 
 class ReferenceEngine:
@@ -484,61 +462,6 @@ def _not_sent(item: Item) -> Record:
         reason="receive_ended",
         message="the generation engine's receive ended before the context engine sent it",
     )
-
-
-def layout_from_args(args: argparse.Namespace, ranks: int = 1) -> KvLayout:
-    """Each rank's pool: `--kv-heads` are the model's, split evenly over `ranks`."""
-    if args.kv_heads % ranks:
-        raise SystemExit(
-            f"--kv-heads {args.kv_heads} cannot be split evenly over {ranks} tensor-parallel ranks"
-        )
-    return KvLayout(
-        num_layers=args.layers,
-        kv_factor=2,
-        num_kv_heads=args.kv_heads // ranks,
-        head_dim=args.head_dim,
-        tokens_per_block=args.tokens_per_block,
-        dtype=args.dtype,
-        major=args.layout,
-        num_blocks=args.pool_blocks,
-    )
-
-
-def add_memory_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--memory",
-        choices=MEMORY,
-        default="host",
-        help="where each rank's KV pool lives: host (shared memory) or vram (GPU memory; "
-        "needs cupy and a CUDA device, and daemons with engine.kv_memory: vram)",
-    )
-    p.add_argument(
-        "--vram-share",
-        choices=VRAM_SHARE,
-        default="ipc",
-        help="vram: hand the pool to the daemon as a CUDA IPC handle or a VMM fd",
-    )
-    p.add_argument(
-        "--cuda-device", type=int, default=0, help="vram: this process's CUDA device ordinal"
-    )
-    p.add_argument(
-        "--huge-pages",
-        choices=HUGE_PAGES_MODES,
-        default="off",
-        help="host: the pool's pages; auto takes huge pages where the host allows them, "
-        "required fails where it does not (kvxferd.memory.hugepages)",
-    )
-
-
-def add_geometry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument(
-        "--kv-heads", type=int, default=4, help="the model's KV heads (split over the ranks)"
-    )
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--tokens-per-block", type=int, default=32)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--layout", choices=["block-major", "layer-major"], default="block-major")
 
 
 async def _main(args: argparse.Namespace) -> EngineReport:
