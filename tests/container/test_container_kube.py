@@ -47,12 +47,21 @@ def _renamed(docs: list[dict[str, Any]], suffix: str) -> list[dict[str, Any]]:
         doc["metadata"]["name"] += suffix
         if doc["kind"] != "Pod":
             continue
+        # podman makes each emptyDir a named volume, shared by every pod (and every later
+        # run) that names it, and left behind by kube down: this run's own (a stale engine
+        # API socket there once sent the prefill engine to the decode daemon).
+        scratch = {}
         for vol in doc["spec"]["volumes"]:
             if "configMap" in vol:
                 vol["configMap"]["name"] += suffix
             if "secret" in vol:
                 vol["secret"]["secretName"] += suffix
+            if "emptyDir" in vol:
+                scratch[vol["name"]] = vol["name"] + suffix
+                vol["name"] += suffix
         for c in doc["spec"]["containers"]:
+            for mount in c.get("volumeMounts", []):
+                mount["name"] = scratch.get(mount["name"], mount["name"])
             c["image"] = IMAGE
             # podman 4.3 publishes every containerPort on the host (as hostPort): give
             # each a free loopback port so that two pods, or two runs, do not collide.
@@ -78,14 +87,18 @@ def _secret_as_host_path(docs: list[dict[str, Any]], secret: dict[str, Any], tmp
 
 
 def _shm_from_the_pod(docs: list[dict[str, Any]]) -> None:
-    """podman 4.3 makes the `dshm` emptyDir (medium: Memory) a root-owned volume, not the
+    """podman 4.3 makes the `*-dshm` emptyDir (medium: Memory) a root-owned volume, not the
     world-writable tmpfs a kubelet mounts, and UCX (inside NIXL) cannot make its shared
     memory there as uid 10001 (NIXL_ERR_BACKEND). Drop it: the containers then share the
     pod's own /dev/shm (one IPC namespace), as in a pod without that volume."""
     pod = _pod(docs)
-    pod["spec"]["volumes"] = [v for v in pod["spec"]["volumes"] if v["name"] != "dshm"]
+    dshm = {
+        v["name"] for v in pod["spec"]["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"
+    }
+    assert dshm, "the manifest's /dev/shm emptyDir"
+    pod["spec"]["volumes"] = [v for v in pod["spec"]["volumes"] if v["name"] not in dshm]
     for c in pod["spec"]["containers"]:
-        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "dshm"]
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] not in dshm]
 
 
 def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,6 +175,9 @@ def played(image: str, tmp_path: Path) -> Iterator[list[Path]]:
             for doc in yaml.safe_load_all(path.read_text()):
                 if doc["kind"] == "Pod":
                     podman("pod", "rm", "-f", "-t", "0", doc["metadata"]["name"], check=False)
+                    for vol in doc["spec"]["volumes"]:
+                        if "emptyDir" in vol:  # a named volume to podman; kube down leaves it
+                            podman("volume", "rm", "-f", vol["name"], check=False)
                 if doc["kind"] == "Secret":
                     podman("secret", "rm", doc["metadata"]["name"], check=False)
                 if doc["kind"] == "ConfigMap":  # played as a volume; kube down leaves it
