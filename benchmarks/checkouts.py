@@ -35,3 +35,12 @@ def kvxferd_json(
             f"{' '.join(cmd)} (in {tree or '.'}): exit {done.returncode}\n{done.stderr[-3000:]}"
         )
     return json.loads(done.stdout)
+
+
+def cell(stat: dict[str, float] | None) -> str:
+    """A table cell: median (min-max), to a precision that suits its size; "-" for none."""
+    if stat is None:
+        return "-"
+    m, lo, hi = stat["median"], stat["min"], stat["max"]
+    digits = 0 if m >= 100 else 3 if m < 1 else 2
+    return f"{m:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"

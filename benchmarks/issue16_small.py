@@ -33,7 +33,7 @@ import statistics
 import sys
 from typing import Any
 
-from checkouts import kvxferd_json
+from checkouts import cell, kvxferd_json
 
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]  # 32 KiB blocks
 FIELDS = {
@@ -67,14 +67,6 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             else None
         )
     return out
-
-
-def cell(stat: dict[str, float] | None) -> str:
-    if stat is None:
-        return "-"
-    m, lo, hi = stat["median"], stat["min"], stat["max"]
-    digits = 0 if m >= 100 else 3 if m < 1 else 2
-    return f"{m:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def main() -> int:
