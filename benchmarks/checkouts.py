@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def kvxferd_json(
@@ -44,3 +47,20 @@ def cell(stat: dict[str, float] | None) -> str:
     m, lo, hi = stat["median"], stat["min"], stat["max"]
     digits = 0 if m >= 100 else 3 if m < 1 else 2
     return f"{m:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def trees(base: str | None) -> list[tuple[str, str | None]]:
+    """("this", None) and, with `base`, ("base", its absolute path): the trees measured."""
+    return [("this", None)] + ([("base", os.path.abspath(base))] if base else [])
+
+
+def in_pass(order: list[T], k: int) -> list[T]:
+    """`order` in pass k: reversed every other pass, so trees see the same moments."""
+    return order if k % 2 == 0 else order[::-1]
+
+
+def stat(values: list[float]) -> dict[str, float] | None:
+    """Median, min and max of `values` (None for none): what `cell` shows."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

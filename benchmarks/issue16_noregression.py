@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
-from checkouts import cell, kvxferd_json
+from checkouts import cell, in_pass, kvxferd_json, stat, trees
 
 RUNS = {
     "large 8000": ["--configs", "nixl-python", "--tokens", "8000", "--requests", "10",
@@ -42,25 +41,17 @@ RUNS = {
 }  # fmt: skip
 
 
-def stat(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--base", help="another checkout, measured in the same passes")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    trees: list[tuple[str, str | None]] = [("this", None)]
-    if args.base:
-        trees.append(("base", os.path.abspath(args.base)))
+    measured = trees(args.base)
     # (tree, run, config) -> one result row per pass
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for k in range(args.passes):
-        for name, tree in trees if k % 2 == 0 else trees[::-1]:
+        for name, tree in in_pass(measured, k):
             for run, run_args in RUNS.items():
                 doc = kvxferd_json(["bench", *run_args, "--json", "--no-progress"], tree)
                 for r in doc["results"]:

@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
-from checkouts import cell, kvxferd_json
+from checkouts import cell, in_pass, kvxferd_json, stat
 
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]  # 32 KiB blocks
 FIELDS = {
@@ -60,12 +59,7 @@ def bench(tree: str | None, in_flight: int, seconds: float, verify: str | None) 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": len(rows)}
     for key in FIELDS:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        out[key] = (
-            {"median": statistics.median(values), "min": min(values), "max": max(values)}
-            if values
-            else None
-        )
+        out[key] = stat([r[key] for r in rows if r.get(key) is not None])
     return out
 
 
@@ -91,7 +85,7 @@ def main() -> int:
         trees.append(("base", os.path.abspath(args.base), None))
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for k in range(args.passes):
-        order = trees if k % 2 == 0 else trees[::-1]
+        order = in_pass(trees, k)
         for n in args.in_flight:
             for name, tree, verify in order:
                 row = bench(tree, n, args.seconds, verify)

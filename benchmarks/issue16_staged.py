@@ -22,7 +22,7 @@ import statistics
 import sys
 from typing import Any
 
-from checkouts import kvxferd_json
+from checkouts import in_pass, kvxferd_json, trees
 
 CONFIGS = "nixl-python,nixl-cpp,ucx-cpp,mpi-cpp,mooncake-cpp"
 FIELDS = {
@@ -60,12 +60,10 @@ def main() -> int:
     p.add_argument("--base", help="another checkout, measured in the same passes")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    trees: list[tuple[str, str | None]] = [("this", None)]
-    if args.base:
-        trees.append(("base", os.path.abspath(args.base)))
+    measured = trees(args.base)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for k in range(args.passes):
-        for name, tree in trees if k % 2 == 0 else trees[::-1]:
+        for name, tree in in_pass(measured, k):
             for row in bench(tree, args.configs, args.requests):
                 runs.setdefault((name, row["config"]), []).append(row)
                 print(
