@@ -123,7 +123,7 @@ def _report(container: str) -> dict[str, Any]:
     return report
 
 
-def _runs_seen(pod: str) -> str:
+def _runs_seen(pod: str, state: dict[str, Any]) -> str:
     """What else tells why an engine failed: how often podman restarted it, whether the
     kernel killed it for memory (neither leaves a line in its log), and what its daemon
     logged last (an engine seen leaving, a pool kept registered for its holds)."""
@@ -131,7 +131,6 @@ def _runs_seen(pod: str) -> str:
     restarts = podman(
         "inspect", "--type", "container", "--format", "{{.RestartCount}}", engine, check=False
     ).stdout.strip()
-    state = container_state(engine)
     daemon_log = podman("logs", "--tail", "40", f"{pod}-kvxferd", check=False)
     return (
         f"--- podman: restarts {restarts or '?'}, OOMKilled {state.get('OOMKilled')}, "
@@ -156,7 +155,7 @@ def _assert_workload_verified(prefill_pod: str, decode_pod: str) -> None:
             err = podman("logs", f"{pod}-engine").stderr
             shown = err if len(err) <= 6000 else err[:3000] + "\n[...]\n" + err[-3000:]
             raise AssertionError(
-                f"{pod}'s engine exited {state['ExitCode']}:\n{shown}\n{_runs_seen(pod)}"
+                f"{pod}'s engine exited {state['ExitCode']}:\n{shown}\n{_runs_seen(pod, state)}"
             )
     summary = summarise(_report(f"{prefill_pod}-engine"), _report(f"{decode_pod}-engine"))
     assert summary["requests"] == 16
