@@ -28,7 +28,7 @@ from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.bench.bare import BareError
 from kvxferd.transceiver.bounce import BounceRegion
 
-#: The daemons give a peer's connect this long (transceiver/staged.py).
+#: The daemons give a peer's connect this long (transceiver/staged_round.py).
 _CONNECT_TIMEOUT_S = 30.0
 #: One-sided completion is polled after 0.1 ms, then twice as late each time up to 2 ms,
 #: as the daemons' writes are (kvxferd.transceiver.writes).

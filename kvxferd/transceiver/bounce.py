@@ -424,7 +424,7 @@ class BounceBuffers:
         self.reservations_made = 0
         self.fallbacks = 0
         # Copies made, and tensor-parallel legs moved with one side's copy only
-        # (DirectMover._one_sided): what an operator or a test reads the path from.
+        # (BouncePlanner.one_sided): what an operator or a test reads the path from.
         self.gathers = 0
         self.scatters = 0
         self.one_sided_legs = 0

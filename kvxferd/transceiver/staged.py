@@ -27,7 +27,9 @@ head-split's legs one after the other, each into its own receiver's
 reservation, with its own rounds and acknowledgements.
 
 The regions are sized in transceiver/staging.py; this module is the context side's
-mover (StagedMover), transceiver/staged_rx.py the generation side's (StagedReceive).
+mover (StagedMover: which rounds, and their overlap), transceiver/staged_round.py how
+one round crosses (RoundCrossing), transceiver/staged_rx.py the generation side's
+receive (StagedReceive).
 The seed's timeouts apply as in
 the PYTHON runtime: the sender's absolute deadline covers all rounds, the
 receiver's per-task timeout covers the whole receive (every round's wait is
@@ -43,24 +45,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kvxferd.backends.base import XferStatus, host_only
-from kvxferd.backends.twosided import TwoSidedTransport, round_tag
-from kvxferd.errors import PeerLostError, StartupError, TransferError
+from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.memory.heads import mapping_problems
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
-from kvxferd.peers.messages import Result, RoundAck
+from kvxferd.peers.messages import RoundAck
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation
-from kvxferd.transceiver.direct import leg_target, peer_memory
+from kvxferd.transceiver.leg_targets import leg_target
 from kvxferd.transceiver.legs import TxLeg, leg_block_bytes, leg_heads
-from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.staged_round import RoundCrossing
 from kvxferd.transceiver.staging import (
     NO_ROOM,
     ROUND_BYTES,
@@ -77,19 +74,6 @@ if TYPE_CHECKING:
     from kvxferd.transceiver.movers import Match, Route
 
 
-def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) -> None:
-    """Two-sided transports (UCX, MPI) send and receive the staging regions as host
-    buffers: with device staging they would read and write the wrong memory. Config
-    resolution refuses the combination first; this keeps the movers from running it."""
-    if staging.memory.on_device:
-        name = getattr(transport, "name", type(transport).__name__)
-        raise StartupError(host_only(name, staging.memory) or "")
-
-
-# Opening the UCX endpoint to a peer the handshake already vouched for.
-_CONNECT_TIMEOUT_S = 10.0
-
-
 class StagedMover:
     """The staged runtime's SendMover (transceiver/movers.py). Context side: for every leg
     of a request (one, or one per generation rank of a head-split), gather each round of
@@ -99,26 +83,19 @@ class StagedMover:
     def __init__(
         self, writes: Writes, bounce: BounceBuffers, pipelined: bool, match: Match
     ) -> None:
-        self.writes = writes
         self.bounce = bounce
         self.pipelined = pipelined
         self._match = match
-        # The two-sided transport once started (UCX, MPI); None: one-sided writes.
-        self.transport: TwoSidedTransport | None = None
-        # Peers whose transport endpoint is open.
-        self._connected: set[str] = set()
-        # Two-sided rounds being sent, per request.
-        self._sending: dict[TxSession, int] = {}
+        self.crossing = RoundCrossing(writes, bounce)
 
     def routes(self) -> dict[type, Route]:
         return {RoundAck: self.on_round_ack}
 
     def attach(self, transport: TwoSidedTransport) -> None:
-        refuse_device_staging(transport, self.bounce)
-        self.transport = transport
+        self.crossing.attach(transport)
 
     def peer_gone(self, peer_key: str) -> None:
-        self.forget_peer(peer_key)
+        self.crossing.forget_peer(peer_key)
 
     async def on_round_ack(self, conn: PeerConnection, msg: RoundAck) -> None:
         s = self._match(conn, msg.request_id, msg.rx_token)
@@ -191,7 +168,7 @@ class StagedMover:
                 # overlap. One-sided rounds of a large leg are larger (staging.py).
                 target = (
                     ROUND_BYTES
-                    if self.transport is not None
+                    if self.crossing.transport is not None
                     else one_sided_round_bytes(
                         (end - first) * leg_bytes,
                         device_region=staging.send.nbytes if staging.memory.on_device else 0,
@@ -231,7 +208,7 @@ class StagedMover:
         # received, so the receiver has its receive posted when this one ends (a send
         # completes only once the receiver took it). One-sided: one write at a time,
         # its Result after it.
-        depth = TWO_SIDED_ROUNDS_AHEAD if self.transport is not None else 1
+        depth = TWO_SIDED_ROUNDS_AHEAD if self.crossing.transport is not None else 1
         ahead: asyncio.Task[Reservation | None] | None = self._gather_ahead(
             s, heads, leg_bytes, rounds[0], deadline
         )
@@ -256,7 +233,7 @@ class StagedMover:
                 final = last and i == len(rounds) - 1
                 announced = asyncio.Event()
                 move = asyncio.ensure_future(
-                    self._one_round(
+                    self.crossing.cross(
                         s,
                         leg,
                         res,
@@ -405,148 +382,3 @@ class StagedMover:
                 self.bounce.send.release(res)
         if cancelled:
             raise asyncio.CancelledError
-
-    async def _one_round(
-        self,
-        s: TxSession,
-        leg: TxLeg,
-        res: Reservation,
-        rnd: tuple[int, int, int],
-        ring: tuple[int, int, int],
-        last: bool,
-        deadline: float,
-        announced: asyncio.Event,
-    ) -> bool:
-        """Move one gathered round (`rnd`: first, stop, slot) into its slot of the receiver's
-        reservation (`ring`: the slice's first block, the reservation's blocks, bytes per
-        block) once the receiver scattered what that slot held before."""
-        assert s.pool is not None and self.bounce is not None
-        staging = self.bounce
-        first, stop, slot = rnd
-        base, ring_blocks, leg_bytes = ring
-        nbytes = (stop - first) * leg_bytes
-        why = "kv_transfer_timeout_ms elapsed waiting for the receiver to take a round"
-        need = stop - ring_blocks  # the blocks before it held this round's slots
-        while need > base and leg.acked_block < need and s.terminal is None:
-            if not await s.wait_wake(deadline, Reason.SENDER_DEADLINE, why):
-                return False
-        if s.terminal is not None:
-            return False
-        offset = slot * leg_bytes
-        result = leg.written(s.request_id, nbytes, last, True, (first, stop), offset)
-        if self.transport is not None:
-            if not await self._send_two_sided(s, leg, res, result, deadline, announced):
-                return False
-        else:
-            info = leg.conn.info
-            remote_memory = peer_memory(info.bounce_memory, info.bounce_device)
-            if remote_memory is None:
-                s.request_end(
-                    Terminal.peer(
-                        Status.FAILED,
-                        Reason.BLOCK_MISMATCH,
-                        f"the receiver announced its staging in memory "
-                        f"{info.bounce_memory!r}, which this build does not know "
-                        "(host or vram)",
-                    )
-                )
-                return False
-            local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
-            remote = np.array(
-                [[info.bounce_base + leg.request.bounce_offset + offset, nbytes]],
-                dtype=np.int64,
-            )
-            status = await self.writes.post_and_wait(
-                s,
-                local,
-                remote,
-                leg.conn,
-                local_memory=staging.send.memory,
-                remote_memory=remote_memory,
-            )
-            if status is not XferStatus.DONE or s.terminal is not None:
-                return False
-        if time.monotonic() > deadline:
-            late = "a round completed after kv_transfer_timeout_ms; not reported as success"
-            s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, late))
-            return False
-        s.nbytes += nbytes
-        # One-sided: the bytes are in place, say so. Two-sided: said before sending.
-        sent = self.transport is not None or await leg.conn.send(result)
-        if not sent:
-            s.request_end(
-                Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the round")
-            )
-            s.mark_told(leg)
-            return False
-        return s.terminal is None
-
-    async def _send_two_sided(
-        self,
-        s: TxSession,
-        leg: TxLeg,
-        res: Reservation,
-        result: Result,
-        deadline: float,
-        announced: asyncio.Event,
-    ) -> bool:
-        """Announce the round (the receiver then receives it by tag; `announced` is set),
-        then send it."""
-        assert self.transport is not None and self.bounce is not None
-        conn = leg.conn
-        # From here a cancel answers "busy", until no round of the request is sending.
-        self._sending[s] = self._sending.get(s, 0) + 1
-        s.posting = True
-        try:
-            try:
-                if conn.key not in self._connected:
-                    await self.transport.connect(
-                        conn.key, conn.info.transport_address, _CONNECT_TIMEOUT_S
-                    )
-                    self._connected.add(conn.key)
-                await conn.fresh()
-                refused = post_refusal(s, conn)
-                if refused is not None:
-                    s.request_end(refused)  # an ended request announces no further round
-                    return False
-                if not await conn.send(result):
-                    s.request_end(
-                        Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not announce a round")
-                    )
-                    s.mark_told(leg)
-                    return False
-                announced.set()
-                # Announced: the round goes out even if the request ends now. The receiver
-                # waits for it by tag, and two-sided bytes land only in its own posted
-                # receive, so sending cannot touch memory it handed back.
-                data = self.bounce.send.view(res, result.nbytes).data
-                tag = round_tag(leg.request.rx_token, result.first_block)
-                remaining = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-                # On timeout the send is cancelled, which returns only once the transport no
-                # longer reads the staging bytes (or the endpoint was closed).
-                await asyncio.wait_for(self.transport.send(conn.key, tag, data), remaining)
-            except asyncio.TimeoutError:
-                s.request_end(
-                    Terminal.timed_out(
-                        Reason.SENDER_DEADLINE,
-                        "kv_transfer_timeout_ms elapsed while a round was being sent",
-                    )
-                )
-                return False
-            except PeerLostError as exc:
-                self._connected.discard(conn.key)
-                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
-                return False
-            except TransferError as exc:
-                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
-                return False
-        finally:
-            left = self._sending.pop(s) - 1
-            if left:
-                self._sending[s] = left
-            else:
-                s.posting = False
-        return s.terminal is None
-
-    def forget_peer(self, peer_key: str) -> None:
-        self._connected.discard(peer_key)

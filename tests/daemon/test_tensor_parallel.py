@@ -531,7 +531,7 @@ BOUNCE = {"kv_cache_bounce_size_mb": 8}
 # The layout of both sides' pools, and which path a tensor-parallel leg then takes: many
 # 1 KiB (layer, K/V) pieces (layer-major) are gathered on one side and scattered on the
 # other; whole 16-32 KiB blocks (block-major) are written straight into or out of the
-# pool on the side that holds fewer heads, with one copy only (DirectMover._one_sided).
+# pool on the side that holds fewer heads, with one copy only (BouncePlanner.one_sided).
 PATHS = pytest.mark.parametrize(
     "major", ["layer-major", "block-major"], ids=["two-sided", "one-sided"]
 )

@@ -47,8 +47,9 @@ from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
 from kvxferd.transceiver.device_rows import launch_shape
-from kvxferd.transceiver.direct import DirectMover, must_bounce, peer_memory
+from kvxferd.transceiver.direct import DirectMover
 from kvxferd.transceiver.direct_rx import DirectReceive, copy_only
+from kvxferd.transceiver.leg_targets import must_bounce, peer_memory
 from kvxferd.transceiver.legs import RxLeg, TxLeg
 from kvxferd.transceiver.sessions import RxSession, TxSession
 from kvxferd.transceiver.staged import StagedMover

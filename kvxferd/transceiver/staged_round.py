@@ -1,0 +1,201 @@
+"""How one gathered round of the staged runtime crosses to its receiver (RoundCrossing).
+
+One-sided (NIXL, Mooncake): one write into the round's slot of the receiver's reservation,
+then its Result says the bytes are in place. Two-sided (UCX, MPI): the Result goes first and
+announces the round (the receiver then posts its receive by tag), then the round is sent.
+Either way a round goes into a slot only once the receiver scattered what the slot held
+before (RoundAck up to the blocks that preceded it in the ring).
+
+transceiver/staged.py decides which rounds a request moves and overlaps their gathers and
+moves; this module is only the crossing, and the two-sided transport's endpoints it opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import numpy as np
+
+from kvxferd.backends.base import XferStatus, host_only
+from kvxferd.backends.twosided import TwoSidedTransport, round_tag
+from kvxferd.errors import PeerLostError, StartupError, TransferError
+from kvxferd.peers.messages import Result
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation
+from kvxferd.transceiver.leg_targets import peer_memory, unknown_memory
+from kvxferd.transceiver.legs import TxLeg
+from kvxferd.transceiver.postguard import post_refusal
+from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.state import Reason, Status
+from kvxferd.transceiver.writes import Writes
+
+
+def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) -> None:
+    """Two-sided transports (UCX, MPI) send and receive the staging regions as host
+    buffers: with device staging they would read and write the wrong memory. Config
+    resolution refuses the combination first; this keeps the movers from running it."""
+    if staging.memory.on_device:
+        name = getattr(transport, "name", type(transport).__name__)
+        raise StartupError(host_only(name, staging.memory) or "")
+
+
+# Opening the transport's endpoint to a peer the handshake already vouched for.
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class RoundCrossing:
+    """The context side's crossing of gathered rounds out of the send staging region:
+    one-sided writes through `writes`, or, once a two-sided transport is attached, sends."""
+
+    def __init__(self, writes: Writes, staging: BounceBuffers) -> None:
+        self.writes = writes
+        self.staging = staging
+        # The two-sided transport once started (UCX, MPI); None: one-sided writes.
+        self.transport: TwoSidedTransport | None = None
+        # Peers whose transport endpoint is open.
+        self._connected: set[str] = set()
+        # Two-sided rounds being sent, per request.
+        self._sending: dict[TxSession, int] = {}
+
+    def attach(self, transport: TwoSidedTransport) -> None:
+        refuse_device_staging(transport, self.staging)
+        self.transport = transport
+
+    def forget_peer(self, peer_key: str) -> None:
+        self._connected.discard(peer_key)
+
+    async def cross(
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        res: Reservation,
+        rnd: tuple[int, int, int],
+        ring: tuple[int, int, int],
+        last: bool,
+        deadline: float,
+        announced: asyncio.Event,
+    ) -> bool:
+        """Move one gathered round (`rnd`: first, stop, slot) into its slot of the receiver's
+        reservation (`ring`: the slice's first block, the reservation's blocks, bytes per
+        block) once the receiver scattered what that slot held before; False when the
+        request ended (`announced` is set once its Result is out, two-sided)."""
+        assert s.pool is not None
+        staging = self.staging
+        first, stop, slot = rnd
+        base, ring_blocks, leg_bytes = ring
+        nbytes = (stop - first) * leg_bytes
+        why = "kv_transfer_timeout_ms elapsed waiting for the receiver to take a round"
+        need = stop - ring_blocks  # the blocks before it held this round's slots
+        while need > base and leg.acked_block < need and s.terminal is None:
+            if not await s.wait_wake(deadline, Reason.SENDER_DEADLINE, why):
+                return False
+        if s.terminal is not None:
+            return False
+        offset = slot * leg_bytes
+        result = leg.written(s.request_id, nbytes, last, True, (first, stop), offset)
+        if self.transport is not None:
+            if not await self._send_two_sided(s, leg, res, result, deadline, announced):
+                return False
+        else:
+            info = leg.conn.info
+            remote_memory = peer_memory(info.bounce_memory, info.bounce_device)
+            if remote_memory is None:
+                s.request_end(unknown_memory("staging", info.bounce_memory))
+                return False
+            local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
+            remote = np.array(
+                [[info.bounce_base + leg.request.bounce_offset + offset, nbytes]],
+                dtype=np.int64,
+            )
+            status = await self.writes.post_and_wait(
+                s,
+                local,
+                remote,
+                leg.conn,
+                local_memory=staging.send.memory,
+                remote_memory=remote_memory,
+            )
+            if status is not XferStatus.DONE or s.terminal is not None:
+                return False
+        if time.monotonic() > deadline:
+            late = "a round completed after kv_transfer_timeout_ms; not reported as success"
+            s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, late))
+            return False
+        s.nbytes += nbytes
+        # One-sided: the bytes are in place, say so. Two-sided: said before sending.
+        sent = self.transport is not None or await leg.conn.send(result)
+        if not sent:
+            s.request_end(
+                Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the round")
+            )
+            s.mark_told(leg)
+            return False
+        return s.terminal is None
+
+    async def _send_two_sided(
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        res: Reservation,
+        result: Result,
+        deadline: float,
+        announced: asyncio.Event,
+    ) -> bool:
+        """Announce the round (the receiver then receives it by tag; `announced` is set),
+        then send it."""
+        assert self.transport is not None
+        conn = leg.conn
+        # From here a cancel answers "busy", until no round of the request is sending.
+        self._sending[s] = self._sending.get(s, 0) + 1
+        s.posting = True
+        try:
+            try:
+                if conn.key not in self._connected:
+                    await self.transport.connect(
+                        conn.key, conn.info.transport_address, _CONNECT_TIMEOUT_S
+                    )
+                    self._connected.add(conn.key)
+                await conn.fresh()
+                refused = post_refusal(s, conn)
+                if refused is not None:
+                    s.request_end(refused)  # an ended request announces no further round
+                    return False
+                if not await conn.send(result):
+                    s.request_end(
+                        Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not announce a round")
+                    )
+                    s.mark_told(leg)
+                    return False
+                announced.set()
+                # Announced: the round goes out even if the request ends now. The receiver
+                # waits for it by tag, and two-sided bytes land only in its own posted
+                # receive, so sending cannot touch memory it handed back.
+                data = self.staging.send.view(res, result.nbytes).data
+                tag = round_tag(leg.request.rx_token, result.first_block)
+                remaining = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                # On timeout the send is cancelled, which returns only once the transport no
+                # longer reads the staging bytes (or the endpoint was closed).
+                await asyncio.wait_for(self.transport.send(conn.key, tag, data), remaining)
+            except asyncio.TimeoutError:
+                s.request_end(
+                    Terminal.timed_out(
+                        Reason.SENDER_DEADLINE,
+                        "kv_transfer_timeout_ms elapsed while a round was being sent",
+                    )
+                )
+                return False
+            except PeerLostError as exc:
+                self._connected.discard(conn.key)
+                s.request_end(Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc)))
+                return False
+            except TransferError as exc:
+                s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
+                return False
+        finally:
+            left = self._sending.pop(s) - 1
+            if left:
+                self._sending[s] = left
+            else:
+                s.posting = False
+        return s.terminal is None
