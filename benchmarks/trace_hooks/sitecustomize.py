@@ -42,7 +42,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "kvxferd.transceiver.direct_rx": ("scatter_round",),
     "kvxferd.transceiver.receiver": ("Receiver._leg_delivered", "Receiver._finish"),
     "kvxferd.transceiver.sender": ("Sender.on_request_data", "Sender._finish"),
-    "kvxferd.transceiver.staged": ("StagedMover._one_round",),
+    "kvxferd.transceiver.staged_round": ("RoundCrossing.cross",),
     "kvxferd.transceiver.staged_rx": ("StagedReceive.take_round",),
 }
 

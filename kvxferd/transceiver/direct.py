@@ -132,7 +132,7 @@ class DirectMover:
         if first >= end and not last:
             return  # the slice is all before the receiver's block_start: nothing for it
         if end > first:
-            target = leg_target(s, start, end, leg, self.pipelined)
+            target = leg_target(s, leg, start, end, self.pipelined)
             if isinstance(target, Terminal):
                 s.request_end(target)
                 return
@@ -188,7 +188,7 @@ class DirectMover:
         elif first > start:
             # The last slice, all before the receiver's block_start: nothing to write, but
             # the block counts still decide whether this is success.
-            target = leg_target(s, start, end, leg, self.pipelined)
+            target = leg_target(s, leg, start, end, self.pipelined)
             if isinstance(target, Terminal):
                 s.request_end(target)
                 return

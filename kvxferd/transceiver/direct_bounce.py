@@ -154,7 +154,7 @@ class BouncePlanner:
     ) -> tuple[np.ndarray, np.ndarray, Reservation | None] | Terminal:
         """Gather `blocks` (what the leg's receiver takes of ours: every head, or the slice
         of a head-split) into a send reservation when that receiver offered one and it pays
-        off. (A copy-only leg, which must bounce whatever it costs: _copy_only_leg.)"""
+        off. (A copy-only leg, which must bounce whatever it costs: copy_only_leg.)"""
         req, bounce, conn = leg.request, self.bounce, leg.conn
         assert s.pool is not None
         if bounce is None:

@@ -3,7 +3,8 @@ as it announced it (leg_target), the heads a leg moves, its per-block write plan
 (plan_leg) or just its checks (check_leg), and the memory kinds both sides named.
 
 The direct mover (transceiver/direct.py) and its bounce planning (direct_bounce.py) ask
-these before any write; the staged runtime asks leg_target and peer_memory too. Each
+these before any write; the staged runtime asks leg_target, peer_memory and
+unknown_memory too. Each
 answer is the plan, or the Terminal saying why the request ends and whose fault it is.
 """
 
@@ -53,7 +54,7 @@ def unknown_memory(what: str, kind: str) -> Terminal:
 
 
 def leg_target(
-    s: TxSession, start: int, end: int, leg: TxLeg, pipelined: bool
+    s: TxSession, leg: TxLeg, start: int, end: int, pipelined: bool
 ) -> tuple[KvLayout, PoolInfo, TpRank] | Terminal:
     """The destination pool of a leg (layout, announced info, rank) once the block counts
     and the head mapping of blocks [start, end) are checked; else why the request ends."""
@@ -138,7 +139,7 @@ def plan_leg(
 ) -> tuple[np.ndarray, np.ndarray] | Terminal:
     """The per-block write of a leg's share of blocks [start, end): (local, remote)
     descriptors, or why the request ends."""
-    target = leg_target(s, start, end, leg, pipelined)
+    target = leg_target(s, leg, start, end, pipelined)
     if isinstance(target, Terminal):
         return target
     first, end = leg.span(start, end)
@@ -153,7 +154,7 @@ def check_leg(s: TxSession, leg: TxLeg, start: int, end: int, pipelined: bool) -
     both sides' block ids, and the pair's geometry on one block. A whole plan of a head
     slice is ~2 ms per 64 blocks here, and the write plans again what it needs."""
     assert s.pool is not None
-    target = leg_target(s, start, end, leg, pipelined)
+    target = leg_target(s, leg, start, end, pipelined)
     if isinstance(target, Terminal):
         return target
     first, end = leg.span(start, end)

@@ -110,7 +110,7 @@ class StagedMover:
         """(the heads of our pool the leg moves or None for whole blocks, its bytes per
         block), once the leg's blocks and head mapping are checked."""
         assert s.pool is not None
-        target = leg_target(s, start, end, leg, self.pipelined)
+        target = leg_target(s, leg, start, end, self.pipelined)
         if isinstance(target, Terminal):
             return target
         dst_layout, _, dst_tp = target

@@ -18,27 +18,18 @@ import time
 
 import numpy as np
 
-from kvxferd.backends.base import XferStatus, host_only
+from kvxferd.backends.base import XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport, round_tag
-from kvxferd.errors import PeerLostError, StartupError, TransferError
+from kvxferd.errors import PeerLostError, TransferError
 from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation
 from kvxferd.transceiver.leg_targets import peer_memory, unknown_memory
 from kvxferd.transceiver.legs import TxLeg
 from kvxferd.transceiver.postguard import post_refusal
 from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.staging import refuse_device_staging
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import Writes
-
-
-def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) -> None:
-    """Two-sided transports (UCX, MPI) send and receive the staging regions as host
-    buffers: with device staging they would read and write the wrong memory. Config
-    resolution refuses the combination first; this keeps the movers from running it."""
-    if staging.memory.on_device:
-        name = getattr(transport, "name", type(transport).__name__)
-        raise StartupError(host_only(name, staging.memory) or "")
-
 
 # Opening the transport's endpoint to a peer the handshake already vouched for.
 _CONNECT_TIMEOUT_S = 10.0

@@ -25,12 +25,12 @@ from kvxferd.transceiver.bounce import BounceBuffers, Reservation
 from kvxferd.transceiver.direct_rx import scatter_round
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staged_round import refuse_device_staging
 from kvxferd.transceiver.staging import (
     NO_ROOM,
     TWO_SIDED_ROUNDS_AHEAD,
     blocks_per_round,
     offer_legs,
+    refuse_device_staging,
     reserve_all,
     reserve_by,
 )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.backends.base import host_only
 from kvxferd.errors import StartupError
 from kvxferd.memory.hugepages import (
     FOUR_K,
@@ -35,6 +36,7 @@ from kvxferd.memory.memfd import MemfdError, MemfdRegion
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
 
 if TYPE_CHECKING:
+    from kvxferd.backends.twosided import TwoSidedTransport
     from kvxferd.transceiver.bounce import BounceBuffers
     from kvxferd.transceiver.legs import RxLeg
 
@@ -265,3 +267,12 @@ class HostStaging:
 def host_staging(huge_pages: HugePagesMode) -> Callable[[int, str], HostStaging]:
     """A BounceBuffers backing: each region a HostStaging on the pages `huge_pages` allows."""
     return lambda nbytes, label: HostStaging(nbytes, label, huge_pages)
+
+
+def refuse_device_staging(transport: TwoSidedTransport, staging: BounceBuffers) -> None:
+    """Two-sided transports (UCX, MPI) send and receive the staging regions as host
+    buffers: with device staging they would read and write the wrong memory. Config
+    resolution refuses the combination first; this keeps the movers from running it."""
+    if staging.memory.on_device:
+        name = getattr(transport, "name", type(transport).__name__)
+        raise StartupError(host_only(name, staging.memory) or "")
