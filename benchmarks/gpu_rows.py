@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.bench.gpu_probes import time_device
+from kvxferd.bench.gpu_buffers import time_device
 from kvxferd.transceiver.copyplan import copy_plan, word_rows
 from kvxferd.transceiver.device_rows import RowKernel
 
 
 def timed(fn: Callable[[], object], iters: int) -> float:
     """Median seconds of fn() over `iters` launches, each timed alone with CUDA events on a
-    stream of its own (gpu_probes.time_device, as the GPU check times its copies)."""
+    stream of its own (gpu_buffers.time_device, as the GPU check times its copies)."""
     return statistics.median(time_device(fn, 1, iters)) / 1e3
 
 

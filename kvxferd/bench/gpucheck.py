@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvxferd.bench.gpu_probes import FOREIGN_FIGURES, RESULT
+from kvxferd.bench.gpu_foreign import FOREIGN_FIGURES
+from kvxferd.bench.probe_io import RESULT
 
 SCHEMA = "kvxferd-gpu-check/1"
 STEPS = ("setup", "device_copy", "nixl_vram", "foreign_memory", "kvxferd_bench")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxferd.bench import gpu_probes, gpucheck
+from kvxferd.bench import gpucheck, probe_io
 from kvxferd.bench.gpucheck import NO_DEVICE, STEPS, exit_code, skeleton, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,24 +235,24 @@ def test_summary_prints_every_step_and_the_rule() -> None:
 
 def test_pattern_fill_and_check_on_numpy() -> None:
     buf = np.zeros(4096, dtype=np.uint8)
-    gpu_probes.fill(np, buf, 7)
-    assert gpu_probes.holds(np, buf, 7)
-    assert not gpu_probes.holds(np, buf, 8)
+    probe_io.fill(np, buf, 7)
+    assert probe_io.holds(np, buf, 7)
+    assert not probe_io.holds(np, buf, 8)
     words = buf.view(np.uint64)
     assert len(set(words.tolist())) == words.size  # every word differs
     other = np.zeros_like(buf)
-    gpu_probes.fill(np, other, 8)
+    probe_io.fill(np, other, 8)
     assert not (other.view(np.uint64) == words).any()  # so does every word across seeds
     buf[4095] ^= 1
-    assert not gpu_probes.holds(np, buf, 7)
-    assert gpu_probes.holds(np, buf, 7, 4088)
+    assert not probe_io.holds(np, buf, 7)
+    assert probe_io.holds(np, buf, 7, 4088)
 
 
 def test_rate_and_percentiles() -> None:
-    r = gpu_probes.rate(10**9, [1.0, 2.0, 4.0])
+    r = probe_io.rate(10**9, [1.0, 2.0, 4.0])
     assert r == {"gbps": 500.0, "best_gbps": 1000.0, "p50_ms": 2.0, "p99_ms": 4.0, "runs": 3}
-    assert gpu_probes.rate(10**9, [])["gbps"] is None
-    assert gpu_probes.percentile(list(range(1, 101)), 99) == 99.0
+    assert probe_io.rate(10**9, [])["gbps"] is None
+    assert probe_io.percentile(list(range(1, 101)), 99) == 99.0
 
 
 def test_child_protocol_skips_noise_and_times_out() -> None:
@@ -272,13 +272,13 @@ def test_child_protocol_skips_noise_and_times_out() -> None:
             # "hang": no answer
         """
     )
-    child = gpu_probes.Child("stand-in", [sys.executable, "-c", script])
+    child = probe_io.Child("stand-in", [sys.executable, "-c", script])
     try:
         assert child.answer(10) == {"ready": True}
         assert child.ask({"cmd": "echo", "x": 5}) == {"echo": 5}
-        with pytest.raises(gpu_probes.ProbeError, match="it broke"):
+        with pytest.raises(probe_io.ProbeError, match="it broke"):
             child.ask({"cmd": "fail"})
-        with pytest.raises(gpu_probes.ProbeError, match="no answer in time"):
+        with pytest.raises(probe_io.ProbeError, match="no answer in time"):
             child.ask({"cmd": "hang"}, timeout_s=0.3)
     finally:
         child.close()
