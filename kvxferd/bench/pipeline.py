@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from kvxferd.bench.configs import BenchConfig, resolve
 from kvxferd.bench.engine import ContextSide
+from kvxferd.bench.phases import daemon_intervals, daemon_run
 from kvxferd.bench.plan import SWEEP, Item
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
@@ -108,9 +109,7 @@ def _exposed(
     gen: dict[str, Any], ctx: dict[str, Any], tokens: int, nbytes: int, name: str
 ) -> tuple[list[float], list[float]]:
     """(exposed ms, first-send-to-done ms) per timed request of `tokens`, every one checked."""
-    from kvxferd.bench.runner import _daemon_intervals
-
-    _daemon_intervals(gen, ctx, tokens, nbytes, name)  # raises unless all verified and sent
+    daemon_intervals(gen, ctx, tokens, nbytes, name)  # raises unless all verified and sent
     sends = {r["request_id"]: r for r in ctx.get("records", [])}
     exposed, total = [], []
     for r in gen.get("records", []):
@@ -148,9 +147,7 @@ def run(
         measured: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
         for label, config in (("pipelined", pipelined), ("sequential", sequential)):
             prog.start_phase(f"{config.name} ({label})", units)
-            gen, ctx = runner._daemon_run(
-                config, plan_path, plan, workdir, prog, opts.timeout_s, ctx_args
-            )
+            gen, ctx = daemon_run(config, plan_path, plan, workdir, prog, opts.timeout_s, ctx_args)
             gen.pop("daemon_status", None)
             measured[label] = {
                 t: _exposed(gen, ctx, t, g.request_bytes(t), config.name) for t in lengths

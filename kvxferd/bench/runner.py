@@ -10,28 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import importlib.metadata
 import os
-import platform
 import shutil
-import subprocess
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvxferd import __version__
-from kvxferd.backends.nixl import NIXL_MODULES, nixl_module_name, package_name
 from kvxferd.bench import bare_run, cpu
-from kvxferd.bench.bare_run import cpu_pids_args
 from kvxferd.bench.baseline import device_copy_gbps, memcpy_gbps
 from kvxferd.bench.children import BenchError as BenchError  # re-exported: its old home
-from kvxferd.bench.children import check_report as _check_report
-from kvxferd.bench.children import spawn as _spawn
-from kvxferd.bench.children import wait_all as _wait
 from kvxferd.bench.configs import BenchConfig
-from kvxferd.bench.fragmented import annotate, bounce_counters, daemon_status
+from kvxferd.bench.fragmented import annotate
+from kvxferd.bench.host import check_memory, host_info
+from kvxferd.bench.phases import daemon_intervals, daemon_run, descriptors, raw_intervals, raw_run
 from kvxferd.bench.plan import SMALL, SWEEP, VERIFY_EACH, Geometry, Plan
 from kvxferd.bench.progress import Progress
 from kvxferd.bench.stats import Timing, ratio
@@ -67,296 +60,7 @@ class Options:
         return SMALL if self.small else SWEEP
 
 
-# -- runs ----------------------------------------------------------------------------------------
-
-
-def _memory_args(memory: str, vram_share: str | None = None) -> list[str]:
-    """The child processes' memory options: none for host pools (their command lines are
-    what they always were)."""
-    if memory == "host":
-        return []
-    return ["--memory", memory] + ([] if vram_share is None else ["--vram-share", vram_share])
-
-
-def _raw_run(
-    plan_path: Path,
-    plan: Plan,
-    workdir: Path,
-    prog: Progress,
-    timeout_s: float,
-    memory: str = "host",
-) -> dict[str, Any]:
-    info = workdir / "raw-target.json"
-    target = _spawn(
-        workdir,
-        "raw-target",
-        ["-m", "kvxferd.bench.raw", "target", "--plan", str(plan_path), "--info-out", str(info),
-         *_memory_args(memory)],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            if target.proc.poll() is not None:
-                raise BenchError(
-                    f"the raw NIXL target exited with {target.proc.returncode}:\n"
-                    + target.stderr_tail()
-                )
-            if time.monotonic() > deadline:
-                raise BenchError("the raw NIXL target did not start within 120 s")
-            time.sleep(0.02)
-        prog_r, prog_w = os.pipe()
-        try:
-            init = _spawn(
-                workdir,
-                "raw-initiator",
-                [
-                    "-m",
-                    "kvxferd.bench.raw",
-                    "initiator",
-                    "--plan",
-                    str(plan_path),
-                    "--target-info",
-                    str(info),
-                    "--progress-fd",
-                    str(prog_w),
-                    *_memory_args(memory),
-                ],
-                pass_fds=(prog_w,),
-            )
-            os.close(prog_w)
-            prog_w = -1
-            _wait([init], prog_r, prog, timeout_s, partners=[target])
-        finally:
-            os.close(prog_r)
-            if prog_w >= 0:
-                os.close(prog_w)
-        report = init.report()
-        _check_report("raw NIXL", report, "\n" + init.stderr_tail())
-        return report
-    finally:
-        if target.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                target.proc.stdin.close()
-        try:
-            target.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            target.proc.kill()
-            target.proc.wait(10)
-
-
-def _daemon_run(
-    config: BenchConfig,
-    plan_path: Path,
-    plan: Plan,
-    workdir: Path,
-    prog: Progress,
-    timeout_s: float,
-    ctx_args: Sequence[str] = (),
-    memory: str = "host",
-    vram_share: str = "ipc",
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One configuration's run: (generation report, context report). `ctx_args`: extra
-    options of the context engine. The generation report also holds `daemon_status`, each
-    daemon's bounce counters read from /v1/status once the engines finished. `memory`
-    vram: the daemons run with engine.kv_memory vram and the engines' pools are on the GPU."""
-    from kvxferd.sim.cluster import LocalCluster
-
-    cdir = workdir / config.name
-    with LocalCluster(
-        cdir,
-        geometry=plan.geometry.cluster_geometry(),
-        transceiver=dict(config.transceiver),
-        tls=config.tls,
-        kv_memory=memory,
-        vram_share=vram_share,
-    ) as cluster:
-        ctx = cluster.start_daemon("bench-ctx", "context", engine=dict(config.engine))
-        gen = cluster.start_daemon("bench-gen", "generation", engine=dict(config.engine))
-
-        def logs() -> str:
-            return "".join(
-                f"\n--- {d.name} log ({d.log_path}) ---\n{d.log_text()[-2000:]}" for d in (ctx, gen)
-            )
-
-        notify_r, notify_w = os.pipe()
-        prog_r, prog_w = os.pipe()
-        common = ["-m", "kvxferd.bench.engine", "--plan", str(plan_path),
-                  *_memory_args(memory, vram_share)]  # fmt: skip
-        try:
-            ctx_engine = _spawn(
-                cdir,
-                "engine-ctx",
-                [*common, "--role", "context", "--socket", ctx.api_socket,
-                 "--notify-fd", str(notify_r), "--chunk-blocks", str(config.chunk_blocks),
-                 *ctx_args],
-                pass_fds=(notify_r,),
-            )  # fmt: skip
-            gen_engine = _spawn(
-                cdir,
-                "engine-gen",
-                [*common, "--role", "generation", "--socket", gen.api_socket,
-                 "--peer", ctx.peer_address, "--notify-fd", str(notify_w),
-                 "--progress-fd", str(prog_w), *cpu_pids_args(ctx.proc.pid, gen.proc.pid),
-                 "--engine-pids", str(ctx_engine.proc.pid)],
-                pass_fds=(notify_w, prog_w),
-            )  # fmt: skip
-        finally:
-            for fd in (notify_r, notify_w, prog_w):
-                os.close(fd)
-        try:
-            try:
-                _wait([ctx_engine, gen_engine], prog_r, prog, timeout_s)
-            except BenchError as exc:
-                raise BenchError(f"{config.name}: {exc}{logs()}") from None
-        finally:
-            os.close(prog_r)
-        # The generation engine's report first: it says why a request failed.
-        gen_report = gen_engine.report()
-        _check_report(f"{config.name}, generation engine", gen_report, logs())
-        ctx_report = ctx_engine.report()
-        _check_report(f"{config.name}, context engine", ctx_report, logs())
-        gen_report["daemon_status"] = {
-            "context": bounce_counters(daemon_status(ctx.http_address)),
-            "generation": bounce_counters(daemon_status(gen.http_address)),
-        }
-        codes = cluster.stop_all()
-        bad = {name: code for name, code in codes.items() if code != 0}
-        if bad:
-            raise BenchError(f"{config.name}: daemons exited with {bad}{logs()}")
-    return gen_report, ctx_report
-
-
-# -- joining records -----------------------------------------------------------------------------
-
-
-def _daemon_intervals(
-    gen: dict[str, Any], ctx: dict[str, Any], tokens: int | None, expect_bytes: int, name: str
-) -> list[tuple[int, int]]:
-    sends = {r["request_id"]: r for r in ctx.get("records", [])}
-    out = []
-    for r in gen.get("records", []):
-        if not r["timed"] or (tokens is not None and r["tokens"] != tokens):
-            continue
-        rid = r["request_id"]
-        if r["status"] != "done" or not r["verified"]:
-            raise BenchError(f"{name}: request {rid} not verified: {r['status']} {r['reason']}")
-        if r["nbytes"] != expect_bytes:
-            raise BenchError(
-                f"{name}: request {rid}: the daemon reported {r['nbytes']} bytes, "
-                f"{expect_bytes} expected"
-            )
-        send = sends.get(rid)
-        if send is None or send["status"] != "done":
-            raise BenchError(f"{name}: request {rid} has no successful send on the context side")
-        out.append((int(send["t_send_ns"]), int(r["t_done_ns"])))
-    return out
-
-
-def _raw_intervals(raw: dict[str, Any], tokens: int | None) -> list[tuple[int, int]]:
-    return [
-        (int(r["t_start_ns"]), int(r["t_done_ns"]))
-        for r in raw.get("records", [])
-        if r["timed"] and (tokens is None or r["tokens"] == tokens)
-    ]
-
-
-def _descriptors(raw: dict[str, Any], tokens: int) -> int:
-    counts = [r["descriptors"] for r in raw.get("records", []) if r["tokens"] == tokens]
-    return max(counts) if counts else 0
-
-
 # -- the benchmark ---------------------------------------------------------------------------------
-
-
-def gpu_info() -> dict[str, Any]:
-    """The CUDA device 0 a vram run used, and the cupy and CUDA versions it ran with."""
-    from kvxferd.memory.device import probe
-
-    found = probe()
-    info: dict[str, Any] = {
-        "devices": found.count,
-        "cupy_version": found.cupy_version,
-        "cuda_runtime": found.runtime_version,
-        "cuda_driver": found.driver_version,
-        "name": "",
-    }
-    with contextlib.suppress(Exception):  # a name is informative; the run has happened
-        import cupy
-
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-        info["name"] = name.decode() if isinstance(name, bytes) else str(name)
-    return info
-
-
-def host_info(memory: str = "host") -> dict[str, Any]:
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem_gib = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    nixl_package = package_name(nixl_module_name() or NIXL_MODULES[0])
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 0
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "cpu_model": model,
-        "memory_gib": mem_gib,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        # Which NIXL wheel the daemons load (nixl-cu12 or nixl-cu13), and its version.
-        "nixl_package": nixl_package,
-        "nixl_version": version(nixl_package),
-        "numpy_version": version("numpy"),
-        "kvxferd_version": __version__,
-        # Other work on the machine skews every number: the 1/5/15-minute load averages
-        # when the run started (and, in the report, when it ended).
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-    } | ({"gpu": gpu_info()} if memory == "vram" else {})
-
-
-def check_memory(plan: Plan, memory: str = "host") -> None:
-    """Fail early, with numbers, when two pools (plus a memcpy pair) cannot fit. (Device
-    pools: the device says so itself when they do not, at the first allocation.)"""
-    if memory != "host":
-        return
-    pool = plan.layout().pool_bytes
-    need = 2 * pool
-    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
-    if st is not None:
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            raise BenchError(
-                f"the run needs two KV pools of {pool / 2**20:.0f} MiB in /dev/shm at a time, "
-                f"but only {free / 2**20:.0f} MiB are free there; use fewer --tokens, a lower "
-                "--in-flight or a smaller geometry"
-            )
-    avail = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    if avail is not None and avail < need:
-        raise BenchError(
-            f"the run needs two KV pools of {pool / 2**20:.0f} MiB at a time, but only "
-            f"{avail / 2**20:.0f} MiB of memory are available; use fewer --tokens, a lower "
-            "--in-flight or a smaller geometry"
-        )
 
 
 def _workdir() -> Path:
@@ -471,17 +175,17 @@ def _run_sweep(
 
     units = len(plan.lengths) * (plan.warmup + plan.requests)
     prog.start_phase("raw NIXL", units)
-    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
+    raw = raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
     raw_t: dict[int, Timing] = {}
     report["raw"] = []
     for t in plan.lengths:
-        timing = Timing.of(_raw_intervals(raw, t), g.request_bytes(t) * plan.requests)
+        timing = Timing.of(raw_intervals(raw, t), g.request_bytes(t) * plan.requests)
         raw_t[t] = timing
         report["raw"].append(
             {
                 "tokens": t,
                 "bytes": g.request_bytes(t),
-                "descriptors": _descriptors(raw, t),
+                "descriptors": descriptors(raw, t),
                 "gbps": _sig(timing.gbps),
                 "p50_ms": _sig(timing.p50_ms),
                 "p99_ms": _sig(timing.p99_ms),
@@ -495,7 +199,7 @@ def _run_sweep(
     for config in opts.configs:
         bare = _sweep_bare(opts, plan, plan_path, workdir, prog, config, report)
         prog.start_phase(config.name, units)
-        gen, ctx = _daemon_run(
+        gen, ctx = daemon_run(
             config, plan_path, plan, workdir, prog, opts.timeout_s,
             memory=opts.memory, vram_share=opts.vram_share,
         )  # fmt: skip
@@ -503,7 +207,7 @@ def _run_sweep(
         summary = []
         for t in plan.lengths:
             nbytes = g.request_bytes(t)
-            intervals = _daemon_intervals(gen, ctx, t, nbytes, config.name)
+            intervals = daemon_intervals(gen, ctx, t, nbytes, config.name)
             if len(intervals) != plan.requests:
                 raise BenchError(
                     f"{config.name}: {len(intervals)} timed requests of {t} tokens finished, "
@@ -517,7 +221,7 @@ def _run_sweep(
                     "tokens": t,
                     "blocks": g.blocks_for(t),
                     "bytes": nbytes,
-                    "descriptors": _descriptors(raw, t),
+                    "descriptors": descriptors(raw, t),
                     "requests": timing.count,
                     "verified": timing.count,
                     "gbps": _sig(timing.gbps),
@@ -546,8 +250,8 @@ def _run_small(
     g = plan.geometry
     nbytes = g.block_bytes
     prog.start_phase("raw NIXL, one-block requests", None, seconds=plan.seconds + _STARTUP_S)
-    raw = _raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
-    raw_iv = _raw_intervals(raw, None)
+    raw = raw_run(plan_path, plan, workdir, prog, opts.timeout_s, opts.memory)
+    raw_iv = raw_intervals(raw, None)
     raw_timing = Timing.of(raw_iv, nbytes * len(raw_iv))
     raw_elapsed = _elapsed(raw_iv, int(raw.get("timed_start_ns", 0)))
     raw_rps = ratio(len(raw_iv), raw_elapsed)
@@ -567,11 +271,11 @@ def _run_small(
         prog.start_phase(
             f"{config.name}, one-block requests", None, seconds=plan.seconds + _STARTUP_S
         )
-        gen, ctx = _daemon_run(
+        gen, ctx = daemon_run(
             config, plan_path, plan, workdir, prog, opts.timeout_s,
             memory=opts.memory, vram_share=opts.vram_share,
         )  # fmt: skip
-        intervals = _daemon_intervals(gen, ctx, None, nbytes, config.name)
+        intervals = daemon_intervals(gen, ctx, None, nbytes, config.name)
         if not intervals:
             raise BenchError(f"{config.name}: no timed request finished")
         timing = Timing.of(intervals, nbytes * len(intervals))
