@@ -7,16 +7,9 @@ id "host:rpc_port". The engine is one-sided: a write goes into memory the
 peer registered with its engine, so this adapter implements `Backend` like
 the NIXL one.
 
-Peer metadata
--------------
-`metadata()` is a small JSON document (never pickle): format version, our
-agent name, our session id, our Mooncake package version and the regions we
-registered. It travels inside kvxferd's authenticated peer handshake (Info,
-PoolsUpdate); `add_peer` decodes it strictly and raises TransferError on
-anything malformed. The
-regions let `post_write` refuse a write outside the peer's registered memory
-before it leaves, with a message that says which segment; the peer's engine
-refuses such writes too (it checks every request against its registrations).
+What a daemon tells its peers about its engine, and the strict decoding of what they
+tell it, is kvxferd/backends/mooncake_meta.py; Mooncake's own timeouts, set from
+kv_transfer_timeout_ms, kvxferd/backends/mooncake_timeouts.py.
 
 `add_peer` fetches the peer's segment descriptor from its RPC port once,
 while the peer is demonstrably alive (it is answering our handshake), and
@@ -67,22 +60,6 @@ peer's kernel socket buffer (about 4 MiB on loopback, measured) are still
 applied to the peer's memory when it resumes. A killed peer applies nothing
 (its memory is gone), and a completed write has nothing left in flight.
 
-Timeouts
---------
-kvxferd's kv_transfer_timeout_ms bounds a request; Mooncake's TCP transport
-has two timeouts of its own that bound one write: MC_TCP_PROGRESS_TIMEOUT_SEC
-(no payload progress for that long) and MC_TCP_STATUS_TIMEOUT_SEC (no
-acknowledgement that long after the last byte). Both default to 30 s. They
-are set, before the engine starts, to half of kv_transfer_timeout_ms in whole
-seconds (at least 1, Mooncake's granularity; at most its default of 30), so a
-write to a stopped peer fails, and its handle can be released, within half
-our deadline. With kv_transfer_timeout_ms null, Mooncake keeps its defaults.
-MC_TRANSFER_TIMEOUT, which bounds only Mooncake's blocking calls (not used
-here), is set to the same value but at least 5, Mooncake's minimum for it.
-A value the operator already set in the environment wins, with a warning
-when it is not below kv_transfer_timeout_ms. These variables are read by the
-whole process; a daemon has one engine.
-
 Limits
 ------
 * The engine's RPC and data listeners bind every interface and authenticate
@@ -100,12 +77,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import ipaddress
-import itertools
-import json
 import logging
 import os
-import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,35 +87,21 @@ from typing import Any
 import numpy as np
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
+from kvxferd.backends.mooncake_meta import (
+    PeerMetadata,
+    check_host,
+    decode_metadata,
+    encode_metadata,
+    split_session,
+)
+from kvxferd.backends.mooncake_timeouts import apply_timeouts
 from kvxferd.errors import BackendUnavailableError, PeerLostError, StartupError, TransferError
-from kvxferd.hostport import split_hostport
 from kvxferd.service.logs import shown
 
 log = logging.getLogger("kvxferd.backends.mooncake")
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 SYSTEM_LIBRARIES = "libibverbs1 librdmacm1 libnuma1 liburing2 libnl-3-200 libnl-route-3-200"
-
-# Peer metadata: format version and bounds. It comes from the network, so
-# every field is checked and every size is bounded before anything is built.
-METADATA_VERSION = 1
-_METADATA_KEY = "kvxferd_mooncake"
-_MAX_METADATA_BYTES = 256 * 1024
-_MAX_REGIONS = 4096
-_MAX_AGENT_CHARS = 256
-_AGENT_RE = re.compile(r"[A-Za-z0-9._:@/-]+")
-_VERSION_RE = re.compile(r"[A-Za-z0-9.+_-]{1,64}")
-_HOSTNAME_RE = re.compile(
-    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
-)
-_ADDRESS_LIMIT = 1 << 64
-
-# Mooncake's TCP timeouts (seconds): its default, and the variables that set them.
-MOONCAKE_DEFAULT_TIMEOUT_S = 30
-_TCP_TIMEOUT_VARS = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
-_SYNC_TIMEOUT_VAR = "MC_TRANSFER_TIMEOUT"
-_SYNC_TIMEOUT_MIN_S = 5  # Mooncake clamps MC_TRANSFER_TIMEOUT to at least this
 
 # transfer_check_status's answers.
 _MC_DONE, _MC_IN_PROGRESS, _MC_FAILED, _MC_TIMED_OUT = 1, 0, -1, -2
@@ -182,155 +141,6 @@ def engine_version() -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"
-
-
-def mooncake_timeout_s(transfer_timeout_ms: int | None) -> int | None:
-    """Mooncake's per-write TCP timeout for our kv_transfer_timeout_ms: half of it in
-    whole seconds, between 1 and Mooncake's default. None: keep Mooncake's default."""
-    if transfer_timeout_ms is None:
-        return None
-    return max(1, min(MOONCAKE_DEFAULT_TIMEOUT_S, transfer_timeout_ms // 2000))
-
-
-def apply_timeouts(transfer_timeout_ms: int | None) -> int:
-    """Set Mooncake's timeouts in the environment (before its engine starts) and
-    return the per-write timeout in effect, in seconds."""
-    chosen = mooncake_timeout_s(transfer_timeout_ms)
-    effective = MOONCAKE_DEFAULT_TIMEOUT_S if chosen is None else chosen
-    for var in _TCP_TIMEOUT_VARS:
-        mine = os.environ.get(var)
-        if mine is None:
-            if chosen is not None:
-                os.environ[var] = str(chosen)
-            continue
-        # The operator's value wins; Mooncake ignores what is not a positive integer.
-        value = int(mine) if mine.strip().isdigit() and int(mine) > 0 else None
-        seconds = MOONCAKE_DEFAULT_TIMEOUT_S if value is None else value
-        effective = max(effective, seconds)
-        if transfer_timeout_ms is not None and seconds * 1000 >= transfer_timeout_ms:
-            log.warning(
-                "%s=%s is not below kv_transfer_timeout_ms (%d ms): a write to a stopped peer "
-                "then outlives the request's deadline, and its staging stays in use until "
-                "Mooncake gives up",
-                var,
-                mine,
-                transfer_timeout_ms,
-            )
-    if chosen is not None and _SYNC_TIMEOUT_VAR not in os.environ:
-        os.environ[_SYNC_TIMEOUT_VAR] = str(max(_SYNC_TIMEOUT_MIN_S, chosen))
-    return effective
-
-
-def _check_host(host: str) -> str:
-    """The address peers are told to reach our engine at."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if host == "localhost":
-            return "127.0.0.1"
-        if _HOSTNAME_RE.fullmatch(host) is None:
-            raise StartupError(f"MOONCAKE: {host!r} is not an IPv4 address or host name") from None
-        return host
-    if ip.version != 4:
-        raise StartupError(
-            f"MOONCAKE: daemon.peer_listen's host {host} is IPv6; Mooncake's session ids "
-            "(host:port) take IPv4 addresses and host names only"
-        )
-    if ip.is_unspecified:
-        raise StartupError(
-            f"MOONCAKE: daemon.peer_listen's host {host} is a wildcard, and peers must be "
-            "told an address they can reach the transfer engine at; set daemon.peer_listen "
-            "to this host's address on the network the peers use"
-        )
-    return host
-
-
-def _split_session(session: str) -> tuple[str, int]:
-    host, port = split_hostport(session, "session id")
-    if port == 0:
-        raise ValueError(f"session id {session[:300]!r} has port 0")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if _HOSTNAME_RE.fullmatch(host) is None:
-            raise ValueError(f"session id {session!r} has no valid host") from None
-    else:
-        if ip.version != 4 or ip.is_unspecified:
-            raise ValueError(f"session id {session!r} has no usable IPv4 host")
-    return host, port
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class PeerMetadata:
-    agent: str
-    session: str
-    regions: tuple[tuple[int, int], ...]  # (address, nbytes), sorted by address
-    engine: str  # the peer's Mooncake package version
-
-
-def encode_metadata(agent: str, session: str, regions: list[tuple[int, int]], engine: str) -> bytes:
-    doc = {
-        _METADATA_KEY: METADATA_VERSION,
-        "agent": agent,
-        "session": session,
-        "engine": engine,
-        "regions": [[a, n] for a, n in sorted(regions)],
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def decode_metadata(data: bytes) -> PeerMetadata:
-    """Strictly decode a peer's metadata; ValueError says what is wrong."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"metadata is {type(data).__name__}, not bytes")
-    if len(data) > _MAX_METADATA_BYTES:
-        raise ValueError(f"metadata is {len(data)} bytes, more than {_MAX_METADATA_BYTES}")
-    try:
-        doc = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        # RecursionError: nesting deeper than the decoder's stack allows.
-        raise ValueError(f"metadata is not JSON ({exc!r}); is the peer a MOONCAKE daemon?") from exc
-    if not isinstance(doc, dict):
-        raise ValueError("metadata is not a JSON object; is the peer a MOONCAKE daemon?")
-    if doc.get(_METADATA_KEY) != METADATA_VERSION:
-        raise ValueError(
-            f"metadata format {doc.get(_METADATA_KEY)!r} is not {METADATA_VERSION}; "
-            "is the peer a MOONCAKE daemon of this version?"
-        )
-    expected = {_METADATA_KEY, "agent", "session", "engine", "regions"}
-    if set(doc) != expected:
-        raise ValueError(f"metadata fields {sorted(doc)} are not {sorted(expected)}")
-    agent, session, engine, raw = doc["agent"], doc["session"], doc["engine"], doc["regions"]
-    if (
-        not isinstance(agent, str)
-        or len(agent) > _MAX_AGENT_CHARS
-        or _AGENT_RE.fullmatch(agent) is None
-    ):
-        raise ValueError(f"agent name {agent!r} is not a short printable name")
-    if not isinstance(engine, str) or _VERSION_RE.fullmatch(engine) is None:
-        raise ValueError(f"engine version {engine!r} is not a short version string")
-    if not isinstance(session, str) or len(session) > 300:
-        raise ValueError("session id is not a short string")
-    _split_session(session)
-    if not isinstance(raw, list) or len(raw) > _MAX_REGIONS:
-        raise ValueError(f"regions is not a list of at most {_MAX_REGIONS}")
-    regions: list[tuple[int, int]] = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
-            raise ValueError(f"region {item!r} is not [address, nbytes]")
-        address, nbytes = item
-        if not (address > 0 and nbytes > 0 and address + nbytes <= _ADDRESS_LIMIT):
-            raise ValueError(f"region [{address:#x}, +{nbytes}) is not a valid address range")
-        regions.append((address, nbytes))
-    regions.sort()
-    for (a0, n0), (a1, _) in itertools.pairwise(regions):
-        if a0 + n0 > a1:
-            raise ValueError(f"regions at {a0:#x} and {a1:#x} overlap")
-    return PeerMetadata(agent, session, tuple(regions), engine)
 
 
 def _inside(regions: tuple[tuple[int, int], ...], address: int, nbytes: int) -> bool:
@@ -374,7 +184,7 @@ class MooncakeBackend:
         probe_timeout_s: float = 1.0,
     ) -> None:
         self.agent_name = agent_name
-        self.host = _check_host(host)
+        self.host = check_host(host)
         self.probe_timeout_s = probe_timeout_s
         if os.environ.get("MC_TCP_PROTO", "").strip() == "1":
             raise StartupError(
@@ -500,7 +310,7 @@ class MooncakeBackend:
             raise PeerLostError(f"MOONCAKE: no peer {agent_name} (never added, or removed)")
 
     def _reachable(self, session: str) -> bool:
-        host, port = _split_session(session)
+        host, port = split_session(session)
         try:
             with socket.create_connection((host, port), timeout=self.probe_timeout_s):
                 return True

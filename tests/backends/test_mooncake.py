@@ -526,14 +526,14 @@ def _doc(**changes: Any) -> bytes:
     ],
 )
 def test_metadata_is_decoded_strictly(doc: bytes, words: str) -> None:
-    from kvxferd.backends.mooncake import decode_metadata
+    from kvxferd.backends.mooncake_meta import decode_metadata
 
     with pytest.raises(ValueError, match=words):
         decode_metadata(doc)
 
 
 def test_metadata_round_trips() -> None:
-    from kvxferd.backends.mooncake import decode_metadata, encode_metadata
+    from kvxferd.backends.mooncake_meta import decode_metadata, encode_metadata
 
     doc = encode_metadata("gen.5f-1a", "127.0.0.1:15001", [(8192, 16), (4096, 8)], "0.3.13")
     meta = decode_metadata(doc)
@@ -546,7 +546,7 @@ def test_metadata_round_trips() -> None:
 
 
 def test_mooncake_timeout_is_half_of_ours_in_whole_seconds() -> None:
-    from kvxferd.backends.mooncake import mooncake_timeout_s
+    from kvxferd.backends.mooncake_timeouts import mooncake_timeout_s
 
     assert mooncake_timeout_s(None) is None
     assert mooncake_timeout_s(500) == 1  # Mooncake's granularity
