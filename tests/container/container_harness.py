@@ -51,9 +51,9 @@ T = TypeVar("T")
 HELD_OK = """
 import sys
 from kvxferd.client import CallError
-from kvxferd.sim import engine
-engine.RELEASE_WAIT_S = 2.0
-close = engine.ReferenceEngine.close
+from kvxferd.sim import engine, reference_engine
+reference_engine.RELEASE_WAIT_S = 2.0
+close = reference_engine.ReferenceEngine.close
 async def close_held_ok(self):
     try:
         await close(self)
@@ -61,7 +61,7 @@ async def close_held_ok(self):
         if exc.code != "pool_busy":
             raise
         print("engine: pool still busy at exit (held blocks):", exc, file=sys.stderr)
-engine.ReferenceEngine.close = close_held_ok
+reference_engine.ReferenceEngine.close = close_held_ok
 sys.exit(engine.main(sys.argv[1:]))
 """
 

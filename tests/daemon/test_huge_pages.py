@@ -26,7 +26,7 @@ from kvxferd.commands.status_cmd import summary
 from kvxferd.memory.hugepages import HostPages, HugetlbReservation
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.sim.cluster import LocalCluster
-from kvxferd.sim.engine import ReferenceEngine
+from kvxferd.sim.reference_engine import ReferenceEngine
 from kvxferd.sim.workload import Item
 
 # Reserves hugetlb pages or changes shmem THP for the whole host, which daemons (and UCX)

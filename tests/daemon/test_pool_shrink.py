@@ -27,7 +27,7 @@ from kvxferd.client import AsyncClient, CallError
 from kvxferd.memory import MemfdRegion, ShmRegion
 from kvxferd.memory.shm import SHM_DIR
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
-from kvxferd.sim.engine import ReferenceEngine
+from kvxferd.sim.reference_engine import ReferenceEngine
 from kvxferd.sim.workload import Item
 
 REPO_ROOT = Path(kvxferd.__file__).resolve().parent.parent
