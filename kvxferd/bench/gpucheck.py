@@ -20,6 +20,12 @@ The pass rule (issue 15): the best kvxferd configuration at 8000 tokens moves at
 bare NIXL's 1 GiB VRAM write rate; every gather and scatter rate (both segment sizes, cupy's
 take / indexed assignment, which is what the daemon's device copier runs) is at least half the
 device's memcpy rate; no request failed.
+
+The driver draws on modules of its own: kvxferd.bench.gpucheck_spec (the steps, their caps, each
+step's entry before measurement, the verdict and the exit status), gpucheck_runs (one process
+under its cap, with its logs and its `@@gpucheck` results) and gpucheck_summary (what is
+printed at the end). This module keeps the check itself (its steps in order, the JSON and the
+logs' tarball) and the entry point.
 """
 
 from __future__ import annotations
@@ -36,207 +42,39 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvxferd.bench.gpu_foreign import FOREIGN_FIGURES
-from kvxferd.bench.probe_io import RESULT
-
-SCHEMA = "kvxferd-gpu-check/1"
-STEPS = ("setup", "device_copy", "nixl_vram", "foreign_memory", "kvxferd_bench")
-#: Caps in seconds. Expected together: ~3-4 minutes on an H200; the caps bound a hang.
-CAPS_S = {
-    "setup": 45.0,
-    "device_copy": 60.0,
-    "nixl_vram": 90.0,
-    "foreign_memory": 80.0,  # ipc and vmm, half each
-    "kvxferd_bench": 240.0,
-}
-#: A step is not started with less time than this left.
-MIN_STEP_S = 15.0
-SEGMENTS = ("4096", "65536")
-BENCH_TOKENS = 8000
-BENCH_REQUESTS = 20
-BENCH_WARMUP = 3
-BENCH_CONFIGS = ("nixl-python-bounce", "nixl-cpp")
-ZERO_COPY_CONFIG = "nixl-python-zerocopy"
-KVXFERD_MIN_RATIO = 0.8
-GATHER_MIN_RATIO = 0.5
-
-NO_DEVICE = "skipped: no CUDA device"
-NO_MEMORY_FLAG = "skipped: kvxferd bench has no --memory vram yet"
-NOT_SELECTED = "skipped: not selected (--steps)"
-NO_TIME = "skipped: time budget"
-
-JSON_NAME = "gpu-check.json"
-LOGS_NAME = "gpu-check-logs.tar.gz"
-#: Each log file keeps its last this many bytes in the tarball (the device tool brings back
-#: files of at most 16 MiB).
-LOG_TAIL = 2 << 20
-ROOT = Path(__file__).resolve().parents[2]
-#: The document's "host" (null until the setup probe says), then what else setup's result
-#: adds to it, then what setup's result gives its own step.
-HOST_KEYS = (
-    "gpu",
-    "gpu_uuid",
-    "cuda_runtime",
-    "cuda_driver",
-    "cupy",
-    "nixl_module",
-    "nixl",
-    "python",
-    "ucx_env",
+from kvxferd.bench.gpucheck_runs import ROOT, Run, probe_argv, run_process
+from kvxferd.bench.gpucheck_spec import (
+    BENCH_CONFIGS,
+    BENCH_REQUESTS,
+    BENCH_TOKENS,
+    BENCH_WARMUP,
+    CAPS_S,
+    HOST_KEYS,
+    JSON_NAME,
+    LOG_TAIL,
+    LOGS_NAME,
+    MIN_STEP_S,
+    NO_DEVICE,
+    NO_MEMORY_FLAG,
+    NO_TIME,
+    NOT_SELECTED,
+    SCHEMA,
+    SEGMENTS,
+    SETUP_HOST_KEYS,
+    SETUP_STEP_KEYS,
+    STEPS,
+    ZERO_COPY_CONFIG,
+    exit_code,
+    skeleton,
+    verdict,
 )
-SETUP_HOST_KEYS = (
-    *HOST_KEYS,
-    "platform",
-    "gpu_memory_bytes",
-    "compute_capability",
-    "nvidia_smi",
-    "packages",
-    "kvxferd",
-    "cuda_visible_devices",
-)
-SETUP_STEP_KEYS = (
-    "cuda",
-    "why",
-    "ipc_smoke",
-    "vmm_smoke",
-    "nixl_vram_register",
-    "imports",
-    "nixl_error",
-    "kvxferd_device_probe",
-    "device_count",
-)
+from kvxferd.bench.gpucheck_spec import get as _get
+from kvxferd.bench.gpucheck_summary import summary
 
-
-# -- what a step looks like before (or without) measurement ---------------------------------
-
-
-def _rate_null() -> dict[str, Any]:
-    return {"gbps": None, "p50_ms": None, "p99_ms": None, "verified": None}
-
-
-def skeleton(step: str, status: str) -> dict[str, Any]:
-    """A step's entry with every figure null: the shape readers can rely on."""
-    base: dict[str, Any] = {"ok": False, "status": status, "seconds": None}
-    if step == "setup":
-        base.update(why=None, cuda=False, ipc_smoke=None, vmm_smoke=None, nixl_vram_register=None)
-    elif step == "device_copy":
-        base["memcpy_gbps"] = None
-        for way in ("gather", "scatter"):
-            base[way] = {
-                s: {"cupy_gbps": None, "kernel_gbps": None, "verified": None} for s in SEGMENTS
-            }
-    elif step == "nixl_vram":
-        base.update(module=None, writes={"64MiB": _rate_null(), "1GiB": _rate_null()})
-    elif step == "foreign_memory":
-        for kind in ("ipc", "vmm"):
-            base[kind] = {"status": status, **dict.fromkeys(FOREIGN_FIGURES)}
-    elif step == "kvxferd_bench":
-        base.update(tokens=BENCH_TOKENS, request_bytes=None, command=None, configs={})
-    return base
-
-
-# -- the verdict -----------------------------------------------------------------------------
-
-
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
-
-
-def _num(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def _count(x: Any) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    x, y = _num(a), _num(b)
-    if x is None or y is None or y <= 0:
-        return None
-    return x / y
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
-
-
-def verdict(steps: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ratios, pass) from the steps' figures. A null input fails its criterion."""
-    memcpy = _num(_get(steps, "device_copy", "memcpy_gbps"))
-    nixl_1g = _num(_get(steps, "nixl_vram", "writes", "1GiB", "gbps"))
-    configs = _get(steps, "kvxferd_bench", "configs") or {}
-    measured = {k: v for k, v in configs.items() if _num(_get(v, "gbps")) is not None}
-    best_name = max(measured, key=lambda k: float(measured[k]["gbps"])) if measured else None
-    best = measured[best_name] if best_name else None
-    best_gbps = _num(_get(best, "gbps"))
-    ratios: dict[str, Any] = {
-        "best_config": best_name,
-        "kvxferd_vs_nixl_1gib": _round(_ratio(best_gbps, nixl_1g)),
-        "kvxferd_vs_bench_raw": _round(_ratio(best_gbps, _get(best, "raw_gbps"))),
-        "kvxferd_vs_memcpy": _round(_ratio(best_gbps, memcpy)),
-        "gather_vs_memcpy": {},
-        "scatter_vs_memcpy": {},
-    }
-    copy_ratios: list[float | None] = []
-    for way in ("gather", "scatter"):
-        for seg in SEGMENTS:
-            r = _ratio(_copier_gbps(_get(steps, "device_copy", way, seg) or {}), memcpy)
-            ratios[f"{way}_vs_memcpy"][seg] = _round(r)
-            copy_ratios.append(r)
-    kv = _ratio(best_gbps, nixl_1g)
-    failed = [_get(v, "failed") for v in configs.values()]
-    passed = {
-        "kvxferd_ge_0_8_nixl": kv is not None and kv >= KVXFERD_MIN_RATIO,
-        "gather_scatter_ge_half_copy": all(
-            r is not None and r >= GATHER_MIN_RATIO for r in copy_ratios
-        ),
-        # Every configuration measured and none lost a request; an unknown count fails.
-        "no_failed_requests": bool(failed) and all(_count(f) == 0 for f in failed),
-    }
-    passed["all"] = all(passed.values())
-    return ratios, passed
-
-
-def _copier_gbps(entry: dict[str, Any]) -> Any:
-    """The rate of the copy the daemon's device copier makes of these rows: its row kernel
-    where that ran and its bytes were right (rows of 512 B or more, as SEGMENTS are), else
-    cupy's take / indexed assignment, which it falls back to."""
-    if entry.get("kernel_verified") is True and _num(entry.get("kernel_gbps")) is not None:
-        return entry["kernel_gbps"]
-    return entry.get("cupy_gbps")
-
-
-def exit_code(doc: dict[str, Any]) -> int:
-    """0 passed, 1 measured but failed, 2 incomplete (anything skipped, broken or unmeasured)."""
-    if doc.get("skipped") or doc.get("errors"):
-        return 2
-    ratios = doc.get("ratios") or {}
-    inputs = [
-        ratios.get("kvxferd_vs_nixl_1gib"),
-        *(ratios.get("gather_vs_memcpy") or {}).values(),
-        *(ratios.get("scatter_vs_memcpy") or {}).values(),
-    ]
-    failed = [
-        _get(c, "failed") for c in (_get(doc, "steps", "kvxferd_bench", "configs") or {}).values()
-    ]
-    if any(x is None for x in inputs) or len(inputs) < 1 + 2 * len(SEGMENTS) or not failed:
-        return 2
-    if any(_count(f) is None for f in failed):
-        return 2
-    return 0 if _get(doc, "pass", "all") else 1
-
-
-# -- running probes --------------------------------------------------------------------------
+# -- the check -------------------------------------------------------------------------------
 
 
 class Terminated(Exception):
@@ -245,109 +83,6 @@ class Terminated(Exception):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
-
-
-@dataclass
-class Run:
-    """One finished (or killed) process of a step."""
-
-    argv: list[str]
-    rc: int | None
-    seconds: float
-    timed_out: bool
-    stdout: str
-    stderr_tail: str
-    result: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> bool:
-        """It exited other than 0, or was killed at its cap."""
-        return self.rc != 0 or self.timed_out
-
-    @property
-    def broken(self) -> bool:
-        """It failed, or reported an error (a probe that catches its own)."""
-        return self.failed or bool(self.result.get("error"))
-
-    def why(self) -> str:
-        """What went wrong, in one line, for the JSON."""
-        head = f"timed out after {self.seconds:.0f} s" if self.timed_out else f"exited {self.rc}"
-        err = self.result.get("error")
-        tail = [line for line in self.stderr_tail.strip().splitlines() if line.strip()]
-        detail = err or (tail[-1] if tail else "")
-        return f"{head}: {detail}"[:600] if detail else head
-
-
-def _merge_results(stdout: str) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for line in stdout.splitlines():
-        if line.startswith(RESULT):
-            try:
-                merged.update(json.loads(line[len(RESULT) :]))
-            except json.JSONDecodeError:
-                continue
-    return merged
-
-
-def run_process(argv: list[str], cap_s: float, logdir: Path, tag: str) -> Run:
-    """Run argv in a session of its own with its output in logdir; kill the whole session
-    (its helper processes too) at the cap."""
-    out_path, err_path = logdir / f"{tag}.out", logdir / f"{tag}.err"
-    t0 = time.monotonic()
-    timed_out = False
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            rc: int | None = proc.wait(timeout=max(1.0, cap_s))
-            # A helper the probe left behind (it crashed past its cleanup) would hold its GPU
-            # memory on, outside the outer timeout's reach: the session goes with its leader.
-            with suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_session(proc)
-            rc = proc.returncode
-        except BaseException:
-            # The probes run in sessions of their own, which a kill of ours would not reach.
-            _kill_session(proc)
-            raise
-    seconds = time.monotonic() - t0
-    stdout = out_path.read_text(errors="replace")
-    stderr = err_path.read_text(errors="replace")
-    run = Run(argv, rc, seconds, timed_out, stdout, stderr[-4000:])
-    run.result = _merge_results(stdout)
-    return run
-
-
-def _kill_session(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            # The leader is gone; its helpers may linger in the session: one more kill.
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        return
-
-
-def probe_argv(python: str, role: str, *args: str) -> list[str]:
-    return [python, "-m", "kvxferd.bench.gpu_probes", role, *args]
-
-
-# -- the check -------------------------------------------------------------------------------
 
 
 def _git() -> dict[str, Any]:
@@ -724,97 +459,6 @@ def _bench_report(stdout: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return report if isinstance(report, dict) else None
-
-
-# -- the summary -----------------------------------------------------------------------------
-
-
-def _f(x: Any, spec: str = ".1f") -> str:
-    n = _num(x)
-    return "-" if n is None else format(n, spec)
-
-
-def _verdict_word(ok: bool) -> str:
-    return "pass" if ok else "FAIL"
-
-
-def _figures(doc: dict[str, Any]) -> dict[str, str]:
-    """One line of figures per step, for the summary table."""
-    s = doc["steps"]
-    st, dc, nv, fm, kb = (s[k] for k in STEPS)
-    setup = f"cuda {st.get('cuda')}, ipc {st.get('ipc_smoke')}, vmm {st.get('vmm_smoke')}"
-    if st.get("why"):
-        setup += f"; why: {st['why']}"
-    copies = [f"memcpy {_f(dc.get('memcpy_gbps'))} GB/s"]
-    for way in ("gather", "scatter"):
-        for seg in SEGMENTS:
-            e = _get(dc, way, seg) or {}
-            cupy, kernel = _f(e.get("cupy_gbps")), _f(e.get("kernel_gbps"))
-            copies.append(f"{way} {int(seg) // 1024}K {cupy} (kernel {kernel})")
-    writes = []
-    for k in ("64MiB", "1GiB"):
-        w = _get(nv, "writes", k) or {}
-        writes.append(
-            f"{k} {_f(w.get('gbps'))} GB/s p50 {_f(w.get('p50_ms'), '.2f')} ms "
-            f"verified {w.get('verified')}"
-        )
-    foreign = []
-    for k in ("ipc", "vmm"):
-        f = fm.get(k) or {}
-        foreign.append(
-            f"{k}: copy-in {_f(f.get('copy_into_gbps'))} GB/s, register "
-            f"{str(f.get('register'))[:40]}, nixl-in {_f(f.get('write_into_gbps'))} "
-            f"nixl-out {_f(f.get('write_from_gbps'))}"
-        )
-    bench = [
-        f"{name} {_f(c.get('gbps'))} GB/s p50 {_f(c.get('p50_ms'), '.2f')} "
-        f"p99 {_f(c.get('p99_ms'), '.2f')} ms failed {c.get('failed')}"
-        for name, c in (kb.get("configs") or {}).items()
-    ]
-    return {
-        "setup": setup,
-        "device_copy": ", ".join(copies),
-        "nixl_vram": ", ".join(writes),
-        "foreign_memory": "; ".join(foreign),
-        "kvxferd_bench": ", ".join(bench) or "-",
-    }
-
-
-def summary(doc: dict[str, Any], code: int) -> str:
-    host = doc["host"]
-    lines = [
-        "",
-        f"GPU check ({doc['schema']}), {doc['elapsed_s']} s, exit {code}",
-        f"  gpu {host.get('gpu')}, cuda runtime {host.get('cuda_runtime')} driver "
-        f"{host.get('cuda_driver')}, cupy {host.get('cupy')}, {host.get('nixl_module')} "
-        f"{host.get('nixl')}, python {host.get('python')}",
-        "",
-        f"{'step':<16}{'status':<34}figures",
-    ]
-    for step, figures in _figures(doc).items():
-        status = str(doc["steps"][step].get("status"))
-        status = status if len(status) <= 32 else status[:29] + "..."
-        lines.append(f"{step:<16}{status:<34}{figures}")
-    r, p = doc["ratios"], doc["pass"]
-    copies = ", ".join(
-        f"{w} {int(seg) // 1024}K {_f(r[f'{w}_vs_memcpy'][seg], '.3f')}"
-        for w in ("gather", "scatter")
-        for seg in SEGMENTS
-    )
-    missing = {**doc["skipped"], **doc["errors"]}
-    incomplete = ", ".join(f"{k}: {v}" for k, v in missing.items())[:400]
-    lines += [
-        "",
-        f"kvxferd / bare NIXL 1 GiB: {_f(r['kvxferd_vs_nixl_1gib'], '.3f')} "
-        f"(need >= {KVXFERD_MIN_RATIO}) -> {_verdict_word(p['kvxferd_ge_0_8_nixl'])}",
-        f"gather/scatter / memcpy: {copies} (need >= {GATHER_MIN_RATIO}) -> "
-        f"{_verdict_word(p['gather_scatter_ge_half_copy'])}",
-        f"failed requests: {'none' if p['no_failed_requests'] else 'some, or not measured'} "
-        f"-> {_verdict_word(p['no_failed_requests'])}",
-        f"all: {'PASS' if p['all'] else 'not passed'}"
-        + (f" (incomplete: {incomplete})" if code == 2 and incomplete else ""),
-    ]
-    return "\n".join(lines)
 
 
 # -- entry -----------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxferd.bench import gpucheck, probe_io
-from kvxferd.bench.gpucheck import NO_DEVICE, STEPS, exit_code, skeleton, verdict
+from kvxferd.bench import gpucheck_runs, gpucheck_spec, gpucheck_summary, probe_io
+from kvxferd.bench.gpucheck_spec import NO_DEVICE, STEPS, exit_code, skeleton, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,7 +214,7 @@ def test_verdict_one_failed_request_fails() -> None:
 
 def test_exit_code_is_2_when_anything_was_skipped_or_broke() -> None:
     doc = _doc(_steps())
-    doc["skipped"]["kvxferd_bench"] = gpucheck.NO_MEMORY_FLAG
+    doc["skipped"]["kvxferd_bench"] = gpucheck_spec.NO_MEMORY_FLAG
     assert exit_code(doc) == 2
     doc = _doc(_steps())
     doc["errors"]["foreign_memory"] = "vmm: timed out"
@@ -223,8 +223,8 @@ def test_exit_code_is_2_when_anything_was_skipped_or_broke() -> None:
 
 def test_summary_prints_every_step_and_the_rule() -> None:
     doc = _doc(_steps())
-    doc.update(schema=gpucheck.SCHEMA, elapsed_s=1.0, host={"gpu": "stand-in"})
-    text = gpucheck.summary(doc, 0)
+    doc.update(schema=gpucheck_spec.SCHEMA, elapsed_s=1.0, host={"gpu": "stand-in"})
+    text = gpucheck_summary.summary(doc, 0)
     for step in STEPS:
         assert step in text
     assert "need >= 0.8" in text and "need >= 0.5" in text and "all: PASS" in text
@@ -290,7 +290,7 @@ def test_run_process_keeps_partial_results_of_a_probe_killed_at_its_cap(tmp_path
         "import time; print('@@gpucheck {\"a\": 1}', flush=True); "
         "print('@@gpucheck {\"b\": 2}', flush=True); time.sleep(60)"
     )
-    run = gpucheck.run_process([sys.executable, "-c", script], 1.0, tmp_path, "stand-in")
+    run = gpucheck_runs.run_process([sys.executable, "-c", script], 1.0, tmp_path, "stand-in")
     assert run.timed_out and run.seconds < 20
     assert run.result == {"a": 1, "b": 2}
     assert run.why().startswith("timed out after")
