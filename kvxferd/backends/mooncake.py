@@ -52,7 +52,7 @@ only once Mooncake has reported every segment finished or failed. From then
 on Mooncake neither reads the local source nor sends another byte of it: its
 client session for the write has ended, and on failure it closed the
 connection. A write that never finishes ends by Mooncake's own timeouts
-(below), so a release is refused for at most about that long.
+(mooncake_timeouts.py), so a release is refused for at most about that long.
 
 One thing no initiator can prevent: when the write failed because the PEER
 was stopped (SIGSTOP, a hung host), the bytes already delivered into the

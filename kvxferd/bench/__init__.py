@@ -11,7 +11,9 @@ Modules:
   raw       the bare NIXL pair (`python -m kvxferd.bench.raw`), no daemon
   baseline  the memcpy ceiling
   stats     percentiles, busy-time bandwidth, joining both engines' records
-  runner    starts daemons and processes, collects and checks the results
+  runner    the sweep and --small modes, and the report they make
+  phases    one measurement's processes (daemons, engines, raw pair), started and joined
+  host      the report's host facts, and the check that the pools fit
   report    table, JSON and plot
   progress  the stderr progress bar
 """

@@ -1,7 +1,8 @@
 """What a benchmark report says about the machine it ran on, and the check that its pools fit.
 
-Kept apart from the runner (kvxferd.bench.runner), which starts and joins the processes of
-a run: these only read the host (/proc, /dev/shm, package metadata, the CUDA device).
+Kept apart from the runner (kvxferd.bench.runner, the modes) and the processes of each
+measurement (kvxferd.bench.phases): these only read the host (/proc, /dev/shm, package
+metadata, the CUDA device).
 """
 
 from __future__ import annotations

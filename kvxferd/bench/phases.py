@@ -1,7 +1,8 @@
 """One measurement's processes, and what their records say: the raw NIXL pair (raw_run) and
 one configuration through two daemons with two bench engines (daemon_run), each started,
-relayed and joined here; then the timed intervals of their records (daemon_intervals,
-raw_intervals), checked verified and complete.
+relayed and joined here; then the timed intervals of their records (raw_intervals;
+daemon_intervals, which also checks every request verified, sent and of the expected size)
+and the raw pair's descriptor count (descriptors).
 
 The runner (kvxferd.bench.runner) and the pipelined comparison (kvxferd.bench.pipeline)
 both run their measurements through these.

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from kvxferd.bench.configs import BenchConfig, resolve
 from kvxferd.bench.engine import ContextSide
-from kvxferd.bench.phases import daemon_intervals, daemon_run
 from kvxferd.bench.plan import SWEEP, Item
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
@@ -109,6 +108,10 @@ def _exposed(
     gen: dict[str, Any], ctx: dict[str, Any], tokens: int, nbytes: int, name: str
 ) -> tuple[list[float], list[float]]:
     """(exposed ms, first-send-to-done ms) per timed request of `tokens`, every one checked."""
+    # Imported here: the bench engine imports this module in every context run, and
+    # phases brings the daemon-side modules it never needs.
+    from kvxferd.bench.phases import daemon_intervals
+
     daemon_intervals(gen, ctx, tokens, nbytes, name)  # raises unless all verified and sent
     sends = {r["request_id"]: r for r in ctx.get("records", [])}
     exposed, total = [], []
@@ -129,6 +132,7 @@ def run(
 ) -> dict[str, Any]:
     """Run --pipeline-compare (opts: runner.Options) and return its report."""
     from kvxferd.bench import runner
+    from kvxferd.bench.phases import daemon_run
 
     pipelined, sequential = configs()
     g = opts.geometry

@@ -2,8 +2,9 @@
 
 Every measurement runs in processes of its own: two `kvxferd run` daemons started by
 LocalCluster plus two bench engines (kvxferd.bench.engine) per configuration, and a raw NIXL
-target and initiator (kvxferd.bench.raw). The driver (this module) only starts them, relays
-their progress, and joins and checks their records; it never touches the data path.
+target and initiator (kvxferd.bench.raw), each started, relayed and joined by
+kvxferd.bench.phases. This module sequences them for the two modes (the sweep and
+--small) and builds the report from their records; it never touches the data path.
 """
 
 from __future__ import annotations

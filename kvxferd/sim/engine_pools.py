@@ -1,7 +1,7 @@
 """Where a reference engine's pools live and how they reach the daemon: host or device
 memory, the command-line options that choose them and the pools' geometry, and the content
-calls for host pools. Shared by the reference engine (engine.py) and the bench's engines
-and raw NIXL pair (kvxferd.bench)."""
+calls for host pools. Shared by the reference engine (engine.py, reference_engine.py) and
+the bench's engines and raw NIXL pair (kvxferd.bench)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ def context_peers_for(
 class ReferenceEngine:
     """`client`: one daemon link, or one per tensor-parallel rank (rank order); `layout` is
     each rank's pool (num_kv_heads: the heads one rank holds). `memory` "vram": every rank's
-    pool is on CUDA device `cuda_device`, shared by `vram_share` (see the module doc)."""
+    pool is on CUDA device `cuda_device`, shared by `vram_share` (see the module doc of
+    kvxferd/sim/engine.py)."""
 
     def __init__(
         self,
