@@ -11,8 +11,6 @@ configuration itself, so the two are measured as close together as the host allo
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,16 +90,7 @@ def run_pair(
                                       "--info-out", str(info)],
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            if receiver.proc.poll() is not None:
-                raise BenchError(
-                    f"the bare {name} receiver exited with {receiver.proc.returncode}:\n"
-                    + receiver.stderr_tail()
-                )
-            if time.monotonic() > deadline:
-                raise BenchError(f"the bare {name} receiver did not start within 120 s")
-            time.sleep(0.02)
+        receiver.wait_for_file(info, f"the bare {name} receiver")
         prog_r, prog_w = os.pipe()
         try:
             sender = spawn(
@@ -122,11 +111,7 @@ def run_pair(
         check_report(f"bare {name}", report, "\n" + sender.stderr_tail() + receiver.stderr_tail())
         return report
     finally:
-        try:
-            receiver.proc.wait(30)  # it ends when the sender hangs up
-        except subprocess.TimeoutExpired:
-            receiver.proc.kill()
-            receiver.proc.wait(10)
+        receiver.reap()  # it ends when the sender hangs up
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,28 @@ class Child:
             raise BenchError(f"{self.name} printed no report:\n{self.stderr_tail()}")
         return report
 
+    def wait_for_file(self, path: Path, what: str, timeout_s: float = 120.0) -> None:
+        """Wait for the file this child writes once it is ready (its connection info);
+        BenchError naming `what` if it exits or takes longer than `timeout_s` first."""
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if self.proc.poll() is not None:
+                raise BenchError(
+                    f"{what} exited with {self.proc.returncode}:\n" + self.stderr_tail()
+                )
+            if time.monotonic() > deadline:
+                raise BenchError(f"{what} did not start within {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def reap(self, wait_s: float = 30.0) -> None:
+        """Wait for a child that ends on its own once its partner is done; kill it if it
+        does not within `wait_s`."""
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
 
 def spawn(
     workdir: Path,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,16 +55,7 @@ def raw_run(
         stdin=subprocess.PIPE,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            if target.proc.poll() is not None:
-                raise BenchError(
-                    f"the raw NIXL target exited with {target.proc.returncode}:\n"
-                    + target.stderr_tail()
-                )
-            if time.monotonic() > deadline:
-                raise BenchError("the raw NIXL target did not start within 120 s")
-            time.sleep(0.02)
+        target.wait_for_file(info, "the raw NIXL target")
         prog_r, prog_w = os.pipe()
         try:
             init = _spawn(
@@ -99,11 +89,7 @@ def raw_run(
         if target.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 target.proc.stdin.close()
-        try:
-            target.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            target.proc.kill()
-            target.proc.wait(10)
+        target.reap()
 
 
 def daemon_run(
