@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 from kvxferd.bench import cpu
 from kvxferd.bench.plan import SWEEP, Geometry, Plan
+from kvxferd.service.heap_tuning import keep_freed_heap
 from kvxferd.service.runner import run_event_loop
 from kvxferd.sim.content import fill_blocks, request_seed, verify_blocks
 from kvxferd.transceiver.bounce import BounceRegion
@@ -402,6 +403,7 @@ def main(make_link: Callable[[], Link], transport: str, argv: list[str] | None =
             r.add_argument("--progress-fd", type=int, default=None)
     args = p.parse_args(argv)
     args.transport = transport
+    keep_freed_heap()  # the daemons' allocator, so that only the transport is compared
     link = make_link()
     side = receiver if args.role == "receiver" else sender
 

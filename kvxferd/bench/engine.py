@@ -43,6 +43,7 @@ from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.framing import CorkedWriter
+from kvxferd.service.heap_tuning import keep_freed_heap
 from kvxferd.service.runner import run_event_loop
 from kvxferd.sim.content import request_seed
 from kvxferd.sim.engine_pools import HostContent, add_memory_args, register_device_pool
@@ -564,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.progress_fd is not None:
         os.set_blocking(args.progress_fd, False)
+    keep_freed_heap()  # as the daemons do (service/heap_tuning.py)
     report: dict[str, Any] = {}
 
     async def run() -> int:

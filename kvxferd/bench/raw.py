@@ -49,6 +49,7 @@ from kvxferd.bench.plan import SWEEP, Group, Item, Plan, pool_huge_pages
 from kvxferd.memory.layout import KvLayout, pair_segments
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.memory.shm import ShmRegion
+from kvxferd.service.heap_tuning import keep_freed_heap
 from kvxferd.sim.content import VerifyResult, request_seed
 from kvxferd.sim.engine_pools import HostContent, add_memory_args
 
@@ -446,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     add_memory_args(i)
     i.set_defaults(fn=initiator)
     args = p.parse_args(argv)
+    keep_freed_heap()  # the daemons' allocator, so that only the path is compared
     return int(args.fn(args))
 
 

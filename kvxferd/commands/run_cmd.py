@@ -67,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvxferd.config import resolve
     from kvxferd.service.copy_tuning import log_nt_copies
     from kvxferd.service.daemon import Daemon
+    from kvxferd.service.heap_tuning import log_keep_freed_heap
     from kvxferd.service.runner import (
         install_reload_signal,
         install_shutdown_signals,
@@ -77,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_with_overrides(args)
     setup_logging(cfg.daemon.log_level, args.log_format)
     log_nt_copies()
+    log_keep_freed_heap()
     settings = resolve(cfg)
 
     async def main() -> int:

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict
 
 from kvxferd.client import AsyncClient, DaemonGoneError
+from kvxferd.service.heap_tuning import keep_freed_heap
 from kvxferd.sim.announce import Announcements, Announcer
 from kvxferd.sim.engine_pools import add_geometry_args, add_memory_args, layout_from_args
 from kvxferd.sim.reference_engine import EngineReport, ReferenceEngine
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             # Before any daemon is asked for anything: one line, no traceback.
             print(f"{p.prog}: error: {problem}", file=sys.stderr)
             return 2
+    keep_freed_heap()  # its checks of scattered blocks make MiB of temporaries per request
     try:
         report = asyncio.run(_main(args))
     except DaemonGoneError as exc:
