@@ -175,11 +175,13 @@ class Daemon:
         host, _ = split_hostport(d.peer_listen)
         # Before the backend starts: UCX listens on every device it finds otherwise.
         self.ucx_devices = listeners.pin_ucx_devices(host)
-        # The staged runtime copies beside its NIXL writes: UCX's worker lock as a mutex,
-        # so that NIXL's progress thread sleeps rather than spins while a post holds it.
-        self.ucx_mutex = (
-            settings.backend == "NIXL" and settings.runtime == "CPP" and prefer_mutex_worker_lock()
-        )
+        # Where our own threads copy beside NIXL's writes (the staged runtime's gathers and
+        # scatters, the PYTHON runtime's bounce buffer and head slices): UCX's worker lock as
+        # a mutex, so that NIXL's progress thread sleeps rather than spins on the core those
+        # copies need while a post holds the lock. Writes straight out of the engine's blocks
+        # (PYTHON without a bounce buffer) keep the spinlock, which was faster there.
+        copies = settings.runtime == "CPP" or settings.bounce_buffer_mb > 0
+        self.ucx_mutex = settings.backend == "NIXL" and copies and prefer_mutex_worker_lock()
         self.identity = Identity(d.name, self.incarnation, self.role, secret or b"")
         # MOONCAKE tells peers `host` and keeps its own timeouts below ours.
         options = registry.BackendOptions(host, settings.kv_transfer_timeout_ms)
@@ -345,7 +347,10 @@ class Daemon:
             f" (UCX_NET_DEVICES={self.ucx_devices})" if self.ucx_devices else "",
         )
         if self.ucx_mutex:
-            log.info("staged runtime over NIXL: UCX_USE_MT_MUTEX=y (set it to choose otherwise)")
+            log.info(
+                "%s over NIXL: UCX_USE_MT_MUTEX=y (set it to choose otherwise)",
+                "staged runtime" if self.settings.runtime == "CPP" else "bounce buffer",
+            )
         self.ready = True
         log.info("ready")
 
