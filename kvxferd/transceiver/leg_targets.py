@@ -10,6 +10,7 @@ answer is the plan, or the Terminal saying why the request ends and whose fault 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -149,9 +150,23 @@ def plan_leg(
         return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
 
 
+@functools.lru_cache(maxsize=256)
+def _pair_problem(src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank) -> str | None:
+    """Why no block of a `src` pool can be written into a `dst` pool (their geometry, the
+    heads they share), or None: a one-block plan of block 0 on both sides, which any pool
+    has. Layouts and ranks are frozen and a daemon sees a few pairs, so it is worked out
+    once per pair; it was ~0.45 ms per leg, ~40 % of the context daemon's event loop in a
+    head-split (docs/benchmarks.md, issue 16 "tensor parallelism", 2026-12-05)."""
+    try:
+        plan_write(src, 0, [0], dst, 0, [0], src_tp, dst_tp)
+    except LayoutError as exc:
+        return str(exc)
+    return None
+
+
 def check_leg(s: TxSession, leg: TxLeg, start: int, end: int, pipelined: bool) -> Terminal | None:
     """Why a leg's write of blocks [start, end) cannot be planned, or None: its target,
-    both sides' block ids, and the pair's geometry on one block. A whole plan of a head
+    both sides' block ids, and the pair's geometry (_pair_problem). A whole plan of a head
     slice is ~2 ms per 64 blocks here, and the write plans again what it needs."""
     assert s.pool is not None
     target = leg_target(s, leg, start, end, pipelined)
@@ -161,7 +176,9 @@ def check_leg(s: TxSession, leg: TxLeg, start: int, end: int, pipelined: bool) -
     try:
         s.pool.layout.check_blocks(s.blocks[first:end])
         target[0].check_blocks(leg.dst_blocks(first, end))
-        _plan(s, leg, target, first, first + 1)
     except LayoutError as exc:
         return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, str(exc))
+    problem = _pair_problem(s.pool.layout, s.pool.tp, target[0], target[2])
+    if problem is not None:
+        return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem)
     return None

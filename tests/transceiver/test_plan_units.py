@@ -347,3 +347,21 @@ def test_same_heads_in_ranks_of_equal_size_take_the_whole_block_path() -> None:
 def test_unmappable_tensor_parallel_pools_are_refused() -> None:
     with pytest.raises(LayoutError, match="incompatible KV geometry"):
         plan_write(layout(), 0, [0], layout(), 0, [0], TpRank(0, 1), TpRank(1, 2))
+
+
+def test_a_legs_pair_check_is_the_one_block_plans_and_made_once_per_pair() -> None:
+    from kvxferd.transceiver.leg_targets import _pair_problem
+
+    def pool(heads: int, blocks: int) -> KvLayout:
+        return KvLayout(2, 2, heads, 64, 16, "float16", BLOCK_MAJOR, blocks)
+
+    ctx, gen = pool(4, 8), pool(2, 5)
+    assert _pair_problem(ctx, TpRank(0, 1), gen, TpRank(1, 2)) is None
+    # A 3-head pool cannot be rank 0 of 2 of a 4-head model: the one-block plan's own words.
+    with pytest.raises(LayoutError) as raised:
+        plan_write(ctx, 0, [0], pool(3, 5), 0, [0], TpRank(0, 1), TpRank(0, 2))
+    assert _pair_problem(ctx, TpRank(0, 1), pool(3, 5), TpRank(0, 2)) == str(raised.value)
+    hits = _pair_problem.cache_info().hits
+    for _ in range(3):
+        _pair_problem(ctx, TpRank(0, 1), pool(2, 5), TpRank(1, 2))  # equal layouts: one entry
+    assert _pair_problem.cache_info().hits == hits + 3
