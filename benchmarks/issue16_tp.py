@@ -13,8 +13,15 @@ median and range over passes; and, from the demo's own account, the engines' and
 daemons' CPU seconds per GB moved and the cores busy over the run (on a two-core host a
 run near 2.0 is bound by the CPU, and its ratio by the CPU per GB).
 
-    .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 120] [--json]
+    .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 1000] [--json]
         [--modes bounce per-block] [--base DIR]
+
+`--requests`: 1000 by default (120 before 2026-12-05). A run must last long enough for the
+reference engines' pools to fragment: a fresh pool hands out consecutive blocks, a
+long-running one scattered blocks, and a short run measured mostly the first (in a 150-request
+run 1->2 read 0.63x of 1->1; at 1500 requests, before the malloc thresholds of
+kvxferd/service/heap_tuning.py, 0.35x). The per-block mode moves ~0.1 GB/s under a split:
+give it fewer requests.
 
 `--base DIR` adds the mode "bounce@base": the same bounce runs from another checkout
 (e.g. `git worktree add DIR COMMIT`, its .venv the same), within each pass, so that a
@@ -52,7 +59,7 @@ def demo(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--json", action="store_true")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--base", help="a checkout to compare with (adds the mode bounce@base)")
