@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -80,15 +81,29 @@ async def _main(args: argparse.Namespace) -> EngineReport:
         engine.announced = Announcements()
         reader_task = asyncio.create_task(engine.announced.listen(args.wait_fd))
     cpu0 = time.process_time()
+
+    async def close() -> None:
+        if reader_task is not None:
+            reader_task.cancel()
+        try:
+            await engine.close()
+        finally:
+            for client in clients:
+                await client.close()
+
     try:
         records = await engine.run(items, args.in_flight, peer, args.progress)
         cpu_s = time.process_time() - cpu0
-    finally:
-        if reader_task is not None:
-            reader_task.cancel()
-        await engine.close()
-        for client in clients:
-            await client.close()
+    except BaseException:
+        # The run's own error is the one to tell. Cleaning up after it can fail too: when
+        # one rank's daemon died mid-split, the other ranks' daemons still hold live legs
+        # of the same requests and refuse to deregister the pool (pool_busy), and that
+        # error used to replace "its daemon went away" with a traceback. Exiting closes
+        # every connection, and each daemon then ends what its engine left.
+        with contextlib.suppress(Exception):
+            await close()
+        raise
+    await close()
     return EngineReport(
         role=args.role,
         records=records,

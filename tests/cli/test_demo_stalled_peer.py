@@ -89,3 +89,31 @@ def test_a_stalled_context_daemon_fails_requests_but_not_the_run(tmp_path: Path)
     assert set(summary["failures"]) <= STALL_REASONS, summary["failures"]
     assert all(code == 0 for code in summary["daemon_exit_codes"].values()), summary
     assert demo.returncode == 1  # not every request verified
+
+
+def test_a_generation_rank_killed_mid_split_ends_the_demo_with_one_line(tmp_path: Path) -> None:
+    """kill -9 of one generation rank's daemon: its engine says its daemon went away. It
+    used to print a traceback instead: its clean-up asked the other rank's daemon to
+    deregister the pool while that daemon still held live legs of the same requests."""
+    args = ["demo", "--json", "--gen-tp", "2", "--runtime", "PYTHON", "--bounce-mb", "160",
+            "--in-flight", "8", "--requests", "2000"]  # fmt: skip
+    demo = subprocess.Popen(
+        [*KVXFERD, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        gen1 = _pid_of(tmp_path, "kvxferd.cli run", "demo-gen1.yaml")
+        _pid_of(tmp_path, "kvxferd.sim.engine", "--role generation")
+        time.sleep(2.0)  # let requests get under way
+        os.kill(gen1, signal.SIGKILL)
+        _, err = demo.communicate(timeout=300)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+    assert demo.returncode == 1, err[-3000:]
+    assert "its daemon went away" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
