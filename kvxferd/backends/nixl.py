@@ -128,15 +128,17 @@ PROGRESS_DELAY_US = 10
 # the other core. Under the staged runtime that core is the gather's and the scatter's:
 # with a mutex the progress thread sleeps instead, and staged NIXL moved 17 % more (3.4-3.5
 # against 2.6-3.3 GB/s, 4 alternating passes; docs/benchmarks.md, issue 16 "the staged
-# runtime"). Under the PYTHON runtime nothing else wants that core, and the spinning thread
-# takes a share of a many-segment write's copies: the mutex cost it ~17 %, so it keeps UCX's
-# default.
+# runtime"). The PYTHON runtime's bounce buffer and head slices copy on that core too, and
+# take the mutex as well (2026-12-05: 5-23 % more GB/s in TP demos). Without a bounce buffer
+# nothing else wants that core, and the spinning thread takes a share of a many-segment
+# write's copies: the mutex cost it ~17 %, so it keeps UCX's default.
 UCX_MUTEX_ENV = "UCX_USE_MT_MUTEX"
 
 
 def prefer_mutex_worker_lock(env: MutableMapping[str, str] | None = None) -> bool:
-    """Before the agent starts, for the staged runtime: UCX's worker lock as a mutex, unless
-    the operator chose (UCX_USE_MT_MUTEX set). True when this set it."""
+    """Before the agent starts, where the daemon copies beside its writes (the staged runtime,
+    a bounce buffer): UCX's worker lock as a mutex, unless the operator chose
+    (UCX_USE_MT_MUTEX set). True when this set it."""
     env = os.environ if env is None else env
     if UCX_MUTEX_ENV in env:
         return False
