@@ -12,11 +12,13 @@ kv_transfer_timeout) and the run never finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from cli_harness import KVXFERD
@@ -53,8 +55,10 @@ def _pid_of(workdir: Path, *words: str, timeout_s: float = 120.0) -> int:
     raise AssertionError(f"no process with {words} under {workdir} in {timeout_s} s")
 
 
-def test_a_stalled_context_daemon_fails_requests_but_not_the_run(tmp_path: Path) -> None:
-    requests = 2000
+@contextlib.contextmanager
+def _split_demo(tmp_path: Path, requests: int = 2000) -> Iterator[subprocess.Popen[str]]:
+    """A TP 1 -> 2 demo under the PYTHON runtime with a bounce buffer, its processes named
+    by `tmp_path`; killed on the way out if it is still running."""
     args = ["demo", "--json", "--gen-tp", "2", "--runtime", "PYTHON", "--bounce-mb", "160",
             "--in-flight", "8", "--requests", str(requests)]  # fmt: skip
     demo = subprocess.Popen(
@@ -65,6 +69,16 @@ def test_a_stalled_context_daemon_fails_requests_but_not_the_run(tmp_path: Path)
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     try:
+        yield demo
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+
+
+def test_a_stalled_context_daemon_fails_requests_but_not_the_run(tmp_path: Path) -> None:
+    requests = 2000
+    with _split_demo(tmp_path, requests) as demo:
         ctx = _pid_of(tmp_path, "kvxferd.cli run", "demo-ctx.yaml")
         _pid_of(tmp_path, "kvxferd.sim.engine", "--role generation")
         time.sleep(2.0)  # let requests get under way
@@ -74,10 +88,6 @@ def test_a_stalled_context_daemon_fails_requests_but_not_the_run(tmp_path: Path)
         finally:
             os.kill(ctx, signal.SIGCONT)
         out, err = demo.communicate(timeout=400)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.communicate()
     assert out.strip(), f"the demo printed no summary (exit {demo.returncode}):\n{err[-3000:]}"
     summary = json.loads(out)
     assert summary["requests"] == requests
@@ -95,25 +105,12 @@ def test_a_generation_rank_killed_mid_split_ends_the_demo_with_one_line(tmp_path
     """kill -9 of one generation rank's daemon: its engine says its daemon went away. It
     used to print a traceback instead: its clean-up asked the other rank's daemon to
     deregister the pool while that daemon still held live legs of the same requests."""
-    args = ["demo", "--json", "--gen-tp", "2", "--runtime", "PYTHON", "--bounce-mb", "160",
-            "--in-flight", "8", "--requests", "2000"]  # fmt: skip
-    demo = subprocess.Popen(
-        [*KVXFERD, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
-    try:
+    with _split_demo(tmp_path) as demo:
         gen1 = _pid_of(tmp_path, "kvxferd.cli run", "demo-gen1.yaml")
         _pid_of(tmp_path, "kvxferd.sim.engine", "--role generation")
         time.sleep(2.0)  # let requests get under way
         os.kill(gen1, signal.SIGKILL)
         _, err = demo.communicate(timeout=300)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.communicate()
     assert demo.returncode == 1, err[-3000:]
     assert "its daemon went away" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
