@@ -8,10 +8,11 @@ that size lies free at its top. A process that makes a few MiB of temporaries pe
 and frees them therefore gives the heap back and takes it again every time, one page fault
 per 4 KiB page, and on this VM a fault costs microseconds. The reference engine's check of
 a request whose blocks are scattered makes exactly that pattern (a gathered copy and a
-scratch array per MiB of blocks): 362,919 page faults and 0.75 GB/s, against 5,632 and
-5.2 GB/s with the thresholds below; in a 1500-request `kvxferd demo` with a head-split
-(context TP 1, generation TP 2) the engines' CPU per GB halved and the pair moved 1.0
-against 0.63 GB/s (docs/benchmarks.md, issue 16 "tensor parallelism", 2026-12-05).
+scratch array per MiB of blocks): 7,680 page faults per 16 MiB request and 0.76 GB/s,
+against none and 5.5 GB/s with the thresholds below (benchmarks/issue16_heap_faults.py);
+in 1000-request `kvxferd demo` runs with a head-split (context TP 1, generation TP 2) the
+engines' CPU per GB fell from 1.11 to 0.71 s and the pair moved 0.93 against 0.70 GB/s
+(docs/benchmarks.md, issue 16 "tensor parallelism", 2026-12-05).
 
 Both thresholds are fixed (setting one through mallopt turns glibc's adjustment off):
 buffers up to MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of free heap is
@@ -80,7 +81,7 @@ def keep_freed_heap(environ: Mapping[str, str] | None = None) -> str:
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
         or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1
     ):
-        return "malloc thresholds left alone: mallopt refused them"
+        return "malloc thresholds not (all) set: mallopt refused them"
     return (
         f"malloc keeps freed buffers: mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
         f"trim threshold {TRIM_THRESHOLD >> 20} MiB (set MALLOC_TRIM_THRESHOLD_ or "
