@@ -10,13 +10,12 @@ configuration itself, so the two are measured as close together as the host allo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvxferd.bench import cpu
-from kvxferd.bench.children import BenchError, check_report, spawn, wait_all
+from kvxferd.bench.children import BenchError, check_report, run_reporting, spawn
 from kvxferd.bench.configs import BenchConfig
 from kvxferd.bench.plan import Geometry
 from kvxferd.bench.progress import Progress
@@ -91,22 +90,14 @@ def run_pair(
     )  # fmt: skip
     try:
         receiver.wait_for_file(info, f"the bare {name} receiver")
-        prog_r, prog_w = os.pipe()
-        try:
-            sender = spawn(
-                workdir,
-                f"{name}-sender",
-                ["-m", spec.module, "sender", *common, "--receiver-info", str(info),
-                 "--progress-fd", str(prog_w)],
-                pass_fds=(prog_w,),
-            )  # fmt: skip
-            os.close(prog_w)
-            prog_w = -1
-            wait_all([sender], prog_r, prog, timeout_s, partners=[receiver])
-        finally:
-            os.close(prog_r)
-            if prog_w >= 0:
-                os.close(prog_w)
+        sender = run_reporting(
+            workdir,
+            f"{name}-sender",
+            ["-m", spec.module, "sender", *common, "--receiver-info", str(info)],
+            prog,
+            timeout_s,
+            partners=[receiver],
+        )
         report = sender.report()
         check_report(f"bare {name}", report, "\n" + sender.stderr_tail() + receiver.stderr_tail())
         return report

@@ -111,6 +111,31 @@ def spawn(
     return Child(name, proc, out_path, err_path)
 
 
+def run_reporting(
+    workdir: Path,
+    name: str,
+    argv: list[str],
+    prog: Progress,
+    timeout_s: float,
+    partners: Sequence[Child] = (),
+) -> Child:
+    """Spawn the child that reports a run (`argv` gets `--progress-fd`), relay its progress
+    until it exits (wait_all, with `partners`), and return it for its report. The pipe's
+    write end is ours only until the child has it: its end of file then says the child is
+    gone."""
+    prog_r, prog_w = os.pipe()
+    try:
+        child = spawn(workdir, name, [*argv, "--progress-fd", str(prog_w)], pass_fds=(prog_w,))
+        os.close(prog_w)
+        prog_w = -1
+        wait_all([child], prog_r, prog, timeout_s, partners=partners)
+    finally:
+        os.close(prog_r)
+        if prog_w >= 0:
+            os.close(prog_w)
+    return child
+
+
 def wait_all(
     children: list[Child],
     progress_fd: int,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxferd.bench.bare_run import cpu_pids_args
-from kvxferd.bench.children import BenchError
+from kvxferd.bench.children import BenchError, run_reporting
 from kvxferd.bench.children import check_report as _check_report
 from kvxferd.bench.children import spawn as _spawn
 from kvxferd.bench.children import wait_all as _wait
@@ -56,32 +56,15 @@ def raw_run(
     )  # fmt: skip
     try:
         target.wait_for_file(info, "the raw NIXL target")
-        prog_r, prog_w = os.pipe()
-        try:
-            init = _spawn(
-                workdir,
-                "raw-initiator",
-                [
-                    "-m",
-                    "kvxferd.bench.raw",
-                    "initiator",
-                    "--plan",
-                    str(plan_path),
-                    "--target-info",
-                    str(info),
-                    "--progress-fd",
-                    str(prog_w),
-                    *_memory_args(memory),
-                ],
-                pass_fds=(prog_w,),
-            )
-            os.close(prog_w)
-            prog_w = -1
-            _wait([init], prog_r, prog, timeout_s, partners=[target])
-        finally:
-            os.close(prog_r)
-            if prog_w >= 0:
-                os.close(prog_w)
+        init = run_reporting(
+            workdir,
+            "raw-initiator",
+            ["-m", "kvxferd.bench.raw", "initiator", "--plan", str(plan_path),
+             "--target-info", str(info), *_memory_args(memory)],
+            prog,
+            timeout_s,
+            partners=[target],
+        )  # fmt: skip
         report = init.report()
         _check_report("raw NIXL", report, "\n" + init.stderr_tail())
         return report
