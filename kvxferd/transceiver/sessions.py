@@ -149,8 +149,10 @@ class TxSession(_Session):
     deadline: float | None = None  # absolute, from the first send, never reset
     request: RequestData | None = None
     conn: PeerConnection | None = None
-    xfer: XferHandle | None = None  # set while a write may still move bytes
-    posting: bool = False  # from just before the post until the write is quiescent
+    # Its writes that may still move bytes (more than one: a staged leg's rounds overlap).
+    xfers: list[XferHandle] = field(default_factory=list)
+    # Posts and sends under way, each from just before it is made until it is quiescent.
+    posting: int = 0
     written: int = 0  # blocks already written (pipelined slices)
     legs: list[TxLeg] = field(default_factory=list)
     serve_peer: str = ""
@@ -184,7 +186,7 @@ class TxSession(_Session):
 
     @property
     def writing(self) -> bool:
-        return self.posting or self.xfer is not None
+        return self.posting > 0 or bool(self.xfers)
 
     def contender_of(self, conn: PeerConnection, rx_token: int) -> TxLeg | None:
         for leg in self.contenders:

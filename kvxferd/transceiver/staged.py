@@ -14,8 +14,9 @@ round lies in the slots right after the one before it (Result.round_offset),
 and the receiver acknowledges each round (RoundAck) once scattered. While round
 k moves, round k+1 is gathered into a send reservation of its own, and the
 receiver scatters round k-1 (two-sided: it has posted the receive of round k
-too); a round goes into slots that held earlier blocks only once those were
-acknowledged. A receiver whose Info lacks `round_offsets` gets one round per
+too; one-sided: round k+1's write is posted while round k's moves, its Result
+after round k's); a round goes into slots that held earlier blocks only once those
+were acknowledged. A receiver whose Info lacks `round_offsets` gets one round per
 reservation, each after the previous one's acknowledgement, as before.
 
 With different tensor-parallel sizes each (context rank, generation rank) leg
@@ -60,6 +61,7 @@ from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staged_round import RoundCrossing
 from kvxferd.transceiver.staging import (
     NO_ROOM,
+    ONE_SIDED_ROUNDS_AHEAD,
     ROUND_BYTES,
     TWO_SIDED_ROUNDS_AHEAD,
     one_sided_round_bytes,
@@ -206,9 +208,10 @@ class StagedMover:
         base = rounds[0][0]
         # Two-sided: the next round is announced and sent while this one is still being
         # received, so the receiver has its receive posted when this one ends (a send
-        # completes only once the receiver took it). One-sided: one write at a time,
-        # its Result after it.
-        depth = TWO_SIDED_ROUNDS_AHEAD if self.crossing.transport is not None else 1
+        # completes only once the receiver took it). One-sided: the next round's write is
+        # posted while this one moves (each Result after its write, in order).
+        two_sided = self.crossing.transport is not None
+        depth = TWO_SIDED_ROUNDS_AHEAD if two_sided else ONE_SIDED_ROUNDS_AHEAD
         ahead: asyncio.Task[Reservation | None] | None = self._gather_ahead(
             s, heads, leg_bytes, rounds[0], deadline
         )
@@ -242,6 +245,7 @@ class StagedMover:
                         final,
                         deadline,
                         announced,
+                        moving[-1][0] if moving else None,
                     )
                 )
                 moving.append((move, res))

@@ -46,8 +46,6 @@ class RoundCrossing:
         self.transport: TwoSidedTransport | None = None
         # Peers whose transport endpoint is open.
         self._connected: set[str] = set()
-        # Two-sided rounds being sent, per request.
-        self._sending: dict[TxSession, int] = {}
 
     def attach(self, transport: TwoSidedTransport) -> None:
         refuse_device_staging(transport, self.staging)
@@ -66,11 +64,15 @@ class RoundCrossing:
         last: bool,
         deadline: float,
         announced: asyncio.Event,
+        prior: asyncio.Future[bool] | None = None,
     ) -> bool:
         """Move one gathered round (`rnd`: first, stop, slot) into its slot of the receiver's
         reservation (`ring`: the slice's first block, the reservation's blocks, bytes per
         block) once the receiver scattered what that slot held before; False when the
-        request ended (`announced` is set once its Result is out, two-sided)."""
+        request ended. `announced` is set once the next round may start: two-sided once its
+        Result is out, one-sided once its write is posted. `prior`: the leg's round before
+        it, still moving; a one-sided round reports its Result only after that one's, so
+        the receiver learns of rounds in order."""
         assert s.pool is not None
         staging = self.staging
         first, stop, slot = rnd
@@ -106,7 +108,11 @@ class RoundCrossing:
                 leg.conn,
                 local_memory=staging.send.memory,
                 remote_memory=remote_memory,
+                on_posted=announced.set,
             )
+            if prior is not None:
+                # Not cancelled with us: its own move task quiesces and reports it.
+                await asyncio.wait({prior})
             if status is not XferStatus.DONE or s.terminal is not None:
                 return False
         if time.monotonic() > deadline:
@@ -138,8 +144,7 @@ class RoundCrossing:
         assert self.transport is not None
         conn = leg.conn
         # From here a cancel answers "busy", until no round of the request is sending.
-        self._sending[s] = self._sending.get(s, 0) + 1
-        s.posting = True
+        s.posting += 1
         try:
             try:
                 if conn.key not in self._connected:
@@ -184,9 +189,5 @@ class RoundCrossing:
                 s.request_end(Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc)))
                 return False
         finally:
-            left = self._sending.pop(s) - 1
-            if left:
-                self._sending[s] = left
-            else:
-                s.posting = False
+            s.posting -= 1
         return s.terminal is None

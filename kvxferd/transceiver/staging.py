@@ -114,6 +114,11 @@ ONE_SIDED_ROUNDS = 16
 # (docs/benchmarks.md, 2026-12-03): staged MPI moved ~30 % more at 4 than at 2, 8 no more
 # than 4. A stalled peer still holds at most half the receive region (staged_rx.py).
 TWO_SIDED_ROUNDS_AHEAD = 4
+# One-sided writes of one leg in flight at once: the next round's write is posted while
+# this one moves, each into slots the receiver has acknowledged. Staged Mooncake (TCP)
+# moves ~20 % more with two writes in flight than with one
+# (benchmarks/issue16_staged_skeleton.py).
+ONE_SIDED_ROUNDS_AHEAD = 2
 
 
 def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) -> int:

@@ -134,7 +134,7 @@ class PeerEnds:
             return False
         await settle(mine)
         await Drains.wait(self._drains.of(name, incarnation))
-        return all(s.xfer is None for s in mine)
+        return all(not s.xfers for s in mine)
 
     async def on_cancel_request(self, conn: PeerConnection, msg: CancelRequest) -> None:
         s = self._matching.match(conn, msg.request_id, msg.rx_token)

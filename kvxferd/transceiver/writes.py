@@ -108,17 +108,21 @@ class Writes:
         *,
         local_memory: Memory = HOST,
         remote_memory: Memory = HOST,
+        on_posted: Callable[[], None] | None = None,
     ) -> XferStatus:
         """Post one WRITE (to `conn`'s agent, by default the first receiver's) and wait for
         it; always returns with the write quiescent. `local_memory`/`remote_memory`: what
-        `local` and `remote` point into (the backend names each side's memory kind)."""
+        `local` and `remote` point into (the backend names each side's memory kind).
+        `on_posted` is called once the write is in flight (a staged leg then gathers and
+        posts its next round while this one moves)."""
         conn = conn or s.conn
         assert conn is not None
         backend = self._dp.backend
         s.advance(SessionState.TRANSFERRING)
-        # Marked before posting: from here a cancel answers "busy".
-        s.posting = True
+        # Counted before posting: from here a cancel answers "busy".
+        s.posting += 1
         status = XferStatus.ERROR
+        handle: XferHandle | None = None
         try:
             await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
             posted = time.monotonic()
@@ -128,7 +132,7 @@ class Writes:
                 and nbytes_of(local) <= INLINE_POST_MAX_BYTES
             )
             try:
-                handle, status = await (self._dp.call_cheap if inline else self._dp.call)(
+                posted_write = await (self._dp.call_cheap if inline else self._dp.call)(
                     self._post_if_wanted,
                     s,
                     conn,
@@ -143,10 +147,13 @@ class Writes:
             except TransferError as exc:
                 s.request_end(_failed(exc))
                 return XferStatus.ERROR
-            s.xfer = handle
+            handle, status = posted_write
+            s.xfers.append(handle)
             self.open_handles += 1
+            if on_posted is not None:
+                on_posted()
             device = local_memory.on_device or remote_memory.on_device
-            status = await self._wait(s, status, conn, device)
+            status = await self._wait(s, handle, status, conn, device)
             if status is XferStatus.DONE and self.on_write_done is not None:
                 self.on_write_done(time.monotonic() - posted, len(local))
             if status is XferStatus.ERROR and s.terminal is None:
@@ -155,20 +162,17 @@ class Writes:
                 )
             return status
         finally:
-            live = s.xfer
-            if (
-                status is XferStatus.IN_PROGRESS
-                and live is not None
-                and not live.released
-                and cancel_may_leak(conn)
-            ):
-                # Ended while in flight to another host: drained, never cancelled
-                # (tx_drains.py); the request ends now with its blocks held.
-                s.draining.append(self.drains.start(s.request_id, conn, live, s.pool))
-                s.xfer = None
-            else:
-                await self.quiesce(s)
-            s.posting = False
+            if handle is not None:
+                in_flight = status is XferStatus.IN_PROGRESS and not handle.released
+                if in_flight and cancel_may_leak(conn):
+                    # Ended while in flight to another host: drained, never cancelled
+                    # (tx_drains.py); the request ends now with its blocks held.
+                    s.draining.append(self.drains.start(s.request_id, conn, handle, s.pool))
+                else:
+                    # Until the backend confirms the release, the blocks stay on loan.
+                    await self._release(handle, s.request_id)
+                s.xfers.remove(handle)
+            s.posting -= 1
 
     def _post_if_wanted(
         self,
@@ -199,11 +203,15 @@ class Writes:
         )
 
     async def _wait(
-        self, s: TxSession, status: XferStatus, conn: PeerConnection, device: bool
+        self,
+        s: TxSession,
+        handle: XferHandle,
+        status: XferStatus,
+        conn: PeerConnection,
+        device: bool,
     ) -> XferStatus:
-        """Poll until done, error, or an end requested between/inside slices (`device`: the
-        write moves device memory, next_pause)."""
-        assert s.xfer is not None
+        """Poll `handle` until done, error, or an end requested between/inside slices
+        (`device`: the write moves device memory, next_pause)."""
         backend = self._dp.backend
         deadline = s.deadline if s.deadline is not None else math.inf
         started = time.monotonic()
@@ -232,19 +240,11 @@ class Writes:
             await s.wake.wait(wait)
             pause = next_pause(pause, time.monotonic() - started, device)
             try:
-                status = await self._dp.call_cheap(backend.poll, s.xfer)
+                status = await self._dp.call_cheap(backend.poll, handle)
             except TransferError as exc:
                 s.request_end(_failed(exc))
                 return XferStatus.ERROR
         return status
-
-    async def quiesce(self, s: TxSession) -> None:
-        """Release the write handle; until NIXL confirms, the blocks stay on loan."""
-        handle = s.xfer
-        if handle is None:
-            return
-        await self._release(handle, s.request_id)
-        s.xfer = None
 
     async def _poll(self, handle: XferHandle) -> XferStatus:
         return await self._dp.call_cheap(self._dp.backend.poll, handle)

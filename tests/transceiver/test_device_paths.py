@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -31,26 +30,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_harness import Heads, copies, sliced_blocks, tiny_layout
+from mover_harness import RecordingBackend, writes_over
+from mover_harness import peer_conn as _conn
+from mover_harness import pool as _pool
+from mover_harness import tx_session as _session
 
-from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus, vram
+from kvxferd.backends.base import HOST, Memory, vram
 from kvxferd.errors import StartupError
 from kvxferd.memory import device as device_mod
 from kvxferd.memory.device import DeviceUnavailableError
 from kvxferd.memory.heads import tp_rank
 from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout
-from kvxferd.peers.messages import PoolInfo, RequestData
+from kvxferd.peers.messages import PoolInfo
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver import staging as staging_mod
 from kvxferd.transceiver import writes as writes_mod
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
 from kvxferd.transceiver.copyplan import copy_plan
-from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.device_copy import DeviceCopier, device_buffers
 from kvxferd.transceiver.device_rows import launch_shape
 from kvxferd.transceiver.direct import DirectMover
 from kvxferd.transceiver.direct_rx import DirectReceive, copy_only
 from kvxferd.transceiver.leg_targets import must_bounce, peer_memory
-from kvxferd.transceiver.legs import RxLeg, TxLeg
+from kvxferd.transceiver.legs import RxLeg
 from kvxferd.transceiver.sessions import RxSession, TxSession
 from kvxferd.transceiver.staged import StagedMover
 from kvxferd.transceiver.staged_rx import StagedReceive
@@ -523,109 +525,6 @@ def test_host_bounce_buffers_are_as_before() -> None:
 # ------------------------------------------------------------------ movers
 
 
-class RecordingBackend:
-    """A one-sided backend that records each post's memory kinds and copies the bytes
-    (host memory stands in for both sides), completing every write inline."""
-
-    name = "NIXL"
-    agent_name = "ctx"
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        self.pending_polls = 0  # polls that answer IN_PROGRESS before a write is DONE
-
-    def post_write(
-        self, local: Any, remote: Any, agent_name: str, notif: bytes = b"", **kinds: Memory
-    ) -> tuple[XferHandle, XferStatus]:
-        self.posts.append({"descriptors": len(local), "kinds": kinds})
-        for (laddr, n), (raddr, _) in zip(local.tolist(), remote.tolist(), strict=True):
-            ctypes.memmove(raddr, laddr, n)
-        handle = XferHandle(object(), agent_name, int(local[:, 1].sum()), len(local))
-        return handle, XferStatus.IN_PROGRESS if self.pending_polls else XferStatus.DONE
-
-    def poll(self, handle: XferHandle) -> XferStatus:
-        if self.pending_polls:
-            self.pending_polls -= 1
-            return XferStatus.IN_PROGRESS
-        return XferStatus.DONE
-
-    def release(self, handle: XferHandle) -> None:
-        handle.released = True
-
-    def close(self) -> None:
-        pass
-
-
-def _region(array: np.ndarray) -> Any:
-    return SimpleNamespace(array=array, address=int(array.ctypes.data))
-
-
-def _pool(
-    layout: KvLayout, array: np.ndarray, memory: Memory = HOST, zero_copy: bool = True
-) -> LocalPool:
-    return LocalPool("p0", layout, _region(array), None, None, memory=memory, zero_copy=zero_copy)
-
-
-def _conn(
-    layout: KvLayout,
-    dst: np.ndarray,
-    *,
-    memory: str = "host",
-    device: int = 0,
-    writable: bool = True,
-    bounce: np.ndarray | None = None,
-    bounce_memory: str = "host",
-    bounce_device: int = 0,
-) -> Any:
-    info = PoolInfo(
-        "p0", {}, int(dst.ctypes.data), dst.nbytes, memory=memory, device=device, writable=writable
-    )
-    sent: list[Any] = []
-
-    async def send(msg: Any) -> bool:
-        sent.append(msg)
-        return True
-
-    async def fresh() -> None:
-        return None
-
-    return SimpleNamespace(
-        pools={"p0": info},
-        layouts={"p0": layout},
-        info=SimpleNamespace(
-            bounce_base=0 if bounce is None else int(bounce.ctypes.data),
-            bounce_nbytes=0 if bounce is None else bounce.nbytes,
-            bounce_memory=bounce_memory,
-            bounce_device=bounce_device,
-            transport_address="",
-            round_offsets=False,  # one round per reservation: one post to look at
-        ),
-        agent_name="gen",
-        regions=((info.base, info.nbytes),) if writable else (),
-        closed=asyncio.Event(),
-        close_reason="",
-        clock_offset_ms=0,
-        stale=False,
-        peer=SimpleNamespace(name="gen"),
-        key="gen/1",
-        send=send,
-        fresh=fresh,
-        sent=sent,
-    )
-
-
-def _session(
-    pool: LocalPool, conn: Any, blocks: list[int], dst_blocks: list[int], **req: Any
-) -> TxSession:
-    request = RequestData(request_id="r1", rx_token=1, pool_id="p0", blocks=dst_blocks, **req)
-    s = TxSession(request_id="r1", engine=None)
-    s.pool, s.blocks, s.last_seen = pool, blocks, True
-    s.request, s.conn = request, conn
-    s.legs = [TxLeg(conn, request)]
-    s.deadline = time.monotonic() + 5.0
-    return s
-
-
 def _gathered(pool: np.ndarray, layout: KvLayout, blocks: list[int]) -> np.ndarray:
     """What the host path packs for `blocks`: the bytes a bounce write must carry."""
     out = np.zeros(len(blocks) * layout.block_bytes, np.uint8)
@@ -660,14 +559,10 @@ def test_memory_helpers() -> None:
 
 @contextlib.asynccontextmanager
 async def _writes() -> AsyncIterator[tuple[Writes, RecordingBackend]]:
-    """Writes over a started data plane whose backend records every post; closed after."""
+    """Writes whose backend records every post."""
     backend = RecordingBackend()
-    dp = DataPlane(lambda: cast(Any, backend))
-    await dp.start()
-    try:
-        yield Writes(dp, lambda: 1.0), backend
-    finally:
-        await dp.close()
+    async with writes_over(backend) as writes:
+        yield writes, backend
 
 
 async def _direct(
