@@ -21,7 +21,7 @@ from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, offer_legs, reserve_all, reserve_by
+from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, RoomLine, offer_legs, reserve_all
 from kvxferd.transceiver.state import Reason, Status
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ class DirectReceive:
     def __init__(self, bounce: BounceBuffers | None, pipelined: bool) -> None:
         self.bounce = bounce
         self.pipelined = pipelined
+        # Copy-only receives waiting for room, served in the order they began to wait.
+        self.room = RoomLine()
 
     def reservations_exposed(self) -> bool:
         return True  # one-sided: the peer writes into the bounce reservation itself
@@ -169,7 +171,7 @@ class DirectReceive:
             return
         assert self.bounce is not None
         region = self.bounce.recv
-        got = await reserve_by(lambda: reserve_all(region, sizes), deadline)
+        got = await self.room.reserve_by(lambda: reserve_all(region, sizes), deadline)
         if got is None:
             s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_BOUNCE_ROOM))
             return

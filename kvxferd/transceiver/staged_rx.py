@@ -28,11 +28,11 @@ from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staging import (
     NO_ROOM,
     TWO_SIDED_ROUNDS_AHEAD,
+    RoomLine,
     blocks_per_round,
     offer_legs,
     refuse_device_staging,
     reserve_all,
-    reserve_by,
 )
 from kvxferd.transceiver.state import Reason, Status
 
@@ -49,6 +49,8 @@ class StagedReceive:
 
     def __init__(self, bounce: BounceBuffers) -> None:
         self.bounce = bounce
+        # Receives waiting for room, served in the order they began to wait.
+        self.room = RoomLine()
         # The two-sided transport once started (UCX, MPI); None: one-sided writes.
         self.transport: TwoSidedTransport | None = None
         self._drops: set[asyncio.Task[None]] = set()
@@ -104,7 +106,7 @@ class StagedReceive:
             )
             return
         wanted = [k * size for size in sizes]
-        got = await reserve_by(lambda: reserve_all(region, wanted), deadline)
+        got = await self.room.reserve_by(lambda: reserve_all(region, wanted), deadline)
         if got is None:
             s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_ROOM))
             return

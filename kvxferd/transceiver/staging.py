@@ -10,6 +10,7 @@ daemon.huge_pages and the host allow (the PYTHON runtime's bounce regions too).
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import mmap
 import time
@@ -64,6 +65,40 @@ async def reserve_by(reserve: Callable[[], _R | None], deadline: float) -> _R | 
         if res is not None or time.monotonic() >= deadline:
             return res
         await asyncio.sleep(_ROOM_POLL_S)
+
+
+class RoomLine:
+    """Receives waiting for room in one receive region, served in the order they began to
+    wait: the order their engine posted them.
+
+    Polling waiters in any order let two generation ranks of a head-split grant their room
+    to different requests. After a rank stalled and a backlog formed on both, rank 0 held
+    room for requests whose rank-1 receives waited for room that rank 1 held for requests
+    waiting on rank 0: each request's sender waits for every leg, so none moved until the
+    receive deadline, and the backlog formed again (a 1->2 demo over Mooncake timed out
+    every request for minutes after its rank 1 was stopped for 10 s). Every rank's engine
+    posts the same requests in the same order, so granting in arrival order grants each
+    rank's room to the oldest request first on every rank: no request holds room on one
+    rank while an older one holds the other's. The cost: a waiter that fits no earlier
+    than those before it."""
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque[object] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def reserve_by(self, reserve: Callable[[], _R | None], deadline: float) -> _R | None:
+        """Try `reserve` whenever no earlier waiter is left, until it finds room or the
+        deadline passes (None)."""
+        ticket = object()
+        self._waiting.append(ticket)
+        try:
+            return await reserve_by(
+                lambda: reserve() if self._waiting[0] is ticket else None, deadline
+            )
+        finally:
+            self._waiting.remove(ticket)
 
 
 def reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | None:
