@@ -301,18 +301,27 @@ def _demo(args: argparse.Namespace) -> int:
                     for peer in daemon_status(d.http_address).get("peers", [])
                 }
             )
-            # How each daemon's bounce buffer carried the bytes (absent without one).
-            copies = ("reservations_made", "fallbacks", "gathers", "scatters", "one_sided_legs")
-            bounce = {}
+            # How each daemon's bounce buffer (PYTHON) or staging regions (the staged
+            # runtime) carried the bytes; absent without either.
+            copies = (
+                "reservations_made",
+                "fallbacks",
+                "gathers",
+                "scatters",
+                "one_sided_legs",
+                "pool_rounds",
+            )
+            regions: dict[str, dict[str, Any]] = {"bounce": {}, "staging": {}}
             for d in (*ctx, *gen):
-                got = daemon_status(d.http_address).get("bounce")
-                if isinstance(got, dict):
-                    bounce[d.name] = {k: got[k] for k in copies if k in got}
+                doc = daemon_status(d.http_address)
+                for name, per_daemon in regions.items():
+                    got = doc.get(name)
+                    if isinstance(got, dict):
+                        per_daemon[d.name] = {k: got[k] for k in copies if k in got}
             codes = cluster.stop_all()
             summary = summarise(ctx_report, gen_report)
             summary["peer_channel"] = channels
-            if bounce:
-                summary["bounce"] = bounce
+            summary.update({name: got for name, got in regions.items() if got})
             # Where the cores went during the workload: both engines (their own account)
             # and every daemon (from /proc); over `seconds`, how many cores were busy.
             engine_cpu = float(ctx_report.get("cpu_s", 0.0)) + float(gen_report.get("cpu_s", 0.0))

@@ -428,6 +428,8 @@ class BounceBuffers:
         self.gathers = 0
         self.scatters = 0
         self.one_sided_legs = 0
+        # Staged rounds written straight out of the pool, without a gather (round_source.py).
+        self.pool_rounds = 0
         # Receive bytes whose request ended while the transport may still write them (MPI
         # mid-message: staged_rx.py), counted in recv_in_use_bytes until it lets go.
         self.recv_lent_bytes = 0
@@ -485,6 +487,7 @@ class BounceBuffers:
             "gathers": self.gathers,
             "scatters": self.scatters,
             "one_sided_legs": self.one_sided_legs,
+            "pool_rounds": self.pool_rounds,
             "pages": self.send.pages.to_status() if self.send.pages is not None else None,
         }
 

@@ -4,7 +4,9 @@ KV moves through preallocated staging buffers instead of straight into the
 destination blocks: the context side gathers a round of whole blocks into its
 send staging region, the bytes cross into a reservation the generation side
 made in its receive staging region, and the generation side scatters them into
-the destination blocks.
+the destination blocks. Over a one-sided backend a round whose blocks lie in long
+runs of the pool is written from the pool itself, packed into the same slots
+(round_source.py): the context side's copy is skipped, the receiver's is not.
 
 A request moves in rounds of a few MiB (staging.ROUND_BYTES; up to 64 MiB for a
 large one-sided leg, and on device staging the whole leg up to a quarter of the send
@@ -47,16 +49,17 @@ from __future__ import annotations
 import asyncio
 import math
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.memory.heads import mapping_problems
 from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import RoundAck
-from kvxferd.transceiver.bounce import BounceBuffers, Reservation
+from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.leg_targets import leg_target
 from kvxferd.transceiver.legs import TxLeg, leg_block_bytes, leg_heads
+from kvxferd.transceiver.round_source import RoundSource, pool_runs
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staged_round import RoundCrossing
 from kvxferd.transceiver.staging import (
@@ -212,10 +215,10 @@ class StagedMover:
         # posted while this one moves (each Result after its write, in order).
         two_sided = self.crossing.transport is not None
         depth = TWO_SIDED_ROUNDS_AHEAD if two_sided else ONE_SIDED_ROUNDS_AHEAD
-        ahead: asyncio.Task[Reservation | None] | None = self._gather_ahead(
+        ahead: asyncio.Future[RoundSource | None] | None = self._gather_ahead(
             s, heads, leg_bytes, rounds[0], deadline
         )
-        moving: list[tuple[asyncio.Task[bool], Reservation]] = []
+        moving: list[tuple[asyncio.Task[bool], RoundSource]] = []
         ok = True
         try:
             for i, (first, stop, slot) in enumerate(rounds):
@@ -228,7 +231,7 @@ class StagedMover:
                 ahead = None
                 if res is None or s.terminal is not None:
                     if res is not None:
-                        self.bounce.send.release(res)
+                        self._free(res)
                     ok = False
                     break
                 if i + 1 < len(rounds):
@@ -262,7 +265,7 @@ class StagedMover:
                         ok = await asyncio.shield(done)
                     finally:
                         if done.done():  # the move ended: its write is quiescent or drained
-                            s.when_quiescent(partial(self.bounce.send.release, res_done))
+                            s.when_quiescent(partial(self._free, res_done))
                         else:
                             moving.insert(0, (done, res_done))
                     if not ok:
@@ -294,8 +297,8 @@ class StagedMover:
     async def _retire_while(
         self,
         s: TxSession,
-        ahead: asyncio.Task[Reservation | None],
-        moving: list[tuple[asyncio.Task[bool], Reservation]],
+        ahead: asyncio.Future[RoundSource | None],
+        moving: list[tuple[asyncio.Task[bool], RoundSource]],
     ) -> bool:
         """Wait for the next round's gather, which may be waiting for room, giving back the
         reservation of each move that ends meanwhile (in order): that room may be all the
@@ -306,22 +309,28 @@ class StagedMover:
         failed."""
         while not ahead.done() and moving:
             move = moving[0][0]
-            await asyncio.wait({ahead, move}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {ahead, move}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if move.done() and not self._retire_first(s, moving):
                 return False
         return True
 
     def _retire_first(
-        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]
+        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], RoundSource]]
     ) -> bool:
         """Take the first move, which ended, off `moving`; its send reservation is freed
         once its write is quiescent. Whether it succeeded."""
         move, res = moving.pop(0)
-        s.when_quiescent(partial(self.bounce.send.release, res))
+        s.when_quiescent(partial(self._free, res))
         return move.result()
 
+    def _free(self, src: RoundSource) -> None:
+        """Give back a round's send reservation (a round read from the pool has none)."""
+        if src.res is not None:
+            self.bounce.send.release(src.res)
+
     async def _settle_moves(
-        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], Reservation]]
+        self, s: TxSession, moving: list[tuple[asyncio.Task[bool], RoundSource]]
     ) -> None:
         """Moves still running when the slice ends early: each runs to its end (an announced
         round is sent even when the request ended: its receiver waits for it), or to its
@@ -335,7 +344,7 @@ class StagedMover:
                     cancelled = True
             if not move.cancelled():
                 move.exception()  # retrieved: the slice already failed
-            s.when_quiescent(partial(self.bounce.send.release, res))
+            s.when_quiescent(partial(self._free, res))
         moving.clear()
         if cancelled:
             raise asyncio.CancelledError
@@ -347,31 +356,39 @@ class StagedMover:
         leg_bytes: int,
         rnd: tuple[int, int, int],
         deadline: float,
-    ) -> asyncio.Task[Reservation | None]:
+    ) -> asyncio.Future[RoundSource | None]:
         """Reserve room for a round in the send region and gather it there (None: no room
-        before the deadline, and the request ended)."""
+        before the deadline, and the request ended); or, for a one-sided round whose pool
+        runs are long, name those runs, to be written without a gather (round_source.py)."""
         assert s.pool is not None
         pool, staging = s.pool, self.bounce
         first, stop, _ = rnd
         nbytes = (stop - first) * leg_bytes
+        blocks = s.blocks[first:stop]
+        # Two-sided sends take one buffer; device staging was never measured on this path.
+        gather_only = self.crossing.transport is not None or staging.memory.on_device
+        runs = None if gather_only else pool_runs(pool, blocks, heads)
+        if runs is not None:
+            staging.pool_rounds += 1
+            ready: asyncio.Future[RoundSource | None] = asyncio.get_running_loop().create_future()
+            ready.set_result(RoundSource(None, runs, pool.memory))
+            return ready
 
-        async def gather() -> Reservation | None:
+        async def gather() -> RoundSource | None:
             res = await reserve_by(lambda: staging.send.reserve(nbytes), deadline)
             if res is None:
                 s.request_end(Terminal.timed_out(Reason.SENDER_DEADLINE, NO_ROOM))
                 return None
             try:
-                await staging.gather(
-                    pool.region.array, pool.layout, s.blocks[first:stop], res, nbytes, heads
-                )
+                await staging.gather(pool.region.array, pool.layout, blocks, res, nbytes, heads)
             except BaseException:
                 staging.send.release(res)
                 raise
-            return res
+            return RoundSource(res)
 
         return asyncio.ensure_future(gather())
 
-    async def _settle(self, task: asyncio.Task[Reservation | None]) -> None:
+    async def _settle(self, task: asyncio.Future[RoundSource | None]) -> None:
         """A gather started for a round that will not move: free its reservation once the
         copy into it finished (a cancel waits for that too, then goes on)."""
         cancelled = False
@@ -383,6 +400,6 @@ class StagedMover:
         if not task.cancelled() and task.exception() is None:
             res = task.result()
             if res is not None:
-                self.bounce.send.release(res)
+                self._free(res)
         if cancelled:
             raise asyncio.CancelledError

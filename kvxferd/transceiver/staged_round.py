@@ -1,10 +1,12 @@
-"""How one gathered round of the staged runtime crosses to its receiver (RoundCrossing).
+"""How one round of the staged runtime crosses to its receiver (RoundCrossing).
 
 One-sided (NIXL, Mooncake): one write into the round's slot of the receiver's reservation,
-then its Result says the bytes are in place. Two-sided (UCX, MPI): the Result goes first and
-announces the round (the receiver then posts its receive by tag), then the round is sent.
-Either way a round goes into a slot only once the receiver scattered what the slot held
-before (RoundAck up to the blocks that preceded it in the ring).
+out of the send region it was gathered into or straight out of the pool
+(transceiver/round_source.py), then its Result says the bytes are in place. Two-sided
+(UCX, MPI): the Result goes first and announces the round (the receiver then posts its
+receive by tag), then the round is sent. Either way a round goes into a slot only once the
+receiver scattered what the slot held before (RoundAck up to the blocks that preceded it
+in the ring).
 
 transceiver/staged.py decides which rounds a request moves and overlaps their gathers and
 moves; this module is only the crossing, and the two-sided transport's endpoints it opens.
@@ -26,6 +28,7 @@ from kvxferd.transceiver.bounce import BounceBuffers, Reservation
 from kvxferd.transceiver.leg_targets import peer_memory, unknown_memory
 from kvxferd.transceiver.legs import TxLeg
 from kvxferd.transceiver.postguard import post_refusal
+from kvxferd.transceiver.round_source import RoundSource, packed_targets
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staging import refuse_device_staging
 from kvxferd.transceiver.state import Reason, Status
@@ -36,8 +39,9 @@ _CONNECT_TIMEOUT_S = 10.0
 
 
 class RoundCrossing:
-    """The context side's crossing of gathered rounds out of the send staging region:
-    one-sided writes through `writes`, or, once a two-sided transport is attached, sends."""
+    """The context side's crossing of rounds out of the send staging region (or, one-sided,
+    the pool): one-sided writes through `writes`, or, once a two-sided transport is
+    attached, sends."""
 
     def __init__(self, writes: Writes, staging: BounceBuffers) -> None:
         self.writes = writes
@@ -58,7 +62,7 @@ class RoundCrossing:
         self,
         s: TxSession,
         leg: TxLeg,
-        res: Reservation,
+        src: RoundSource,
         rnd: tuple[int, int, int],
         ring: tuple[int, int, int],
         last: bool,
@@ -66,9 +70,9 @@ class RoundCrossing:
         announced: asyncio.Event,
         prior: asyncio.Future[bool] | None = None,
     ) -> bool:
-        """Move one gathered round (`rnd`: first, stop, slot) into its slot of the receiver's
-        reservation (`ring`: the slice's first block, the reservation's blocks, bytes per
-        block) once the receiver scattered what that slot held before; False when the
+        """Move one round (`rnd`: first, stop, slot; read from `src`) into its slot of the
+        receiver's reservation (`ring`: the slice's first block, the reservation's blocks,
+        bytes per block) once the receiver scattered what that slot held before; False when the
         request ended. `announced` is set once the next round may start: two-sided once its
         Result is out, one-sided once its write is posted. `prior`: the leg's round before
         it, still moving; a one-sided round reports its Result only after that one's, so
@@ -88,7 +92,8 @@ class RoundCrossing:
         offset = slot * leg_bytes
         result = leg.written(s.request_id, nbytes, last, True, (first, stop), offset)
         if self.transport is not None:
-            if not await self._send_two_sided(s, leg, res, result, deadline, announced):
+            assert src.res is not None  # a send takes one buffer: two-sided rounds are gathered
+            if not await self._send_two_sided(s, leg, src.res, result, deadline, announced):
                 return False
         else:
             info = leg.conn.info
@@ -96,17 +101,21 @@ class RoundCrossing:
             if remote_memory is None:
                 s.request_end(unknown_memory("staging", info.bounce_memory))
                 return False
-            local = np.array([[staging.send.address + res.offset, nbytes]], dtype=np.int64)
-            remote = np.array(
-                [[info.bounce_base + leg.request.bounce_offset + offset, nbytes]],
-                dtype=np.int64,
+            if src.res is not None:
+                local = np.array([[staging.send.address + src.res.offset, nbytes]], np.int64)
+                local_memory = staging.send.memory
+            else:
+                assert src.runs is not None
+                local, local_memory = src.runs, src.memory
+            remote = packed_targets(
+                local[:, 1], info.bounce_base + leg.request.bounce_offset + offset
             )
             status = await self.writes.post_and_wait(
                 s,
                 local,
                 remote,
                 leg.conn,
-                local_memory=staging.send.memory,
+                local_memory=local_memory,
                 remote_memory=remote_memory,
                 on_posted=announced.set,
             )

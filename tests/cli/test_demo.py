@@ -75,3 +75,21 @@ def test_demo_with_an_unavailable_backend_fails_clearly(tmp_path: Path) -> None:
     assert "backend MOONCAKE's engine (mooncake-transfer-engine-non-cuda) does not load" in out
     assert "libibverbs.so.1" in out and "scripts/system-deps.sh" in out
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["NIXL", "MOONCAKE"])
+def test_staged_rounds_of_large_blocks_are_written_from_the_pool(backend: str) -> None:
+    """Blocks of 1 MiB (16 KV heads) are runs long enough for the staged runtime to write
+    each round straight out of the context engine's pool (transceiver/round_source.py):
+    the context daemon gathers nothing, the generation daemon still scatters, and every
+    byte is verified."""
+    if backend == "MOONCAKE" and importlib.util.find_spec("mooncake") is None:
+        pytest.skip("mooncake is not installed (scripts/install.sh)")
+    proc = _demo("--requests", "12", "--max-tokens", "1500", "--runtime", "CPP",
+                 "--backend", backend, "--kv-heads", "16", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["verified"] == 12 and summary["failed"] == 0, summary
+    ctx, gen = summary["staging"]["demo-ctx"], summary["staging"]["demo-gen"]
+    assert ctx["pool_rounds"] > 0 and ctx["gathers"] == 0, summary["staging"]
+    assert gen["scatters"] >= ctx["pool_rounds"], summary["staging"]

@@ -20,6 +20,7 @@ from mover_harness import peer_conn, pool, tx_session, writes_over
 from kvxferd.backends.base import XferHandle, XferStatus
 from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
 from kvxferd.peers.messages import Result
+from kvxferd.transceiver import round_source
 from kvxferd.transceiver import staging as staging_mod
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
 from kvxferd.transceiver.sessions import Terminal, TxSession
@@ -84,11 +85,17 @@ def _layout() -> KvLayout:
     )
 
 
-@pytest.fixture
-def one_block_rounds(monkeypatch: pytest.MonkeyPatch) -> KvLayout:
+@pytest.fixture(params=["gathered", "from the pool"])
+def one_block_rounds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> KvLayout:
+    """One-block rounds, each gathered into the send region or (round_source.py) written
+    straight out of the pool."""
     layout = _layout()
     monkeypatch.setattr(staging_mod, "ROUND_BYTES", layout.block_bytes)
     monkeypatch.setattr(staging_mod, "ONE_SIDED_ROUND_MAX_BYTES", layout.block_bytes)
+    if request.param == "from the pool":
+        monkeypatch.setattr(round_source, "POOL_ROUND_MIN_RUN_BYTES", layout.piece_bytes)
+    else:
+        monkeypatch.setattr(round_source, "POOL_ROUND_MIN_RUN_BYTES", layout.block_bytes + 1)
     return layout
 
 
@@ -154,6 +161,7 @@ def test_the_next_write_is_posted_while_one_moves_and_results_stay_in_order(
             assert s.terminal is None
             assert not s.xfers and s.posting == 0
             assert staging.send.in_use_bytes == 0
+            assert staging.gathers + staging.pool_rounds == len(blocks)
         finally:
             staging.close()
         results = [m for m in conn.sent if isinstance(m, Result)]
