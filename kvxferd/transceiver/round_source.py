@@ -23,9 +23,14 @@ from kvxferd.transceiver.copyplan import Heads, copy_plan
 
 # Runs of the pool a round is written from must average at least this many bytes, and be
 # at most POOL_ROUND_MAX_RUNS in number, for the round to skip its gather.
-# benchmarks/issue16_staged.py (docs/benchmarks.md, "rounds written from the pool").
 POOL_ROUND_MIN_RUN_BYTES = 1 << 20
 POOL_ROUND_MAX_RUNS = 1024
+# The backends whose rounds skip the gather, by measurement (benchmarks/issue16_staged.py,
+# docs/benchmarks.md "rounds written from the pool"): staged NIXL moved ~8 % more, with
+# ~13 % less daemon CPU per GB. Staged Mooncake moved ~5 % less in 7 alternating passes: its
+# TCP transport submits each run as a batch of its own, which costs more than the gather
+# saves there.
+POOL_ROUND_BACKENDS = frozenset({"NIXL"})
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,16 @@ class RoundSource:
     memory: Memory = HOST
 
 
-def pool_runs(pool: LocalPool, blocks: list[int], heads: Heads | None) -> Segments | None:
+def pool_runs(
+    pool: LocalPool, blocks: list[int], heads: Heads | None, backend: str
+) -> Segments | None:
     """The pool's runs a round of `blocks` can be written from without a gather, or None
-    when it should be gathered: a head slice (runs of a token's heads), a pool the backend
-    cannot read itself (copy-only device memory), a device pool (its staging is on the
-    device already, and this path was never measured there), or runs too short."""
+    when it should be gathered: a backend not in POOL_ROUND_BACKENDS, a head slice (runs
+    of a token's heads), a pool the backend cannot read itself (copy-only device memory),
+    a device pool (its staging is on the device already, and this path was never measured
+    there), or runs too short."""
+    if backend not in POOL_ROUND_BACKENDS:
+        return None
     if heads is not None and tuple(heads) != (0, pool.layout.num_kv_heads):
         return None
     if not pool.zero_copy or pool.memory.on_device or not blocks:

@@ -367,7 +367,7 @@ class StagedMover:
         blocks = s.blocks[first:stop]
         # Two-sided sends take one buffer; device staging was never measured on this path.
         gather_only = self.crossing.transport is not None or staging.memory.on_device
-        runs = None if gather_only else pool_runs(pool, blocks, heads)
+        runs = None if gather_only else pool_runs(pool, blocks, heads, self.crossing.backend)
         if runs is not None:
             staging.pool_rounds += 1
             ready: asyncio.Future[RoundSource | None] = asyncio.get_running_loop().create_future()

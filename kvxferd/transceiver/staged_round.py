@@ -55,6 +55,11 @@ class RoundCrossing:
         refuse_device_staging(transport, self.staging)
         self.transport = transport
 
+    @property
+    def backend(self) -> str:
+        """The name of the backend the rounds cross by (NIXL, MOONCAKE, UCX, MPI)."""
+        return self.writes.backend_name
+
     def forget_peer(self, peer_key: str) -> None:
         self._connected.discard(peer_key)
 

@@ -99,6 +99,11 @@ class Writes:
         # Writes ended in flight to another host, waited out rather than cancelled.
         self.drains = Drains(self._poll, self._release)
 
+    @property
+    def backend_name(self) -> str:
+        """The name of the backend the writes go through, once the data plane started."""
+        return self._dp.backend.name
+
     async def post_and_wait(
         self,
         s: TxSession,

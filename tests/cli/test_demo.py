@@ -78,11 +78,12 @@ def test_demo_with_an_unavailable_backend_fails_clearly(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["NIXL", "MOONCAKE"])
-def test_staged_rounds_of_large_blocks_are_written_from_the_pool(backend: str) -> None:
+def test_staged_rounds_of_large_blocks_are_written_from_the_pool_over_nixl(backend: str) -> None:
     """Blocks of 1 MiB (16 KV heads) are runs long enough for the staged runtime to write
-    each round straight out of the context engine's pool (transceiver/round_source.py):
-    the context daemon gathers nothing, the generation daemon still scatters, and every
-    byte is verified."""
+    each round straight out of the context engine's pool over NIXL
+    (transceiver/round_source.py): the context daemon gathers nothing and the generation
+    daemon still scatters. Over Mooncake, where that measured slower, it gathers. Every
+    byte is verified either way."""
     if backend == "MOONCAKE" and importlib.util.find_spec("mooncake") is None:
         pytest.skip("mooncake is not installed (scripts/install.sh)")
     proc = _demo("--requests", "12", "--max-tokens", "1500", "--runtime", "CPP",
@@ -91,5 +92,6 @@ def test_staged_rounds_of_large_blocks_are_written_from_the_pool(backend: str) -
     summary = json.loads(proc.stdout)
     assert summary["verified"] == 12 and summary["failed"] == 0, summary
     ctx, gen = summary["staging"]["demo-ctx"], summary["staging"]["demo-gen"]
-    assert ctx["pool_rounds"] > 0 and ctx["gathers"] == 0, summary["staging"]
-    assert gen["scatters"] >= ctx["pool_rounds"], summary["staging"]
+    rounds = ctx["pool_rounds"] + ctx["gathers"]
+    assert rounds > 0 and gen["scatters"] == rounds, summary["staging"]
+    assert ctx["pool_rounds"] == (rounds if backend == "NIXL" else 0), summary["staging"]

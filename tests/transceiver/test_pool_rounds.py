@@ -46,7 +46,7 @@ def test_long_runs_of_whole_blocks_are_named_in_packed_order_and_coalesced(
     layout = _layout()
     src = _src(layout)
     p = pool(layout, src)
-    runs = pool_runs(p, [5, 6, 2, 7], None)
+    runs = pool_runs(p, [5, 6, 2, 7], None, "NIXL")
     assert runs is not None
     size = layout.block_bytes
     base = int(src.ctypes.data)
@@ -56,7 +56,7 @@ def test_long_runs_of_whole_blocks_are_named_in_packed_order_and_coalesced(
         [base + 7 * size, size],
     ]
     # Every head of the pool is the whole block too.
-    same = pool_runs(p, [5, 6, 2, 7], (0, layout.num_kv_heads))
+    same = pool_runs(p, [5, 6, 2, 7], (0, layout.num_kv_heads), "NIXL")
     assert same is not None and np.array_equal(same, runs)
 
 
@@ -66,14 +66,21 @@ def test_layer_major_runs_are_its_pieces(
     layout = _layout(LAYER_MAJOR)
     p = pool(layout, _src(layout))
     monkeypatch.setattr(round_source, "POOL_ROUND_MIN_RUN_BYTES", layout.piece_bytes)
-    runs = pool_runs(p, [3], None)
+    runs = pool_runs(p, [3], None, "NIXL")
     assert runs is not None and len(runs) == layout.block_bytes // layout.piece_bytes
     assert set(runs[:, 1].tolist()) == {layout.piece_bytes}
 
 
 @pytest.mark.parametrize(
     "why",
-    ["a head slice", "runs too short", "too many runs", "copy-only device pool", "device pool"],
+    [
+        "a head slice",
+        "runs too short",
+        "too many runs",
+        "copy-only device pool",
+        "device pool",
+        "Mooncake",
+    ],
 )
 def test_other_rounds_are_gathered(
     why: str, short_runs_suffice: None, monkeypatch: pytest.MonkeyPatch
@@ -83,7 +90,7 @@ def test_other_rounds_are_gathered(
     p = pool(layout, src)
     heads: tuple[int, int] | None = None
     blocks = [1, 3, 5]
-    assert pool_runs(p, blocks, None) is not None  # the same round, as it is
+    assert pool_runs(p, blocks, None, "NIXL") is not None  # the same round, as it is
     if why == "a head slice":
         heads = (0, 1)
     elif why == "runs too short":
@@ -92,9 +99,10 @@ def test_other_rounds_are_gathered(
         monkeypatch.setattr(round_source, "POOL_ROUND_MAX_RUNS", 2)
     elif why == "copy-only device pool":
         p = pool(layout, src, memory=vram(0), zero_copy=False)
-    else:
+    elif why == "device pool":
         p = pool(layout, src, memory=vram(0), zero_copy=True)
-    assert pool_runs(p, blocks, heads) is None
+    backend = "MOONCAKE" if why == "Mooncake" else "NIXL"
+    assert pool_runs(p, blocks, heads, backend) is None
 
 
 def test_packed_targets_fill_the_slot_run_after_run() -> None:
