@@ -10,7 +10,8 @@ ranges over the passes of GB/s, the ratio to its own bare transport (the issue's
 0.9), and both daemons' CPU seconds per GB moved.
 
     .venv/bin/python benchmarks/issue16_staged.py --passes 3 [--requests 3]
-        [--configs nixl-python,nixl-cpp,...] [--base DIR] [--tokens-per-block N] [--json]
+        [--configs nixl-python,nixl-cpp,...] [--base DIR] [--tokens-per-block N]
+        [--layout layer-major] [--json]
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ FIELDS = {
 
 
 def bench(
-    tree: str | None, configs: str, requests: int, tokens_per_block: int | None = None
+    tree: str | None,
+    configs: str,
+    requests: int,
+    tokens_per_block: int | None = None,
+    layout: str | None = None,
 ) -> list[dict[str, Any]]:
     args = ["bench", "--configs", configs, "--tokens", "8000", "--requests", str(requests),
             "--json", "--no-progress"]  # fmt: skip
     if tokens_per_block is not None:
         args += ["--tokens-per-block", str(tokens_per_block)]
+    if layout is not None:
+        args += ["--layout", layout]
     rows: list[dict[str, Any]] = kvxferd_json(args, tree, timeout=1800)["results"]
     python = next((r["gbps"] for r in rows if r["config"] == "nixl-python"), None)
     for r in rows:
@@ -67,13 +74,14 @@ def main() -> int:
         type=int,
         help="kvxferd bench's block size in tokens (its default: 32, 4 MiB blocks)",
     )
+    p.add_argument("--layout", choices=["block-major", "layer-major"], help="kvxferd bench's")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     measured = trees(args.base)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for k in range(args.passes):
         for name, tree in in_pass(measured, k):
-            for row in bench(tree, args.configs, args.requests, args.tokens_per_block):
+            for row in bench(tree, args.configs, args.requests, args.tokens_per_block, args.layout):
                 runs.setdefault((name, row["config"]), []).append(row)
                 print(
                     f"pass {k + 1} {name:4} {row['config']:13}: {row['gbps']:.2f} GB/s, "
