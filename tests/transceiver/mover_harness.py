@@ -16,7 +16,7 @@ import numpy as np
 
 from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus
 from kvxferd.memory.layout import KvLayout
-from kvxferd.peers.messages import PoolInfo, RequestData
+from kvxferd.peers.messages import PoolInfo, RequestData, Result
 from kvxferd.peers.process import me
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.dataplane import DataPlane
@@ -127,6 +127,20 @@ def tx_session(
     s.legs = [TxLeg(conn, request)]
     s.deadline = time.monotonic() + 5.0
     return s
+
+
+def acking(conn: Any, s: TxSession) -> None:
+    """The receiver scatters and acknowledges each round as soon as its Result arrives."""
+    record = conn.send
+
+    async def send(msg: Any) -> bool:
+        await record(msg)
+        if isinstance(msg, Result):
+            s.legs[0].acked_block = max(s.legs[0].acked_block, msg.end_block)
+            s.wake.set()
+        return True
+
+    conn.send = send
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from layout_harness import tiny_layout
-from mover_harness import RecordingBackend, peer_conn, pool, tx_session, writes_over
+from mover_harness import RecordingBackend, acking, peer_conn, pool, tx_session, writes_over
 
 from kvxferd.backends.base import vram
 from kvxferd.memory.layout import BLOCK_MAJOR, LAYER_MAJOR, KvLayout
@@ -141,19 +141,6 @@ def test_two_sided_rounds_are_always_gathered(short_runs_suffice: None) -> None:
 # ------------------------------------------------------------------ a leg moved
 
 
-def _acking(conn: Any, s: Any) -> None:
-    record = conn.send
-
-    async def send(msg: Any) -> bool:
-        await record(msg)
-        if isinstance(msg, Result):
-            s.legs[0].acked_block = max(s.legs[0].acked_block, msg.end_block)
-            s.wake.set()
-        return True
-
-    conn.send = send
-
-
 @pytest.mark.parametrize("major", [BLOCK_MAJOR, LAYER_MAJOR])
 def test_a_leg_of_long_runs_lands_as_a_gathered_one_would(
     major: str, short_runs_suffice: None, monkeypatch: pytest.MonkeyPatch
@@ -175,7 +162,7 @@ def test_a_leg_of_long_runs_lands_as_a_gathered_one_would(
     s = tx_session(
         pool(layout, src), conn, blocks, blocks, bounce_offset=0, bounce_nbytes=ring.nbytes
     )
-    _acking(conn, s)
+    acking(conn, s)
     sent: list[tuple[int, int]] = []
     post = backend.post_write
 

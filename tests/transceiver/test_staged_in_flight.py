@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from layout_harness import tiny_layout
-from mover_harness import peer_conn, pool, tx_session, writes_over
+from mover_harness import acking, peer_conn, pool, tx_session, writes_over
 
 from kvxferd.backends.base import XferHandle, XferStatus
 from kvxferd.memory.layout import LAYER_MAJOR, KvLayout
@@ -105,20 +105,6 @@ def _source_and_ring(layout: KvLayout, seed: int) -> tuple[np.ndarray, np.ndarra
     return src, np.zeros(4 * layout.block_bytes, np.uint8)
 
 
-def _acking(conn: Any, s: TxSession) -> None:
-    """The receiver scatters and acknowledges each round as soon as its Result arrives."""
-    record = conn.send
-
-    async def send(msg: Any) -> bool:
-        await record(msg)
-        if isinstance(msg, Result):
-            s.legs[0].acked_block = max(s.legs[0].acked_block, msg.end_block)
-            s.wake.set()
-        return True
-
-    conn.send = send
-
-
 async def _move(
     backend: HeldBackend, layout: KvLayout, src: np.ndarray, ring: np.ndarray, blocks: list[int]
 ) -> tuple[TxSession, Any, BounceBuffers]:
@@ -128,7 +114,7 @@ async def _move(
     s = tx_session(
         pool(layout, src), conn, blocks, blocks, bounce_offset=0, bounce_nbytes=ring.nbytes
     )
-    _acking(conn, s)
+    acking(conn, s)
     backend.session = s
     async with writes_over(backend) as writes:
         mover = StagedMover(writes, staging, False, lambda *a: None)
