@@ -111,7 +111,7 @@ REGISTRY: tuple[BenchConfig, ...] = (
     ),
     BenchConfig(
         "nixl-cpp",
-        "staged (CPP) runtime over NIXL: gather into a staging buffer, write, scatter",
+        "staged (CPP) runtime over NIXL: long pool runs written as they are, else gathered",
         {"backend": "NIXL", "transceiver_runtime": "CPP", "kv_transfer_timeout_ms": 60000},
     ),
     BenchConfig(
