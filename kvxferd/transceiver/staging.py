@@ -131,15 +131,15 @@ def offer_legs(
 # the scatter of the previous one then overlap, and a round's fixed costs (a
 # Result, a RoundAck, a post) stay small. Measured in docs/benchmarks.md (issue 16).
 ROUND_BYTES = 16 << 20
-# One-sided rounds of a large leg are larger, up to this: such a leg moves one round at a
-# time (one write, then its Result), so each round's fixed costs come between two writes
-# (0.31 ms median, 1.6 ms p90 between the end of one 16 MiB write and the start of the
-# next, measured in the context daemon against 3.2 ms per write), while the pipeline's fill
-# and drain (the first gather, the last scatter) grow with the round. A leg gets about
-# ONE_SIDED_ROUNDS rounds, none under ROUND_BYTES: a 1000 MiB request moves in 60 MiB
-# rounds, one of 256 MiB or less as before. Measured (docs/benchmarks.md, issue 16 "the
-# staged runtime", 2026-12-04): 1000 MiB requests over NIXL moved 4.32 / 4.59 / 5.05 GB/s
-# (medians of 4 rotating passes) in rounds of 16 / 32 / 64 MiB.
+# One-sided rounds of a large leg are larger, up to this: such a leg has few writes in flight
+# (ONE_SIDED_ROUNDS_AHEAD; one when this was measured), so each round's fixed costs come
+# between two writes (0.31 ms median, 1.6 ms p90 between the end of one 16 MiB write and
+# the start of the next, measured in the context daemon against 3.2 ms per write), while
+# the pipeline's fill and drain (the first gather, the last scatter) grow with the round.
+# A leg gets about ONE_SIDED_ROUNDS rounds, none under ROUND_BYTES: a 1000 MiB request
+# moves in 60 MiB rounds, one of 256 MiB or less as before. Measured (docs/benchmarks.md,
+# issue 16 "the staged runtime", 2026-12-04): 1000 MiB requests over NIXL moved 4.32 /
+# 4.59 / 5.05 GB/s (medians of 4 rotating passes) in rounds of 16 / 32 / 64 MiB.
 ONE_SIDED_ROUND_MAX_BYTES = 64 << 20
 ONE_SIDED_ROUNDS = 16
 # Two-sided rounds of one leg in flight at once: the sender sends this many ahead
