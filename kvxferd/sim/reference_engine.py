@@ -359,15 +359,25 @@ class ReferenceEngine:
         }
         pending: set[asyncio.Future[Outcome]] = set(waits)
         doomed = False
-        while pending:
-            ended, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not doomed and any(t.result().status != Status.DONE for t in ended):
-                doomed = True
-                for t in pending:
-                    # CallError: it just ended too; "busy": a write in flight ends by itself.
-                    with contextlib.suppress(CallError):
-                        await waits[t].client.cancel(request_id)
-        return [t.result() for t in waits]
+        try:
+            while pending:
+                ended, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if not doomed and any(t.result().status != Status.DONE for t in ended):
+                    doomed = True
+                    for t in pending:
+                        # CallError: it just ended too; "busy": a write in flight ends by itself.
+                        with contextlib.suppress(CallError):
+                            await waits[t].client.cancel(request_id)
+            return [t.result() for t in waits]
+        finally:
+            # Leaving early (a rank's daemon went away): the first failure is what goes on.
+            # The other waits are cancelled or their failures read here: left alone, each
+            # printed "Task exception was never retrieved" with a traceback.
+            for t in waits:
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()
 
     def _give_later(self, request_id: str, blocks: list[int], outcomes: list[Outcome]) -> list[int]:
         """The blocks to give back now: none when a rank's outcome held them (a write may
