@@ -2,12 +2,13 @@
 
 The staged runtime packs each round into the receiver's reservation (staged.py). The
 sender used to gather every round into its send region first, so that the round crossed
-as one descriptor. Over a one-sided backend a round of whole blocks whose runs in the pool
-are long can instead be written straight out of the pool, one descriptor per run, into the
-same packed slots: the receiver sees the same bytes in the same place, and the sender
-saves a copy of every byte (a memcpy pass, on a host where CPU is transfer time). A round
-of short runs (a head slice of a tensor-parallel leg, small layer-major pieces) is still
-gathered: there the transport's cost per descriptor outweighs the copy.
+as one descriptor. Over NIXL (the one-sided backend where it measured faster) a round of
+whole blocks whose runs in the pool are long is instead written straight out of the pool,
+one descriptor per run, into the same packed slots: the receiver sees the same bytes in
+the same place, and the sender saves a copy of every byte (a memcpy pass, on a host where
+CPU is transfer time). A round of short runs (a head slice of a tensor-parallel leg, small
+layer-major pieces) is still gathered: there the transport's cost per descriptor outweighs
+the copy. Over Mooncake every round is gathered (POOL_ROUND_BACKENDS).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ KV moves through preallocated staging buffers instead of straight into the
 destination blocks: the context side gathers a round of whole blocks into its
 send staging region, the bytes cross into a reservation the generation side
 made in its receive staging region, and the generation side scatters them into
-the destination blocks. Over a one-sided backend a round whose blocks lie in long
-runs of the pool is written from the pool itself, packed into the same slots
-(round_source.py): the context side's copy is skipped, the receiver's is not.
+the destination blocks. Over NIXL a round whose blocks lie in long runs of the
+pool is written from the pool itself, packed into the same slots (round_source.py):
+the context side's copy is skipped, the receiver's is not.
 
 A request moves in rounds of a few MiB (staging.ROUND_BYTES; up to 64 MiB for a
 large one-sided leg, and on device staging the whole leg up to a quarter of the send
