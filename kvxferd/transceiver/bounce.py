@@ -428,7 +428,8 @@ class BounceBuffers:
         self.gathers = 0
         self.scatters = 0
         self.one_sided_legs = 0
-        # Staged rounds written straight out of the pool, without a gather (round_source.py).
+        # Staged rounds written straight out of the pool, without a gather (round_source.py),
+        # counted as each is posted.
         self.pool_rounds = 0
         # Receive bytes whose request ended while the transport may still write them (MPI
         # mid-message: staged_rx.py), counted in recv_in_use_bytes until it lets go.

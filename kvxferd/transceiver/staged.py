@@ -369,7 +369,6 @@ class StagedMover:
         gather_only = self.crossing.transport is not None or staging.memory.on_device
         runs = None if gather_only else pool_runs(pool, blocks, heads, self.crossing.backend)
         if runs is not None:
-            staging.pool_rounds += 1
             ready: asyncio.Future[RoundSource | None] = asyncio.get_running_loop().create_future()
             ready.set_result(RoundSource(None, runs, pool.memory))
             return ready

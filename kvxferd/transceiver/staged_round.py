@@ -112,6 +112,7 @@ class RoundCrossing:
             else:
                 assert src.runs is not None
                 local, local_memory = src.runs, src.memory
+                staging.pool_rounds += 1  # here, not when planned: one planned ahead may never go
             remote = packed_targets(
                 local[:, 1], info.bounce_base + leg.request.bounce_offset + offset
             )
