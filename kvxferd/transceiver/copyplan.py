@@ -86,6 +86,11 @@ def _head_slice(layout: KvLayout, blocks: list[int], heads: Heads) -> CopyPlan:
     return CopyPlan(unit, index.astype(np.intp, copy=False), runs * run)
 
 
+def whole_blocks(layout: KvLayout, heads: Heads | None) -> bool:
+    """Whether a copy of `heads` (None: all) moves whole blocks: every head of the pool."""
+    return heads is None or tuple(heads) == (0, layout.num_kv_heads)
+
+
 def copy_plan(layout: KvLayout, blocks: list[int], heads: Heads | None = None) -> CopyPlan:
     """The plan for `blocks` of a pool of `layout`, or for only their heads [start, end).
 
@@ -93,8 +98,9 @@ def copy_plan(layout: KvLayout, blocks: list[int], heads: Heads | None = None) -
     contiguous (layer, K/V) pieces (only block-major and layer-major are planned for now).
     """
     # All heads: whole pieces pack the same bytes, with far fewer units.
-    if heads is None or tuple(heads) == (0, layout.num_kv_heads):
+    if whole_blocks(layout, heads):
         return _whole_blocks(layout, blocks)
+    assert heads is not None
     return _head_slice(layout, blocks, heads)
 
 

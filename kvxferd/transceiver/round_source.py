@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxferd.backends.base import HOST, Memory, Segments
+from kvxferd.backends.base import Segments
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.bounce import Reservation
-from kvxferd.transceiver.copyplan import Heads, copy_plan
+from kvxferd.transceiver.copyplan import Heads, copy_plan, whole_blocks
 
 # Runs of the pool a round is written from must average at least this many bytes, and be
 # at most POOL_ROUND_MAX_RUNS in number, for the round to skip its gather. Staged NIXL,
@@ -40,12 +40,11 @@ POOL_ROUND_BACKENDS = frozenset({"NIXL"})
 @dataclass(frozen=True)
 class RoundSource:
     """Where a round's bytes are read from: `res`, the send reservation it was gathered
-    into, or, with `res` None, `runs` of the pool ((address, length), absolute, in packed
-    order) in `memory`."""
+    into, or, with `res` None, `runs` of the (host) pool ((address, length), absolute, in
+    packed order)."""
 
     res: Reservation | None
     runs: Segments | None = None
-    memory: Memory = HOST
 
 
 def pool_runs(
@@ -58,7 +57,7 @@ def pool_runs(
     there), or runs too short."""
     if backend not in POOL_ROUND_BACKENDS:
         return None
-    if heads is not None and tuple(heads) != (0, pool.layout.num_kv_heads):
+    if not whole_blocks(pool.layout, heads):
         return None
     if not pool.zero_copy or pool.memory.on_device or not blocks:
         return None

@@ -367,10 +367,14 @@ class StagedMover:
         blocks = s.blocks[first:stop]
         # Two-sided sends take one buffer; device staging was never measured on this path.
         gather_only = self.crossing.transport is not None or staging.memory.on_device
-        runs = None if gather_only else pool_runs(pool, blocks, heads, self.crossing.backend)
+        runs = (
+            None
+            if gather_only
+            else pool_runs(pool, blocks, heads, self.crossing.writes.backend_name)
+        )
         if runs is not None:
             ready: asyncio.Future[RoundSource | None] = asyncio.get_running_loop().create_future()
-            ready.set_result(RoundSource(None, runs, pool.memory))
+            ready.set_result(RoundSource(None, runs))
             return ready
 
         async def gather() -> RoundSource | None:

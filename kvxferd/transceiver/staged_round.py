@@ -55,11 +55,6 @@ class RoundCrossing:
         refuse_device_staging(transport, self.staging)
         self.transport = transport
 
-    @property
-    def backend(self) -> str:
-        """The name of the backend the rounds cross by (NIXL, MOONCAKE, UCX, MPI)."""
-        return self.writes.backend_name
-
     def forget_peer(self, peer_key: str) -> None:
         self._connected.discard(peer_key)
 
@@ -111,7 +106,7 @@ class RoundCrossing:
                 local_memory = staging.send.memory
             else:
                 assert src.runs is not None
-                local, local_memory = src.runs, src.memory
+                local, local_memory = src.runs, s.pool.memory
                 staging.pool_rounds += 1  # here, not when planned: one planned ahead may never go
             remote = packed_targets(
                 local[:, 1], info.bounce_base + leg.request.bounce_offset + offset
