@@ -83,22 +83,43 @@ class RoomLine:
     than those before it."""
 
     def __init__(self) -> None:
-        self._waiting: collections.deque[object] = collections.deque()
+        # Each waiter's future, set when it reaches the head of the line.
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     async def reserve_by(self, reserve: Callable[[], _R | None], deadline: float) -> _R | None:
         """Try `reserve` whenever no earlier waiter is left, until it finds room or the
-        deadline passes (None)."""
-        ticket = object()
-        self._waiting.append(ticket)
+        deadline passes (None). Only the head of the line polls: the others sleep until
+        it leaves, so a long line costs one poll a millisecond, not one per waiter."""
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        self._waiting.append(turn)
+        timer: asyncio.TimerHandle | None = None
         try:
-            return await reserve_by(
-                lambda: reserve() if self._waiting[0] is ticket else None, deadline
-            )
+            if self._waiting[0] is not turn:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if not math.isinf(left):
+                    timer = loop.call_later(left, _wake, turn)
+                await turn
+                if self._waiting[0] is not turn:
+                    return None  # woken by its deadline, not by its turn
+            return await reserve_by(reserve, deadline)
         finally:
-            self._waiting.remove(ticket)
+            if timer is not None:
+                timer.cancel()
+            head = self._waiting[0] is turn
+            self._waiting.remove(turn)
+            if head and self._waiting:
+                _wake(self._waiting[0])
+
+
+def _wake(turn: asyncio.Future[None]) -> None:
+    if not turn.done():  # a cancelled waiter's own exit passes the turn on
+        turn.set_result(None)
 
 
 def reserve_all(region: BounceRegion, sizes: list[int]) -> list[Reservation] | None:

@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 
+import pytest
+
+from kvxferd.transceiver import staging
 from kvxferd.transceiver.staging import RoomLine, reserve_by
 
 
@@ -116,5 +120,43 @@ def test_a_later_waiter_that_would_fit_waits_for_the_one_before_it() -> None:
         region.release(7)
         assert await big == 6
         assert await small == 2
+
+    asyncio.run(go())
+
+
+def test_only_the_head_of_a_line_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty waiters on a full region: only the head sleeps and polls; the nineteen behind
+    it wait for their turn (each used to wake once a millisecond, to find it was not)."""
+    naps = [0]
+
+    async def counted_sleep(delay: float) -> None:
+        naps[0] += 1
+        await asyncio.sleep(delay)
+
+    monkeypatch.setattr(
+        staging, "asyncio", SimpleNamespace(**{**vars(asyncio), "sleep": counted_sleep})
+    )
+
+    async def go() -> None:
+        line = RoomLine()
+        calls = [0] * 20
+        free = [False]
+
+        def reserve(i: int) -> int | None:
+            calls[i] += 1
+            return i if free[0] else None
+
+        deadline = time.monotonic() + 30
+        waiters = [
+            asyncio.ensure_future(line.reserve_by(lambda i=i: reserve(i), deadline))
+            for i in range(20)
+        ]
+        for _ in range(10):
+            await asyncio.sleep(0.002)
+        assert calls[0] >= 2 and calls[1:] == [0] * 19
+        assert naps[0] <= calls[0]  # one nap per poll of the head, none for the others
+        free[0] = True
+        assert await asyncio.gather(*waiters) == list(range(20))  # in their order
+        assert calls[1:] == [1] * 19  # each tried once, when its turn came
 
     asyncio.run(go())
