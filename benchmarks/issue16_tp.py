@@ -14,7 +14,7 @@ daemons' CPU seconds per GB moved and the cores busy over the run (on a two-core
 run near 2.0 is bound by the CPU, and its ratio by the CPU per GB).
 
     .venv/bin/python benchmarks/issue16_tp.py --passes 5 [--requests 1000] [--json]
-        [--modes bounce per-block] [--base DIR]
+        [--modes bounce per-block] [--base DIR] [--tokens N]
 
 `--requests`: 1000 by default (120 before 2026-12-05). A run must last long enough for the
 reference engines' pools to fragment: a fresh pool hands out consecutive blocks, a
@@ -22,6 +22,10 @@ long-running one scattered blocks, and a short run measured mostly the first (in
 run 1->2 read 0.63x of 1->1; at 1500 requests, before the malloc thresholds of
 kvxferd/service/heap_tuning.py, 0.35x). The per-block mode moves ~0.1 GB/s under a split:
 give it fewer requests.
+
+`--tokens N` gives every request N tokens (the demo's mix otherwise: up to 2048). At 8000
+tokens a leg of a split or merge is 32 MiB, and the 160 MiB bounce regions hold a few of
+them: what a busy region does to the legs that find no room shows there.
 
 `--base DIR` adds the mode "bounce@base": the same bounce runs from another checkout
 (e.g. `git worktree add DIR COMMIT`, its .venv the same), within each pass, so that a
@@ -43,11 +47,18 @@ MODES = {"bounce": ("--bounce-mb", "160"), "per-block": ()}
 
 
 def demo(
-    ctx_tp: int, gen_tp: int, mode: str, requests: int, base: str | None = None
+    ctx_tp: int,
+    gen_tp: int,
+    mode: str,
+    requests: int,
+    base: str | None = None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
     flags = MODES[mode.removesuffix("@base")]
     args = ["demo", "--json", "--runtime", "PYTHON", "--ctx-tp", str(ctx_tp), "--gen-tp",
             str(gen_tp), "--requests", str(requests), *flags]  # fmt: skip
+    if tokens is not None:
+        args += ["--min-tokens", str(tokens), "--max-tokens", str(tokens)]
     tree = base if mode.endswith("@base") else None
     assert tree is not None or not mode.endswith("@base")
     summary: dict[str, Any] = kvxferd_json(args, tree, timeout=900)
@@ -63,6 +74,11 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--base", help="a checkout to compare with (adds the mode bounce@base)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        help="every prompt this long (default: the demo's mix, up to 2048 tokens)",
+    )
     args = p.parse_args()
     modes = list(args.modes) + (["bounce@base"] if args.base else [])
     runs = [(pair, mode) for mode in modes for pair in PAIRS]
@@ -76,7 +92,7 @@ def main() -> int:
         shift = k % len(runs)
         got: dict[tuple[tuple[int, int], str], float] = {}
         for pair, mode in runs[shift:] + runs[:shift]:
-            summary = demo(*pair, mode, args.requests, args.base)
+            summary = demo(*pair, mode, args.requests, args.base, args.tokens)
             got[pair, mode] = summary["gbps"]
             p50.setdefault(f"{pair[0]}->{pair[1]} {mode}", []).append(summary["p50_ms"])
             if "cpu_s" in summary and summary["bytes"] and summary["seconds"]:
@@ -110,7 +126,8 @@ def main() -> int:
         for name in gbps
     }
     if args.json:
-        print(json.dumps({"passes": args.passes, "requests": args.requests, "results": table}))
+        doc = {"passes": args.passes, "requests": args.requests, "tokens": args.tokens}
+        print(json.dumps({**doc, "results": table}))
     else:
         print(f"{'pair / path':<22} {'GB/s':>7} {'p50 ms':>7} {'vs 1->1':>8}  {'range':<9}"
               f" {'eng s/GB':>8} {'dmn s/GB':>8} {'cores':>5}")  # fmt: skip

@@ -306,6 +306,7 @@ def _demo(args: argparse.Namespace) -> int:
             copies = (
                 "reservations_made",
                 "fallbacks",
+                "room_waits",
                 "gathers",
                 "scatters",
                 "one_sided_legs",

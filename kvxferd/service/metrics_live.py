@@ -119,6 +119,12 @@ def _bounce_families(bounce: object | None) -> Iterable[Metric]:
         "Requests that took the per-block path although bounce is on.",
         value=getattr(bounce, "fallbacks", 0),
     )
+    yield CounterMetricFamily(
+        "kvxferd_bounce_room_waits",
+        "Reservations that found no room at once and waited for it (tensor-parallel legs, "
+        "copy-only requests).",
+        value=getattr(bounce, "room_waits", 0),
+    )
     in_use = GaugeMetricFamily(
         "kvxferd_bounce_in_use_bytes", "Bytes reserved in each bounce region.", labels=["region"]
     )

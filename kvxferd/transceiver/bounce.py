@@ -423,6 +423,9 @@ class BounceBuffers:
         self._run_copy: CopyRunner = run_copy or self._off_loop
         self.reservations_made = 0
         self.fallbacks = 0
+        # Reservations that found no room at once and waited in line for it (a
+        # tensor-parallel leg, a copy-only request): BOUNCE_ROOM_WAIT_S in staging.py.
+        self.room_waits = 0
         # Copies made, and tensor-parallel legs moved with one side's copy only
         # (BouncePlanner.one_sided): what an operator or a test reads the path from.
         self.gathers = 0
@@ -485,6 +488,7 @@ class BounceBuffers:
             "recv_reservations": self.recv.reservations,
             "reservations_made": self.reservations_made,
             "fallbacks": self.fallbacks,
+            "room_waits": self.room_waits,
             "gathers": self.gathers,
             "scatters": self.scatters,
             "one_sided_legs": self.one_sided_legs,

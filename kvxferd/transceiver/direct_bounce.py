@@ -15,6 +15,7 @@ transceiver/direct.py decides per leg and makes the write; this module only plan
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.leg_targets import check_leg, heads_of_leg
 from kvxferd.transceiver.legs import TxLeg, dst_tp, leg_block_bytes
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, reserve_by
+from kvxferd.transceiver.staging import BOUNCE_ROOM_WAIT_S, NO_BOUNCE_ROOM, RoomLine
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import nbytes_of
 
@@ -51,6 +52,8 @@ class BouncePlanner:
     def __init__(self, bounce: BounceBuffers | None, pipelined: bool) -> None:
         self.bounce = bounce
         self.pipelined = pipelined
+        # Legs waiting for room in the send region, served in the order they began to wait.
+        self.room = RoomLine()
 
     async def copy_only_leg(
         self, s: TxSession, leg: TxLeg, start: int, end: int, first: int
@@ -75,7 +78,9 @@ class BouncePlanner:
         local, remote, reservation = bounced
         return local, remote, reservation, True
 
-    async def one_sided(self, s: TxSession, leg: TxLeg, first: int, end: int) -> LegWrite | None:
+    async def one_sided(
+        self, s: TxSession, leg: TxLeg, first: int, end: int
+    ) -> LegWrite | Terminal | None:
         """A head-split or head-merge leg moved with one copy on one side, not one on each:
         (local, remote, our send reservation or None, whether the write goes into the
         receiver's reservation); None when this does not apply or pay (the two-sided
@@ -90,7 +95,11 @@ class BouncePlanner:
         both engines and all daemons share the CPU, one copy of every byte fewer (docs/
         benchmarks.md, issue 16 "tensor parallelism"). Taken only where the side written
         without a copy has few runs (worth_bouncing says no); the packed order is the one
-        the two-sided bounce already agrees on (kvxferd.transceiver.copyplan)."""
+        the two-sided bounce already agrees on (kvxferd.transceiver.copyplan).
+
+        A split that finds no room waits for it, up to BOUNCE_ROOM_WAIT_S: the per-block
+        path it would fall back to moves a head slice ten times slower. A Terminal: the
+        request ended while it waited."""
         assert s.pool is not None
         bounce, req, conn = self.bounce, leg.request, leg.conn
         tp, dst_layout, info = (
@@ -130,9 +139,13 @@ class BouncePlanner:
         # split: gathered here, into the receiver's blocks
         if nbytes > bounce.send.nbytes or not info.writable:
             return None
-        res = bounce.send.reserve(nbytes)
+        res = await self._room(s, nbytes, BOUNCE_ROOM_WAIT_S)
         if res is None:
-            return None  # no room now: the two-sided plan falls back as it always did
+            bounce.fallbacks += 1
+            return None  # no room in time: the two-sided plan falls back as it always did
+        if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
+            bounce.send.release(res)
+            return s.terminal
         bounce.reservations_made += 1
         try:
             await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes, heads)
@@ -233,11 +246,25 @@ class BouncePlanner:
         if problem is not None:
             return Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, why + problem)
         assert bounce is not None
-        deadline = s.deadline if s.deadline is not None else math.inf
-        res = await reserve_by(lambda: bounce.send.reserve(nbytes), deadline)
+        res = await self._room(s, nbytes, math.inf)
         if res is None:
             return Terminal.timed_out(Reason.SENDER_DEADLINE, NO_BOUNCE_ROOM)
         if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
             bounce.send.release(res)
             return s.terminal  # ending it again changes nothing: the first end stands
         return await self._gathered(s, leg, blocks, res, nbytes, heads)
+
+    async def _room(self, s: TxSession, nbytes: int, wait_s: float) -> Reservation | None:
+        """A send reservation of `nbytes`: at once when no one waits and there is room,
+        else in line, until `wait_s` from now or the request's deadline (None then)."""
+        bounce = self.bounce
+        assert bounce is not None
+        if not self.room:
+            res = bounce.send.reserve(nbytes)
+            if res is not None:
+                return res
+        bounce.room_waits += 1
+        deadline = min(
+            s.deadline if s.deadline is not None else math.inf, time.monotonic() + wait_s
+        )
+        return await self.room.reserve_by(lambda: bounce.send.reserve(nbytes), deadline)

@@ -12,6 +12,7 @@ round into the blocks, and what a peer may still write into once a receive ended
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from kvxferd.backends.twosided import TwoSidedTransport
@@ -19,9 +20,16 @@ from kvxferd.memory.layout import LayoutError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.messages import Result
 from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.transceiver.copyplan import whole_blocks
 from kvxferd.transceiver.legs import RxLeg, leg_block_bytes, rx_leg_heads
 from kvxferd.transceiver.sessions import RxSession, Terminal
-from kvxferd.transceiver.staging import NO_BOUNCE_ROOM, RoomLine, offer_legs, reserve_all
+from kvxferd.transceiver.staging import (
+    BOUNCE_ROOM_WAIT_S,
+    NO_BOUNCE_ROOM,
+    RoomLine,
+    offer_legs,
+    reserve_all,
+)
 from kvxferd.transceiver.state import Reason, Status
 
 if TYPE_CHECKING:
@@ -97,14 +105,17 @@ class DirectReceive:
 
     async def make_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
         """Reserve room in the receive region when bouncing this request pays off; else
-        offer nothing (the per-block path). Never waits for room, except for a copy-only
-        request (copy_only_offer), which can arrive no other way."""
+        offer nothing (the per-block path). Waits for room only for the legs of a
+        head-merge (up to BOUNCE_ROOM_WAIT_S: _sliced_offer) and for a copy-only request
+        (copy_only_offer), which can arrive no other way."""
         if s.pool is not None and copy_only(s.pool, conn):
             await self._copy_only_offer(s, conn, deadline)
             return
         if self.bounce is None or self.pipelined or s.pool is None or not s.pool.layout.named:
             return
         layout = s.pool.layout
+        sliced: list[RxLeg] = []
+        sizes: list[int] = []
         for leg in s.legs:
             assert leg.conn is not None
             if leg.conn.info.bounce_nbytes == 0:
@@ -121,13 +132,46 @@ class DirectReceive:
             nbytes = len(s.blocks) * leg_block_bytes(layout, heads)
             if not worth_bouncing(runs, nbytes):
                 continue
+            if not whole_blocks(layout, heads):
+                # A head-merge leg: worth waiting for room too (BOUNCE_ROOM_WAIT_S). A
+                # head-split's receiver takes whole blocks of its own, written straight into
+                # them (BouncePlanner.one_sided): its offer only serves if that cannot be.
+                sliced.append(leg)
+                sizes.append(nbytes)
+                continue
             res = self.bounce.recv.reserve(nbytes)
             if res is None:
-                self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
+                # Never wait for room: the per-block path it is. (A head-split's receiver
+                # offers only in case its sender cannot write into the blocks, so no room
+                # is no fallback: each rank would count one for every split otherwise.)
+                if heads is None:
+                    self.bounce.fallbacks += 1
                 continue
-            self.bounce.reservations_made += 1
-            leg.res = res
-            leg.offer = Reservation(res.offset, nbytes)
+            offer_legs(self.bounce, [leg], [res], [nbytes])
+        if sliced:
+            await self._sliced_offer(s, sliced, sizes, deadline)
+
+    async def _sliced_offer(
+        self, s: RxSession, legs: list[RxLeg], sizes: list[int], deadline: float
+    ) -> None:
+        """Reserve the head-merge legs' room, all of them or none (two requests each
+        holding one leg's room could wait on each other), waiting in line for it up to
+        BOUNCE_ROOM_WAIT_S; without room by then they take the per-block path."""
+        assert self.bounce is not None
+        region = self.bounce.recv
+        got = None if self.room else reserve_all(region, sizes)
+        if got is None and sum(sizes) <= region.nbytes:
+            self.bounce.room_waits += 1
+            wait_until = min(deadline, time.monotonic() + BOUNCE_ROOM_WAIT_S)
+            got = await self.room.reserve_by(lambda: reserve_all(region, sizes), wait_until)
+        if got is None:
+            self.bounce.fallbacks += len(legs)
+            return
+        if s.terminal is not None:  # ended while it waited: nothing was offered
+            for res in got:
+                region.release(res)
+            return
+        offer_legs(self.bounce, legs, got, sizes)
 
     async def _copy_only_offer(self, s: RxSession, conn: PeerConnection, deadline: float) -> None:
         """Reserve the whole request in the receive region, waiting for room up to the

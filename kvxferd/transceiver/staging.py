@@ -47,6 +47,14 @@ DEFAULT_STAGING_TOKENS = 8192
 NO_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the staging buffer"
 NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce buffer"
 
+# How long a tensor-parallel leg of the PYTHON runtime waits for bounce room before it takes
+# the per-block path. That path moves a head slice as one descriptor per (block, layer,
+# K/V, token), ~1/10 of what the bounce moves, and keeps the daemon's cores busy while it
+# does; room frees as the writes before it end (a 160 MiB region turns over several times
+# a second here). Only a region held for longer, as by writes to a stalled peer, lets the
+# leg fall back (docs/benchmarks.md, issue 16 "tensor parallelism": "waiting for room").
+BOUNCE_ROOM_WAIT_S = 1.0
+
 _R = TypeVar("_R")
 
 # How often a request waiting for staging room looks again (room frees when

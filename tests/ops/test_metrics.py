@@ -120,6 +120,7 @@ def test_counts_after_a_known_workload_match_what_the_engines_saw(cluster: Local
         # Bounce counters exist (zero: bounce is off here).
         assert value(samples, "kvxferd_bounce_reservations_total") == 0
         assert value(samples, "kvxferd_bounce_fallbacks_total") == 0
+        assert value(samples, "kvxferd_bounce_room_waits_total") == 0
     assert value(c, "kvxferd_handshakes_total", peer="gen") == 1
     assert value(g, "kvxferd_handshakes_total", peer="ctx") == 1
     assert (

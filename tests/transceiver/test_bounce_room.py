@@ -1,0 +1,129 @@
+"""Waiting for bounce room (PYTHON runtime): a head-merge receive reserves its legs' room all
+or none, in line, for up to BOUNCE_ROOM_WAIT_S, and only then takes the per-block path; a
+line of waiters costs one poll, not one per waiter (staging.RoomLine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from layout_harness import tiny_layout
+from mover_harness import region
+
+from kvxferd.memory.heads import TpRank
+from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+from kvxferd.service.pools import LocalPool
+from kvxferd.transceiver import direct_rx
+from kvxferd.transceiver.bounce import BounceBuffers
+from kvxferd.transceiver.direct_rx import DirectReceive
+from kvxferd.transceiver.legs import RxLeg
+from kvxferd.transceiver.sessions import RxSession
+
+BLOCKS = list(range(8))
+
+
+def _layout(heads: int) -> KvLayout:
+    # 2 layers x K/V x 8 tokens x `heads` x 8 dims x fp16: 256 bytes a head per block.
+    return tiny_layout(
+        num_kv_heads=heads, head_dim=8, tokens_per_block=8, major=BLOCK_MAJOR, num_blocks=16
+    )
+
+
+def _merge(rx_token: int = 1) -> RxSession:
+    """A receive of 8 blocks into our 4-head pool from two context ranks of 2 heads each:
+    two legs of 8 x 1 KiB (each rank's heads of our blocks)."""
+    ours = _layout(4)
+    pool = LocalPool("p0", ours, region(np.zeros(ours.pool_bytes, np.uint8)), None, None)
+    conn = SimpleNamespace(
+        pools={}, layouts={}, info=SimpleNamespace(bounce_nbytes=1 << 20), peer=SimpleNamespace()
+    )
+    legs = [
+        RxLeg(f"ctx{r}", conn=conn, source=(TpRank(r, 2), _layout(2)))  # type: ignore[arg-type]
+        for r in range(2)
+    ]
+    s = RxSession(request_id=f"r{rx_token}", engine=None, legs=legs, rx_token=rx_token)
+    s.pool, s.blocks = pool, BLOCKS
+    return s
+
+
+LEG_BYTES = len(BLOCKS) * 1024
+
+
+def _run(go: Any, bounce: BounceBuffers) -> None:
+    try:
+        asyncio.run(go())
+    finally:
+        bounce.close()
+
+
+def test_a_merge_waits_for_room_for_both_legs_then_offers_both() -> None:
+    bounce = BounceBuffers(4 * LEG_BYTES)
+    rx = DirectReceive(bounce, pipelined=False)
+
+    async def go() -> None:
+        # Room for one leg only: reserving that one and waiting for the other could
+        # deadlock two requests, so nothing is held until both fit.
+        held = bounce.recv.reserve(3 * LEG_BYTES)
+        assert held is not None
+        s = _merge()
+        offer = asyncio.ensure_future(rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30))
+        for _ in range(5):
+            await asyncio.sleep(0.002)
+        assert not offer.done()
+        assert bounce.recv.in_use_bytes == 3 * LEG_BYTES  # the waiter holds nothing
+        bounce.recv.release(held)
+        await offer
+        assert s.terminal is None
+        assert [leg.offer.nbytes for leg in s.legs if leg.offer] == [LEG_BYTES, LEG_BYTES]
+        assert (bounce.room_waits, bounce.fallbacks, bounce.reservations_made) == (1, 0, 2)
+
+    _run(go, bounce)
+
+
+def test_a_merge_without_room_in_time_takes_the_per_block_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(direct_rx, "BOUNCE_ROOM_WAIT_S", 0.05)
+    bounce = BounceBuffers(4 * LEG_BYTES)
+    rx = DirectReceive(bounce, pipelined=False)
+
+    async def go() -> None:
+        held = bounce.recv.reserve(3 * LEG_BYTES)  # held by a write to a stalled peer, say
+        assert held is not None
+        s = _merge()
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30)
+        # Not ended, nothing offered: the context ranks write per block.
+        assert s.terminal is None and all(leg.offer is None for leg in s.legs)
+        assert (bounce.room_waits, bounce.fallbacks) == (1, 2)
+        assert bounce.recv.in_use_bytes == 3 * LEG_BYTES and len(rx.room) == 0
+
+    _run(go, bounce)
+
+
+def test_a_merge_cancelled_while_it_waits_holds_no_room_and_leaves_the_line() -> None:
+    bounce = BounceBuffers(4 * LEG_BYTES)
+    rx = DirectReceive(bounce, pipelined=False)
+
+    async def go() -> None:
+        held = bounce.recv.reserve(3 * LEG_BYTES)
+        assert held is not None
+        first, second = _merge(1), _merge(2)
+        waits = [
+            asyncio.ensure_future(rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30))
+            for s in (first, second)
+        ]
+        await asyncio.sleep(0.01)
+        assert len(rx.room) == 2
+        waits[0].cancel()
+        await asyncio.gather(waits[0], return_exceptions=True)
+        assert len(rx.room) == 1  # the second is at the head now
+        bounce.recv.release(held)
+        await waits[1]
+        assert all(leg.offer is not None for leg in second.legs)
+        assert bounce.recv.in_use_bytes == 2 * LEG_BYTES  # the second's two legs only
+
+    _run(go, bounce)
