@@ -9,19 +9,22 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from layout_harness import tiny_layout
-from mover_harness import region
+from mover_harness import peer_conn, pool, region, tx_session
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
 from kvxferd.service.pools import LocalPool
-from kvxferd.transceiver import direct_rx
+from kvxferd.transceiver import direct_bounce, direct_rx
 from kvxferd.transceiver.bounce import BounceBuffers
+from kvxferd.transceiver.direct_bounce import BouncePlanner
 from kvxferd.transceiver.direct_rx import DirectReceive
 from kvxferd.transceiver.legs import RxLeg
-from kvxferd.transceiver.sessions import RxSession
+from kvxferd.transceiver.sessions import RxSession, Terminal, TxSession
+from kvxferd.transceiver.state import Reason, Status
 
 BLOCKS = list(range(8))
 
@@ -125,5 +128,71 @@ def test_a_merge_cancelled_while_it_waits_holds_no_room_and_leaves_the_line() ->
         await waits[1]
         assert all(leg.offer is not None for leg in second.legs)
         assert bounce.recv.in_use_bytes == 2 * LEG_BYTES  # the second's two legs only
+
+    _run(go, bounce)
+
+
+def _split() -> TxSession:
+    """A send of 8 blocks of our 4-head pool to generation rank 0 of 2 (2 heads): one
+    leg of 8 x 1 KiB, gathered into our send region and written into its blocks."""
+    ours, theirs = _layout(4), _layout(2)
+    src = np.arange(ours.pool_bytes, dtype=np.uint64).astype(np.uint8)
+    conn = peer_conn(theirs, np.zeros(theirs.pool_bytes, np.uint8))
+    conn.pools["p0"] = msgspec.structs.replace(conn.pools["p0"], tp_rank=0, tp_size=2)
+    s = tx_session(pool(ours, src), conn, BLOCKS, BLOCKS)
+    s.deadline = time.monotonic() + 30
+    return s
+
+
+def test_a_split_leg_waits_for_send_room() -> None:
+    bounce = BounceBuffers(2 * LEG_BYTES)
+    planner = BouncePlanner(bounce, pipelined=False)
+
+    async def go() -> None:
+        held = bounce.send.reserve(2 * LEG_BYTES)
+        assert held is not None
+        s = _split()
+        asyncio.get_running_loop().call_later(0.02, bounce.send.release, held)
+        planned = await planner.one_sided(s, s.legs[0], 0, len(BLOCKS))
+        assert isinstance(planned, tuple)
+        local, _, res, into_bounce = planned
+        assert res is not None and not into_bounce and int(local[:, 1].sum()) == LEG_BYTES
+        assert (bounce.room_waits, bounce.fallbacks, bounce.one_sided_legs) == (1, 0, 1)
+        bounce.send.release(res)
+
+    _run(go, bounce)
+
+
+def test_a_split_leg_without_room_in_time_takes_the_per_block_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(direct_bounce, "BOUNCE_ROOM_WAIT_S", 0.05)
+    bounce = BounceBuffers(2 * LEG_BYTES)
+    planner = BouncePlanner(bounce, pipelined=False)
+
+    async def go() -> None:
+        assert bounce.send.reserve(2 * LEG_BYTES) is not None
+        s = _split()
+        assert await planner.one_sided(s, s.legs[0], 0, len(BLOCKS)) is None
+        assert (bounce.room_waits, bounce.fallbacks, bounce.one_sided_legs) == (1, 1, 0)
+        assert bounce.send.in_use_bytes == 2 * LEG_BYTES and len(planner.room) == 0
+
+    _run(go, bounce)
+
+
+def test_a_split_leg_that_ends_while_it_waits_gives_its_room_back() -> None:
+    bounce = BounceBuffers(2 * LEG_BYTES)
+    planner = BouncePlanner(bounce, pipelined=False)
+
+    async def go() -> None:
+        held = bounce.send.reserve(2 * LEG_BYTES)
+        assert held is not None
+        s = _split()
+        end = Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, s.request_end, end)
+        loop.call_later(0.02, bounce.send.release, held)
+        assert await planner.one_sided(s, s.legs[0], 0, len(BLOCKS)) is end
+        assert bounce.send.in_use_bytes == 0 and bounce.gathers == 0
 
     _run(go, bounce)
