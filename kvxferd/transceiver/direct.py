@@ -17,6 +17,7 @@ and reports it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 from typing import TYPE_CHECKING
@@ -118,14 +119,23 @@ class DirectMover:
                 if problem is not None:
                     s.request_end(problem)
                     return
-        for leg in legs:
-            if s.terminal is not None:
-                return
-            await self._write_leg(s, leg, start, end, last)
+        if len(legs) == 1:
+            await self._write_leg(s, legs[0], start, end, last)
+        else:
+            # Each rank's leg at once: one leg's write moves while the next one gathers.
+            done = await asyncio.gather(
+                *(self._write_leg(s, leg, start, end, last) for leg in legs),
+                return_exceptions=True,
+            )
+            for outcome in done:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         if s.terminal is None:
             s.written = end
 
     async def _write_leg(self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool) -> None:
+        if s.terminal is not None:
+            return  # another leg ended the request before this one began
         nbytes = 0
         bounced = False
         first, _ = leg.span(start, end)
