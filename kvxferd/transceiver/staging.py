@@ -52,7 +52,7 @@ NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce 
 # K/V, token), ~1/10 of what the bounce moves, and keeps the daemon's cores busy while it
 # does; room frees as the writes before it end (a 160 MiB region turns over several times
 # a second here). Only a region held for longer, as by writes to a stalled peer, lets the
-# leg fall back (docs/benchmarks.md, issue 16 "tensor parallelism": "waiting for room").
+# leg fall back (docs/benchmarks.md, issue 16, "a leg waits for bounce room").
 BOUNCE_ROOM_WAIT_S = 1.0
 
 _R = TypeVar("_R")

@@ -90,7 +90,7 @@ def test_a_leg_of_a_split_or_merge_waits_for_bounce_room_instead_of_falling_back
     """PYTHON runtime, 2048-token requests (16 MiB, a leg 8 MiB), 4 in flight, and bounce
     regions that hold one request's legs: the legs queue for room. Falling back instead
     moved a head slice as one descriptor per (block, layer, K/V, token), at ~1/4 of the
-    speed, with every daemon core busy (docs/benchmarks.md, "waiting for room")."""
+    speed, with every daemon core busy (docs/benchmarks.md, "a leg waits for bounce room")."""
     proc = _demo(
         *("--runtime", "PYTHON", "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp)),
         *("--requests", "12", "--in-flight", "4", "--bounce-mb", bounce_mb),
