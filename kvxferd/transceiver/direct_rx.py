@@ -124,28 +124,25 @@ class DirectReceive:
                 heads = rx_leg_heads(s.pool, leg)
             except LayoutError:
                 continue  # the per-block path names the mismatch when it plans
-            # A head slice arrives as one run per (block, layer, K/V, token): always worth
-            # one write and a scatter (docs/benchmarks.md, issue 16 "tensor parallelism").
-            runs = len(layout.block_segments(s.blocks))
-            if heads is not None:
-                runs = len(s.blocks) * layout.pieces_per_block * layout.tokens_per_block
             nbytes = len(s.blocks) * leg_block_bytes(layout, heads)
-            if not worth_bouncing(runs, nbytes):
-                continue
             if not whole_blocks(layout, heads):
-                # A head-merge leg: worth waiting for room too (BOUNCE_ROOM_WAIT_S). A
-                # head-split's receiver takes whole blocks of its own, written straight into
-                # them (BouncePlanner.one_sided): its offer only serves if that cannot be.
-                sliced.append(leg)
-                sizes.append(nbytes)
+                # A head-merge leg arrives as one run per (block, layer, K/V, token) of our
+                # pool: always worth one write and a scatter (docs/benchmarks.md, issue 16
+                # "tensor parallelism"), and worth waiting for room (BOUNCE_ROOM_WAIT_S).
+                runs = len(s.blocks) * layout.pieces_per_block * layout.tokens_per_block
+                if worth_bouncing(runs, nbytes):
+                    sliced.append(leg)
+                    sizes.append(nbytes)
+                continue
+            # Whole blocks of ours: from a peer of our heads, or a head-split's sender, which
+            # gathers our heads and writes them straight into our blocks where they lie in
+            # few runs (BouncePlanner.one_sided). Only where they lie in many does a
+            # reservation pay (that sender then writes its gather into it).
+            if not worth_bouncing(len(layout.block_segments(s.blocks)), nbytes):
                 continue
             res = self.bounce.recv.reserve(nbytes)
             if res is None:
-                # Never wait for room: the per-block path it is. (A head-split's receiver
-                # offers only in case its sender cannot write into the blocks, so no room
-                # is no fallback: each rank would count one for every split otherwise.)
-                if heads is None:
-                    self.bounce.fallbacks += 1
+                self.bounce.fallbacks += 1  # never wait for room: the per-block path it is
                 continue
             offer_legs(self.bounce, [leg], [res], [nbytes])
         if sliced:
