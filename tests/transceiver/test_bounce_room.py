@@ -19,7 +19,7 @@ from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver import direct_bounce, direct_rx
-from kvxferd.transceiver.bounce import BounceBuffers
+from kvxferd.transceiver.bounce import BounceBuffers, BounceRegion, Reservation
 from kvxferd.transceiver.direct_bounce import BouncePlanner
 from kvxferd.transceiver.direct_rx import DirectReceive
 from kvxferd.transceiver.legs import RxLeg
@@ -56,6 +56,13 @@ def _merge(rx_token: int = 1) -> RxSession:
 LEG_BYTES = len(BLOCKS) * 1024
 
 
+def _taken(region: BounceRegion, nbytes: int) -> Reservation:
+    """Room held by others (writes in flight, a stalled peer's)."""
+    held = region.reserve(nbytes)
+    assert held is not None
+    return held
+
+
 def _run(go: Any, bounce: BounceBuffers) -> None:
     try:
         asyncio.run(go())
@@ -70,8 +77,7 @@ def test_a_merge_waits_for_room_for_both_legs_then_offers_both() -> None:
     async def go() -> None:
         # Room for one leg only: reserving that one and waiting for the other could
         # deadlock two requests, so nothing is held until both fit.
-        held = bounce.recv.reserve(3 * LEG_BYTES)
-        assert held is not None
+        held = _taken(bounce.recv, 3 * LEG_BYTES)
         s = _merge()
         offer = asyncio.ensure_future(rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30))
         for _ in range(5):
@@ -95,8 +101,7 @@ def test_a_merge_without_room_in_time_takes_the_per_block_path(
     rx = DirectReceive(bounce, pipelined=False)
 
     async def go() -> None:
-        held = bounce.recv.reserve(3 * LEG_BYTES)  # held by a write to a stalled peer, say
-        assert held is not None
+        _taken(bounce.recv, 3 * LEG_BYTES)  # by a write to a stalled peer, say
         s = _merge()
         await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30)
         # Not ended, nothing offered: the context ranks write per block.
@@ -112,8 +117,7 @@ def test_a_merge_cancelled_while_it_waits_holds_no_room_and_leaves_the_line() ->
     rx = DirectReceive(bounce, pipelined=False)
 
     async def go() -> None:
-        held = bounce.recv.reserve(3 * LEG_BYTES)
-        assert held is not None
+        held = _taken(bounce.recv, 3 * LEG_BYTES)
         first, second = _merge(1), _merge(2)
         waits = [
             asyncio.ensure_future(rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30))
@@ -149,8 +153,7 @@ def test_a_split_leg_waits_for_send_room() -> None:
     planner = BouncePlanner(bounce, pipelined=False)
 
     async def go() -> None:
-        held = bounce.send.reserve(2 * LEG_BYTES)
-        assert held is not None
+        held = _taken(bounce.send, 2 * LEG_BYTES)
         s = _split()
         asyncio.get_running_loop().call_later(0.02, bounce.send.release, held)
         planned = await planner.one_sided(s, s.legs[0], 0, len(BLOCKS))
@@ -171,7 +174,7 @@ def test_a_split_leg_without_room_in_time_takes_the_per_block_path(
     planner = BouncePlanner(bounce, pipelined=False)
 
     async def go() -> None:
-        assert bounce.send.reserve(2 * LEG_BYTES) is not None
+        _taken(bounce.send, 2 * LEG_BYTES)
         s = _split()
         assert await planner.one_sided(s, s.legs[0], 0, len(BLOCKS)) is None
         assert (bounce.room_waits, bounce.fallbacks, bounce.one_sided_legs) == (1, 1, 0)
@@ -185,8 +188,7 @@ def test_a_split_leg_that_ends_while_it_waits_gives_its_room_back() -> None:
     planner = BouncePlanner(bounce, pipelined=False)
 
     async def go() -> None:
-        held = bounce.send.reserve(2 * LEG_BYTES)
-        assert held is not None
+        held = _taken(bounce.send, 2 * LEG_BYTES)
         s = _split()
         end = Terminal.local(Status.CANCELLED, Reason.CANCELLED, "cancelled by the engine")
         loop = asyncio.get_running_loop()
