@@ -259,12 +259,9 @@ class BouncePlanner:
         else in line, until `wait_s` from now or the request's deadline (None then)."""
         bounce = self.bounce
         assert bounce is not None
-        if not self.room:
-            res = bounce.send.reserve(nbytes)
-            if res is not None:
-                return res
-        bounce.room_waits += 1
         deadline = min(
             s.deadline if s.deadline is not None else math.inf, time.monotonic() + wait_s
         )
-        return await self.room.reserve_by(lambda: bounce.send.reserve(nbytes), deadline)
+        res, waited = await self.room.take(lambda: bounce.send.reserve(nbytes), deadline)
+        bounce.room_waits += waited
+        return res

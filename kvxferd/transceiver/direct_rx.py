@@ -156,11 +156,11 @@ class DirectReceive:
         BOUNCE_ROOM_WAIT_S; without room by then they take the per-block path."""
         assert self.bounce is not None
         region = self.bounce.recv
-        got = None if self.room else reserve_all(region, sizes)
-        if got is None and sum(sizes) <= region.nbytes:
-            self.bounce.room_waits += 1
+        got = None
+        if sum(sizes) <= region.nbytes:  # else no room will ever do
             wait_until = min(deadline, time.monotonic() + BOUNCE_ROOM_WAIT_S)
-            got = await self.room.reserve_by(lambda: reserve_all(region, sizes), wait_until)
+            got, waited = await self.room.take(lambda: reserve_all(region, sizes), wait_until)
+            self.bounce.room_waits += waited
         if got is None:
             self.bounce.fallbacks += len(legs)
             return
@@ -212,7 +212,8 @@ class DirectReceive:
             return
         assert self.bounce is not None
         region = self.bounce.recv
-        got = await self.room.reserve_by(lambda: reserve_all(region, sizes), deadline)
+        got, waited = await self.room.take(lambda: reserve_all(region, sizes), deadline)
+        self.bounce.room_waits += waited
         if got is None:
             s.request_end(Terminal.timed_out(Reason.RECEIVER_TIMEOUT, NO_BOUNCE_ROOM))
             return

@@ -97,6 +97,17 @@ class RoomLine:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    async def take(
+        self, reserve: Callable[[], _R | None], deadline: float
+    ) -> tuple[_R | None, bool]:
+        """`reserve()` at once when no one waits and it finds room, else in line (reserve_by);
+        and whether it had to wait (what the bounce buffer's room_waits counts)."""
+        if not self._waiting:
+            got = reserve()
+            if got is not None:
+                return got, False
+        return await self.reserve_by(reserve, deadline), True
+
     async def reserve_by(self, reserve: Callable[[], _R | None], deadline: float) -> _R | None:
         """Try `reserve` whenever no earlier waiter is left, until it finds room or the
         deadline passes (None). Only the head of the line polls: the others sleep until
