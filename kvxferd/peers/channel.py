@@ -64,6 +64,8 @@ class PeerConnection:
         # is kept as its error so only requests into that pool fail.
         self.layouts: dict[str, KvLayout | LayoutError] = {}
         self.info = info
+        # Woken by the peer's next pools message (pools_announced).
+        self._pools_waiters: list[asyncio.Future[None]] = []
         self.set_pools(info.pools)
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
@@ -102,6 +104,27 @@ class PeerConnection:
         if self.info.bounce_nbytes > 0:
             regions.append((self.info.bounce_base, self.info.bounce_nbytes))
         self.regions: tuple[tuple[int, int], ...] = tuple(regions)
+        self._wake_pools_waiters()
+
+    def _wake_pools_waiters(self) -> None:
+        waiters, self._pools_waiters = self._pools_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def pools_announced(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the peer's next pools message, or the connection to
+        close; whether either came."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._pools_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if waiter in self._pools_waiters:
+                self._pools_waiters.remove(waiter)
+        return True
 
     @property
     def tls(self) -> str | None:
@@ -190,6 +213,7 @@ class PeerConnection:
             return
         self.close_reason = reason
         self.closed.set()
+        self._wake_pools_waiters()
         with contextlib.suppress(Exception):
             self._out.close()
 

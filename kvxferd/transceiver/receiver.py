@@ -71,6 +71,11 @@ from kvxferd.transceiver.timeouts import ReceiverTimeouts
 
 log = logging.getLogger("kvxferd.receiver")
 
+# How long a head-merge's receive waits for a context daemon to announce its pools before
+# planning without them (Receiver._await_sources): long enough for an engine that is still
+# registering. The wait costs nothing real: a context daemon without a pool cannot send.
+SOURCES_WAIT_S = 5.0
+
 
 class Receiver:
     def __init__(
@@ -337,6 +342,7 @@ class Receiver:
             assert conn is not None and s.pool is not None
             if s.terminal is not None:
                 return
+            await self._await_sources(s, deadline)
             problem = source_problem(s.pool, s.legs, False, self.pipelined)
             if problem is not None:
                 s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem))
@@ -369,6 +375,24 @@ class Receiver:
                 # bandwidth, and must not stall other peers' requests.
                 self.admission.release(len(s.blocks))
             self._finish(s, hold)
+
+    async def _await_sources(self, s: RxSession, deadline: float) -> None:
+        """A receive from several context daemons (a head-merge) plans each leg's heads, and
+        the room it offers for them, from the pools they announced: one that has announced
+        none yet (its engine registers its pool after we dialed it) would be taken to hold
+        our heads, offered nothing, and written per block, a head slice as one descriptor
+        per (block, layer, K/V, token). So wait for it a little (SOURCES_WAIT_S); then go
+        on with what is known, as before."""
+        if len(s.legs) < 2:
+            return
+        until = min(deadline, time.monotonic() + SOURCES_WAIT_S)
+        for leg in s.legs:
+            conn = leg.conn
+            while conn is not None and peer_tp(conn) is None and not conn.closed.is_set():
+                left = until - time.monotonic()
+                if left <= 0 or s.terminal is not None:
+                    return
+                await conn.pools_announced(left)
 
     async def _await_result(self, s: RxSession, deadline: float) -> None:
         while s.terminal is None:

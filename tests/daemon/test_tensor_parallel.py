@@ -666,6 +666,69 @@ def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster, majo
         assert_clean(d)
 
 
+def test_a_head_merge_posted_before_a_context_rank_registered_its_pool_still_bounces(
+    cluster: LocalCluster,
+) -> None:
+    """The receive of a head-merge is posted, and its daemon has dialed both context ranks,
+    before one rank's engine registered its pool (engines starting side by side). The
+    receive waits for that rank's pools message (Receiver._await_sources) and offers both
+    legs bounce room: taken to hold our heads instead, that rank's leg was offered room of
+    the wrong size or none."""
+    cluster.geometry = dict(SMALL)
+    ctxs = [
+        cluster.start_daemon(
+            f"ctx{r}",
+            "context",
+            engine={"tensor_parallel_size": 2, "kv_layout": {**SMALL, "num_kv_heads": 1}},
+            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
+        )
+        for r in range(2)
+    ]
+    gen = cluster.start_daemon(
+        "gen",
+        "generation",
+        engine={"kv_layout": dict(SMALL)},
+        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
+    )
+
+    async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
+        return await RankEngine.open_rank(d, tp, "block-major", 256, 1, SMALL)
+
+    async def scenario() -> None:
+        c0 = await open_small(ctxs[0], TpRank(0, 2))
+        g = await RankEngine.open_rank(gen, TpRank(), "block-major", 256, 2, SMALL)
+        g.alloc.shuffle(5)
+        cs = [c0]
+        try:
+            n = 32 * 40 + 3
+            blocks = await g.recv("early", n, [c.peer_address for c in ctxs])
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 10
+            while peer_names(gen) != ["ctx0", "ctx1"]:  # dialed: ctx1 announced no pool
+                assert loop.time() < until, status(gen)["peers"]
+                await asyncio.sleep(0.01)
+            cs.append(await open_small(ctxs[1], TpRank(1, 2)))
+            for c in cs:
+                await c.send("early", n)
+            await _done(g, "early")
+            for c in cs:
+                await _done(c, "early")
+            result = g.verify("early", blocks, n)
+            assert result.ok, result.first_mismatch
+        finally:
+            for e in (*cs, g):
+                await e.close()
+
+    asyncio.run(scenario())
+    b = status(gen)["bounce"]
+    assert (b["reservations_made"], b["scatters"], b["fallbacks"]) == (2, 2, 0), b
+    for c in ctxs:
+        b = status(c)["bounce"]
+        assert b["one_sided_legs"] == 1 and b["fallbacks"] == 0, b
+    for d in (*ctxs, gen):
+        assert_clean(d)
+
+
 def test_only_pipelining_refuses_different_sizes() -> None:
     two, one = TpRank(0, 2), TpRank(0, 1)
     assert tp_support_problem("context", two, TpRank(1, 2), True) is None  # equal sizes
