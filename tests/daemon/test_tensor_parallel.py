@@ -608,12 +608,9 @@ def test_a_head_split_goes_through_the_bounce_buffer(cluster: LocalCluster, majo
         assert_clean(d)
 
 
-@PATHS
-def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster, major: str) -> None:
-    """Head-merge (TP 2 -> 1) through the bounce buffer: the generation daemon offers one
-    reservation per context rank, each rank writes its whole blocks into its own (gathered
-    first, or, block-major, straight out of its pool), and the generation daemon scatters
-    each into its half of every token."""
+def _small_merge_daemons(cluster: LocalCluster) -> tuple[list[DaemonProc], DaemonProc]:
+    """Two context ranks (TP 2, one head each) and a generation daemon (TP 1) of the SMALL
+    geometry, every one with a bounce buffer."""
     cluster.geometry = dict(SMALL)
     ctxs = [
         cluster.start_daemon(
@@ -630,25 +627,46 @@ def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster, majo
         engine={"kv_layout": dict(SMALL)},
         transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
     )
+    return ctxs, gen
 
-    async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
-        return await RankEngine.open_rank(d, tp, major, 256, 2 // tp.size, SMALL)
+
+async def _merged(
+    cs: list[RankEngine], g: RankEngine, rid: str, n: int, blocks: list[int]
+) -> tuple[Any, list[Any]]:
+    """Both context ranks send `rid` (received into `blocks`): every outcome done and ok,
+    every byte verified; the outcomes (generation, then each context rank's)."""
+    for c in cs:
+        await c.send(rid, n)
+    got = await _done(g, rid)
+    sent = [await _done(c, rid) for c in cs]
+    result = g.verify(rid, blocks, n)
+    assert result.ok, result.first_mismatch
+    return got, sent
+
+
+async def _open_small(d: DaemonProc, tp: TpRank, major: str = "block-major") -> RankEngine:
+    return await RankEngine.open_rank(d, tp, major, 256, 2 // tp.size, SMALL)
+
+
+@PATHS
+def test_a_head_merge_goes_through_the_bounce_buffer(cluster: LocalCluster, major: str) -> None:
+    """Head-merge (TP 2 -> 1) through the bounce buffer: the generation daemon offers one
+    reservation per context rank, each rank writes its whole blocks into its own (gathered
+    first, or, block-major, straight out of its pool), and the generation daemon scatters
+    each into its half of every token."""
+    ctxs, gen = _small_merge_daemons(cluster)
 
     async def scenario() -> None:
-        cs = [await open_small(c, TpRank(r, 2)) for r, c in enumerate(ctxs)]
-        g = await open_small(gen, TpRank())
+        cs = [await _open_small(c, TpRank(r, 2), major) for r, c in enumerate(ctxs)]
+        g = await _open_small(gen, TpRank(), major)
         g.alloc.shuffle(5)
         try:
             n = 32 * 40 + 3
             blocks = await g.recv("merge", n, [c.peer_address for c in ctxs])
-            for c in cs:
-                await c.send("merge", n)
-            got = await _done(g, "merge")
+            got, sent = await _merged(cs, g, "merge", n, blocks)
             assert got.nbytes == 41 * g.layout.block_bytes
-            for c in cs:
-                assert (await _done(c, "merge")).nbytes == 41 * c.layout.block_bytes
-            result = g.verify("merge", blocks, n)
-            assert result.ok, result.first_mismatch
+            for c, one in zip(cs, sent, strict=True):
+                assert one.nbytes == 41 * c.layout.block_bytes
         finally:
             for e in (*cs, g):
                 await e.close()
@@ -674,29 +692,11 @@ def test_a_head_merge_posted_before_a_context_rank_registered_its_pool_still_bou
     receive waits for that rank's pools message (Receiver._await_sources) and offers both
     legs bounce room: taken to hold our heads instead, that rank's leg was offered room of
     the wrong size or none."""
-    cluster.geometry = dict(SMALL)
-    ctxs = [
-        cluster.start_daemon(
-            f"ctx{r}",
-            "context",
-            engine={"tensor_parallel_size": 2, "kv_layout": {**SMALL, "num_kv_heads": 1}},
-            transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
-        )
-        for r in range(2)
-    ]
-    gen = cluster.start_daemon(
-        "gen",
-        "generation",
-        engine={"kv_layout": dict(SMALL)},
-        transceiver={"kv_transfer_timeout_ms": TIMEOUT_MS, **BOUNCE},
-    )
-
-    async def open_small(d: DaemonProc, tp: TpRank) -> RankEngine:
-        return await RankEngine.open_rank(d, tp, "block-major", 256, 1, SMALL)
+    ctxs, gen = _small_merge_daemons(cluster)
 
     async def scenario() -> None:
-        c0 = await open_small(ctxs[0], TpRank(0, 2))
-        g = await RankEngine.open_rank(gen, TpRank(), "block-major", 256, 2, SMALL)
+        c0 = await _open_small(ctxs[0], TpRank(0, 2))
+        g = await _open_small(gen, TpRank())
         g.alloc.shuffle(5)
         cs = [c0]
         try:
@@ -707,14 +707,8 @@ def test_a_head_merge_posted_before_a_context_rank_registered_its_pool_still_bou
             while peer_names(gen) != ["ctx0", "ctx1"]:  # dialed: ctx1 announced no pool
                 assert loop.time() < until, status(gen)["peers"]
                 await asyncio.sleep(0.01)
-            cs.append(await open_small(ctxs[1], TpRank(1, 2)))
-            for c in cs:
-                await c.send("early", n)
-            await _done(g, "early")
-            for c in cs:
-                await _done(c, "early")
-            result = g.verify("early", blocks, n)
-            assert result.ok, result.first_mismatch
+            cs.append(await _open_small(ctxs[1], TpRank(1, 2)))
+            await _merged(cs, g, "early", n, blocks)
         finally:
             for e in (*cs, g):
                 await e.close()
