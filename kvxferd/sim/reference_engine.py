@@ -133,6 +133,9 @@ class ReferenceEngine:
             self.content = DeviceContent(cuda_device)
         self.alloc = BlockAllocator(layout.num_blocks)
         self._returning: set[asyncio.Task[None]] = set()  # held blocks waiting for release
+        # Blocks never handed out again: their request failed with another rank's request
+        # still live (_abandon).
+        self.abandoned_blocks = 0
         # Generation-first coordination between the two engines of a run
         # (kvxferd.sim.announce): the generation engine announces each posted receive
         # and each that ended without its KV; the context engine sends a request only
@@ -261,7 +264,11 @@ class ReferenceEngine:
                 await rank.client.release(item.request_id)
                 return outcome
 
-            outcomes = await self._each(send)
+            try:
+                outcomes = await self._each(send)
+            except BaseException:
+                blocks = self._abandon(item.request_id, blocks)
+                raise
             if self.announced is not None:
                 self.announced.forget(item.request_id)
             rec.t_end_ns = time.monotonic_ns()
@@ -315,6 +322,8 @@ class ReferenceEngine:
                     # A refusal before any rank accepted (the peer named is unknown to
                     # discovery, say) is this request's outcome when asked for; once a
                     # rank accepted, the others' receives are in flight: raise as ever.
+                    if index > 0:
+                        blocks = self._abandon(item.request_id, blocks)
                     if not self.refusals_are_outcomes or index > 0:
                         raise
                     rec.status, rec.reason, rec.message = Status.FAILED, exc.code, exc.message
@@ -322,10 +331,18 @@ class ReferenceEngine:
                     if self.notify is not None:
                         self.notify(ENDED, item.request_id)  # the context side drops it
                     return rec
+                except BaseException:
+                    if index > 0:
+                        blocks = self._abandon(item.request_id, blocks)
+                    raise
             if self.notify is not None:
                 self.notify(POSTED, item.request_id)  # the context may send now
 
-            outcomes = await self._rank_outcomes(item.request_id)
+            try:
+                outcomes = await self._rank_outcomes(item.request_id)
+            except BaseException:
+                blocks = self._abandon(item.request_id, blocks)
+                raise
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
             rec.blocks_held = any(o.blocks_held for o in outcomes)
@@ -378,6 +395,37 @@ class ReferenceEngine:
                     t.cancel()
                 elif not t.cancelled():
                     t.exception()
+
+    def _abandon(self, request_id: str, blocks: list[int]) -> list[int]:
+        """A request of several ranks failed without every rank's outcome (a rank's daemon
+        went away, or refused after another rank accepted): the other ranks' daemons may
+        still write into these blocks (a receive) or read them (a send). Their requests are
+        cancelled, and the blocks are never reused: nothing proves those daemons done with
+        them. The blocks to give back now: none."""
+        if not blocks:
+            return blocks
+        # Once at warning level: a daemon going away fails every request in flight at once.
+        level = logging.DEBUG if self.abandoned_blocks else logging.WARNING
+        self.abandoned_blocks += len(blocks)
+        log.log(
+            level,
+            "request %s: a rank's daemon failed it mid-way; its %d blocks are not reused "
+            "(%d in all)",
+            request_id,
+            len(blocks),
+            self.abandoned_blocks,
+        )
+        task = asyncio.create_task(self._cancel_everywhere(request_id))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
+        return []
+
+    async def _cancel_everywhere(self, request_id: str) -> None:
+        """Best effort: a rank whose daemon is gone, or whose request already ended,
+        refuses; a write in flight answers busy and ends on its own."""
+        for rank in self.ranks:
+            with contextlib.suppress(Exception):
+                await rank.client.cancel(request_id)
 
     def _give_later(self, request_id: str, blocks: list[int], outcomes: list[Outcome]) -> list[int]:
         """The blocks to give back now: none when a rank's outcome held them (a write may
