@@ -191,6 +191,23 @@ async def gen_daemon(args: argparse.Namespace) -> None:
     unix.close()
 
 
+async def _engine_end(
+    times: str,
+    stamps: dict[str, int],
+    window: asyncio.Future[dict[str, float]],
+    reader: asyncio.Future[None],
+    out: CorkedWriter,
+) -> None:
+    """An engine's last steps: its time stamps to `times`, its report on stdout, then its
+    socket closed (its daemon ends with it) once the other side had time to finish."""
+    with open(times, "w") as f:
+        json.dump(stamps, f)
+    print(json.dumps(await window), flush=True)
+    await asyncio.sleep(0.5)
+    reader.cancel()
+    out.close()
+
+
 async def gen_engine(args: argparse.Namespace) -> None:
     """--in-flight slots, each: recv, tell the context engine (the pipe), wait for done;
     writes each request's done time (monotonic ns) to --times."""
@@ -222,12 +239,7 @@ async def gen_engine(args: argparse.Namespace) -> None:
     window = asyncio.ensure_future(_window(args.start, args.end, count))
     await asyncio.gather(*(slot(k) for k in range(args.in_flight)))
     os.close(args.pipe)  # the context engine ends
-    with open(args.times, "w") as f:
-        json.dump(done_ns, f)
-    print(json.dumps(await window), flush=True)
-    await asyncio.sleep(0.5)
-    reader.cancel()
-    out.close()
+    await _engine_end(args.times, done_ns, window, reader, out)
 
 
 async def ctx_engine(args: argparse.Namespace) -> None:
@@ -252,12 +264,7 @@ async def ctx_engine(args: argparse.Namespace) -> None:
         rid = line.decode().strip()
         sent_ns[rid] = time.monotonic_ns()
         out.write(CODEC.encode(Frame("send", rid, block=int(rid.split("-")[0]))))
-    with open(args.times, "w") as f:
-        json.dump(sent_ns, f)
-    print(json.dumps(await window), flush=True)
-    await asyncio.sleep(0.5)
-    outcomes.cancel()
-    out.close()
+    await _engine_end(args.times, sent_ns, window, outcomes, out)
 
 
 def _json_line(proc: subprocess.Popen[str]) -> dict[str, Any]:
