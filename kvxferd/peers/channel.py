@@ -19,6 +19,7 @@ from kvxferd.peers.framing import CorkedWriter, until_heard
 from kvxferd.peers.handshake import PeerIdentity
 from kvxferd.peers.messages import PEER_CODEC, Info, PeerMessage, Ping, Pong, PoolInfo
 from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.transceiver.wake import Wake
 
 log = logging.getLogger("kvxferd.peers")
 
@@ -64,8 +65,8 @@ class PeerConnection:
         # is kept as its error so only requests into that pool fail.
         self.layouts: dict[str, KvLayout | LayoutError] = {}
         self.info = info
-        # Woken by the peer's next pools message (pools_announced).
-        self._pools_waiters: list[asyncio.Future[None]] = []
+        # Set by every pools message and by the close (pools_announced).
+        self._pools_changed = Wake()
         self.set_pools(info.pools)
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
@@ -104,27 +105,13 @@ class PeerConnection:
         if self.info.bounce_nbytes > 0:
             regions.append((self.info.bounce_base, self.info.bounce_nbytes))
         self.regions: tuple[tuple[int, int], ...] = tuple(regions)
-        self._wake_pools_waiters()
-
-    def _wake_pools_waiters(self) -> None:
-        waiters, self._pools_waiters = self._pools_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._pools_changed.set()
 
     async def pools_announced(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the peer's next pools message, or the connection to
         close; whether either came."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._pools_waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            if waiter in self._pools_waiters:
-                self._pools_waiters.remove(waiter)
-        return True
+        self._pools_changed.clear()
+        return await self._pools_changed.wait(timeout_s)
 
     @property
     def tls(self) -> str | None:
@@ -213,7 +200,7 @@ class PeerConnection:
             return
         self.close_reason = reason
         self.closed.set()
-        self._wake_pools_waiters()
+        self._pools_changed.set()
         with contextlib.suppress(Exception):
             self._out.close()
 

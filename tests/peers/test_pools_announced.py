@@ -50,7 +50,7 @@ def test_a_pools_message_wakes_the_wait() -> None:
         waiting = asyncio.ensure_future(conn.pools_announced(30.0))
         await asyncio.sleep(0)
         conn.set_pools([PoolInfo("p0", {}, 4096, 4096, tp_rank=1, tp_size=2)])
-        return await asyncio.wait_for(waiting, 5.0), conn._pools_waiters
+        return await asyncio.wait_for(waiting, 5.0), conn._pools_changed._waiters
 
     assert _with_conn(scenario) == (True, [])
 
@@ -60,13 +60,13 @@ def test_the_connection_closing_wakes_the_wait() -> None:
         waiting = asyncio.ensure_future(conn.pools_announced(30.0))
         await asyncio.sleep(0)
         conn.close("peer lost")
-        return await asyncio.wait_for(waiting, 5.0), conn._pools_waiters
+        return await asyncio.wait_for(waiting, 5.0), conn._pools_changed._waiters
 
     assert _with_conn(scenario) == (True, [])
 
 
 def test_without_either_the_wait_ends_at_its_timeout_and_leaves_nothing() -> None:
     async def scenario(conn: PeerConnection) -> Any:
-        return await conn.pools_announced(0.05), conn._pools_waiters
+        return await conn.pools_announced(0.05), conn._pools_changed._waiters
 
     assert _with_conn(scenario) == (False, [])
