@@ -307,41 +307,22 @@ class ReferenceEngine:
             # Device pools: the zeros must land before the daemon's writes, not after them.
             self.content.synchronize()
             rec.t_start_ns = time.monotonic_ns()
-            for index, rank in enumerate(self.ranks):
-                peers = peer if peer and len(self.ranks) == 1 else rank.peers
-                try:
-                    await rank.client.recv(
-                        item.request_id,
-                        self.pool_id,
-                        blocks,
-                        peers,
-                        item.num_tokens,
-                        auto_release=True,
-                    )
-                except CallError as exc:
-                    # A refusal before any rank accepted (the peer named is unknown to
-                    # discovery, say) is this request's outcome when asked for; once a
-                    # rank accepted, the others' receives are in flight: raise as ever.
-                    if index > 0:
-                        blocks = self._abandon(item.request_id, blocks)
-                    if not self.refusals_are_outcomes or index > 0:
-                        raise
-                    rec.status, rec.reason, rec.message = Status.FAILED, exc.code, exc.message
+            accepted: list[Rank] = []  # ranks whose receive is live on their daemon
+            try:
+                refused = await self._post_receives(item, blocks, peer, accepted)
+                if refused is not None:
+                    rec.status, rec.reason = Status.FAILED, refused.code
+                    rec.message = refused.message
                     rec.t_end_ns = time.monotonic_ns()
                     if self.notify is not None:
                         self.notify(ENDED, item.request_id)  # the context side drops it
                     return rec
-                except BaseException:
-                    if index > 0:
-                        blocks = self._abandon(item.request_id, blocks)
-                    raise
-            if self.notify is not None:
-                self.notify(POSTED, item.request_id)  # the context may send now
-
-            try:
+                if self.notify is not None:
+                    self.notify(POSTED, item.request_id)  # the context may send now
                 outcomes = await self._rank_outcomes(item.request_id)
             except BaseException:
-                blocks = self._abandon(item.request_id, blocks)
+                if accepted:
+                    blocks = self._abandon(item.request_id, blocks)
                 raise
             rec.t_end_ns = time.monotonic_ns()
             self._record(rec, outcomes)
@@ -365,6 +346,26 @@ class ReferenceEngine:
         finally:
             self.alloc.give(blocks)
         return rec
+
+    async def _post_receives(
+        self, item: Item, blocks: list[int], peer: str | None, accepted: list[Rank]
+    ) -> CallError | None:
+        """Post the receive on every rank, adding each that accepts to `accepted`. A refusal
+        before any rank accepted (the peer named is unknown to discovery, say) is returned
+        when refusals are outcomes; any other failure is raised, also once a rank accepted
+        (its receive is in flight then)."""
+        for rank in self.ranks:
+            peers = peer if peer and len(self.ranks) == 1 else rank.peers
+            try:
+                await rank.client.recv(
+                    item.request_id, self.pool_id, blocks, peers, item.num_tokens, auto_release=True
+                )
+            except CallError as exc:
+                if not self.refusals_are_outcomes or accepted:
+                    raise
+                return exc
+            accepted.append(rank)
+        return None
 
     async def _rank_outcomes(self, request_id: str) -> list[Outcome]:
         """Every rank's outcome of a receive, in rank order. One rank's failure dooms the
