@@ -47,12 +47,13 @@ from typing import Any
 import msgspec
 import numpy as np
 import uvloop
+from checkouts import cell, stat
+from issue16_small import bench
 
 from kvxferd.peers.framing import CorkedWriter, FrameCodec
 
 BLOCK = 32 << 10  # `kvxferd bench --small --layers 2 --kv-heads 2 --head-dim 64`
 BLOCKS = 256
-GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]
 
 
 class Frame(msgspec.Struct, tag="f"):
@@ -322,17 +323,6 @@ def skeleton(in_flight: int, seconds: float) -> dict[str, float]:
     }
 
 
-def bench(in_flight: int, seconds: float) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvxferd.cli", "bench", "--configs", "nixl-python", "--small",
-         *GEOMETRY, "--in-flight", str(in_flight), "--seconds", str(seconds), "--json",
-         "--no-progress"],
-        capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
-    row: dict[str, Any] = json.loads(out.stdout)["results"][0]
-    return row
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--passes", type=int, default=3)
@@ -356,7 +346,7 @@ def main() -> int:
     for n in range(args.passes):
         for in_flight in args.in_flight:
             sk = skeleton(in_flight, args.seconds)
-            b = bench(in_flight, args.seconds)
+            b = bench(None, in_flight, args.seconds, None)
             bare = b["bare_requests_per_s"]
             cpu = b["cpu_ms_per_request"] + (b.get("engines_cpu_ms_per_request") or 0.0)
             row = {
@@ -386,12 +376,7 @@ def main() -> int:
     print("| in flight | runs | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for in_flight, got in rows.items():
-        cells = []
-        for k in keys:
-            vals = [r[k] for r in got]
-            fmt = "{:.0f}" if k in ("bare", "skeleton", "kvxferd") else "{:.3f}"
-            med = fmt.format(statistics.median(vals))
-            cells.append(f"{med} ({fmt.format(min(vals))}-{fmt.format(max(vals))})")
+        cells = [cell(stat([r[k] for r in got])) for k in keys]
         print(f"| {in_flight} | {len(got)} | " + " | ".join(cells) + " |")
     return 0
 
