@@ -66,6 +66,7 @@ def load_with_overrides(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     from kvxferd.config import resolve
     from kvxferd.service.copy_tuning import log_nt_copies
+    from kvxferd.service.cpu_policy import log_cpu_policy
     from kvxferd.service.daemon import Daemon
     from kvxferd.service.heap_tuning import log_keep_freed_heap
     from kvxferd.service.runner import (
@@ -79,6 +80,9 @@ def _run(args: argparse.Namespace) -> int:
     setup_logging(cfg.daemon.log_level, args.log_format)
     log_nt_copies()
     log_keep_freed_heap()
+    # Before the daemon starts its threads (the data plane's, the transport's): each then
+    # inherits the policy from the thread that starts it.
+    log_cpu_policy(cfg.daemon.cpu_policy)
     settings = resolve(cfg)
 
     async def main() -> int:

@@ -142,6 +142,12 @@ def summary(doc: dict[str, Any]) -> str:
         f"  engine API {doc.get('api_socket')} ({doc.get('engines')} engine(s)), "
         f"peers on {doc.get('peer_listen')} ({_security(doc.get('peer_security') or {})})",
     ]
+    cpu = doc.get("cpu_policy")
+    if cpu:  # a daemon from before daemon.cpu_policy says nothing of it
+        lines.append(
+            f"  CPU scheduling policy {cpu.get('policy') or 'unknown'} "
+            f"(daemon.cpu_policy: {cpu.get('configured')})"
+        )
     device = doc.get("device")
     if device:
         lines.append(

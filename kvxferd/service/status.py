@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvxferd import PROTOCOL_VERSION, __version__
 from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.memory.hugepages import Pages
+from kvxferd.service.cpu_policy import current_policy
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
                 else None
             ),
         },
+        # The event loop thread's CPU scheduling policy as it is now (service/cpu_policy.py),
+        # and what the configuration asked for.
+        "cpu_policy": {"policy": current_policy(), "configured": daemon.cfg.daemon.cpu_policy},
         "event_loop": {
             "lag_ms": round(daemon.loop_monitor.lag_s * 1e3, 3),
             "max_lag_ms": round(daemon.loop_monitor.max_lag_s * 1e3, 3),

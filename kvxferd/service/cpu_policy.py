@@ -1,0 +1,121 @@
+"""The daemon's CPU scheduling policy: SCHED_BATCH, so that its wake-ups do not preempt.
+
+A daemon wakes for every engine call, peer message and completed write: at thousands of
+small requests a second, each wake-up of a normal (SCHED_OTHER) task on a busy core
+preempts whoever runs there, often the process that just wrote to it, in the middle of its
+loop turn. The two then take turns a few frames at a time instead of each finishing its
+batch. A SCHED_BATCH task gets the same share of the CPU (the policy changes no weight or
+nice value) but does not preempt on wake-up: it runs when the current task sleeps or its
+slice ends. With the two daemons on SCHED_BATCH, `kvxferd bench --small` moved 9.5 % more
+one-block requests at 32 in flight (4 passes, ranges apart) for 10 % less daemon CPU each,
+and the p50 at one in flight did not move (docs/benchmarks.md, issue 16 "the daemons on
+SCHED_BATCH", 2026-12-06). For an engine on the same cores it is the better neighbour too: the daemon's
+wake-ups no longer cut into the engine's slices.
+
+Where the kernel has idle cores, a wake-up goes to one of them and the policy changes
+nothing. An operator who chose a policy for the daemon (systemd's CPUSchedulingPolicy=,
+chrt) keeps it: only a daemon started as SCHED_OTHER is moved, and `daemon.cpu_policy:
+inherit` leaves it as started in every case. Every thread of the process is moved (the
+ones started later inherit the policy from the thread that starts them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger("kvxferd.daemon")
+
+CpuPolicyChoice = Literal["batch", "inherit"]
+
+# Linux's policy numbers (sched.h), for the names os lacks on some builds.
+_NAMES = {0: "other", 1: "fifo", 2: "rr", 3: "batch", 5: "idle", 6: "deadline"}
+_SCHED_OTHER = 0
+_SCHED_BATCH = 3
+
+
+def policy_name(policy: int) -> str:
+    """ "other", "batch", "fifo"... for a policy number (its number when unknown)."""
+    return _NAMES.get(policy, str(policy))
+
+
+def current_policy() -> str | None:
+    """This thread's policy by name; None where the platform has no scheduling policies."""
+    getter = getattr(os, "sched_getscheduler", None)
+    if getter is None:
+        return None
+    try:
+        return policy_name(getter(0))
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """What apply_cpu_policy did: the policy the daemon runs under (None: unknown) and a
+    sentence for the log."""
+
+    policy: str | None
+    detail: str
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]  # no /proc: this thread (the others, if any, keep theirs)
+
+
+def apply_cpu_policy(choice: CpuPolicyChoice) -> CpuPolicy:
+    """Put every thread of this process on SCHED_BATCH (`choice` "batch") unless the process
+    was started under another policy than SCHED_OTHER; "inherit" changes nothing. A refusal
+    (a seccomp profile, a platform without the call) leaves the policy as it was."""
+    setter = getattr(os, "sched_setscheduler", None)
+    getter = getattr(os, "sched_getscheduler", None)
+    if setter is None or getter is None:
+        return CpuPolicy(None, "CPU scheduling policy left alone: not supported here")
+    started = getter(0)
+    if choice == "inherit":
+        return CpuPolicy(
+            policy_name(started),
+            f"CPU scheduling policy {policy_name(started)}, as started (daemon.cpu_policy: "
+            "inherit)",
+        )
+    if started != _SCHED_OTHER:
+        return CpuPolicy(
+            policy_name(started),
+            f"CPU scheduling policy {policy_name(started)}, as started: the operator chose "
+            "it (daemon.cpu_policy: batch moves only a daemon started as other)",
+        )
+    param = os.sched_param(0)
+    moved, refused = 0, ""
+    for tid in _threads():
+        try:
+            setter(tid, _SCHED_BATCH, param)
+            moved += 1
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as exc:
+            refused = refused or f"{exc.strerror or exc} (thread {tid})"
+    if refused and not moved:
+        return CpuPolicy(
+            "other",
+            f"CPU scheduling policy left at other: SCHED_BATCH was refused: {refused}",
+        )
+    now = policy_name(getter(0))
+    detail = "CPU scheduling policy batch: wake-ups do not preempt (daemon.cpu_policy)"
+    if refused:
+        detail += f"; some threads were refused: {refused}"
+    return CpuPolicy(now, detail)
+
+
+def log_cpu_policy(choice: CpuPolicyChoice) -> CpuPolicy:
+    """apply_cpu_policy, its outcome in the daemon's log (a refusal as a warning)."""
+    result = apply_cpu_policy(choice)
+    if "refused" in result.detail:
+        log.warning("%s", result.detail)
+    else:
+        log.info("%s", result.detail)
+    return result
