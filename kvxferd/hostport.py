@@ -5,9 +5,13 @@ this is for addresses already accepted or received from a peer."""
 
 from __future__ import annotations
 
+import functools
 import socket
 
 
+# A pure function of its text, asked on every receive (the peer it names is validated
+# before it is dialed or looked up) for the same few addresses; a ValueError is not cached.
+@functools.lru_cache(maxsize=1024)
 def split_hostport(address: str, what: str = "address") -> tuple[str, int]:
     """(host, port) of "host:port" or "[v6]:port", the host without brackets. ValueError
     naming `what` when it is not that shape or the port is outside 0-65535."""

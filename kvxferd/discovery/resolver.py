@@ -26,11 +26,14 @@ class AddressResolver:
 
     def resolve_address(self, peer: str) -> str:
         """The address to dial for `peer`; PeerUnknownError saying why when there is none."""
+        if _is_hostport(peer):
+            # No daemon name has a ':' (config and discovery records both refuse one), so
+            # HOST:PORT is never a name: not looked up, which for a miss also spelt out every
+            # known name for the message, once per receive.
+            return peer
         found = self.discovery.resolve(peer)
         if found.address is not None:
             return found.address
-        if _is_hostport(peer):
-            return peer
         kind = self.discovery.state.kind
         if kind == "static":
             # A name that is not in the file is the engine's or the file's mistake (a bad

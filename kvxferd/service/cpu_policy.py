@@ -9,8 +9,8 @@ nice value) but does not preempt on wake-up: it runs when the current task sleep
 slice ends. With the two daemons on SCHED_BATCH, `kvxferd bench --small` moved 9.5 % more
 one-block requests at 32 in flight (4 passes, ranges apart) for 10 % less daemon CPU each,
 and the p50 at one in flight did not move (docs/benchmarks.md, issue 16 "the daemons on
-SCHED_BATCH", 2026-12-06). For an engine on the same cores it is the better neighbour too: the daemon's
-wake-ups no longer cut into the engine's slices.
+SCHED_BATCH", 2026-12-06). For an engine on the same cores it is the better neighbour too:
+the daemon's wake-ups no longer cut into the engine's slices.
 
 Where the kernel has idle cores, a wake-up goes to one of them and the policy changes
 nothing. An operator who chose a policy for the daemon (systemd's CPUSchedulingPolicy=,
