@@ -179,11 +179,17 @@ async def _wait(
     peer: str | None,
     timeout_s: float | None,
 ) -> E:
-    waiter: _Waiter[E] = (peer, asyncio.get_running_loop().create_future())
+    loop = asyncio.get_running_loop()
+    waiter: _Waiter[E] = (peer, loop.create_future())
     waiters.setdefault(request_id, []).append(waiter)
+    # A timer on the waiter itself rather than asyncio.wait_for, which adds a second future,
+    # a done callback and their removal to every wait: an engine waits once per request.
+    timer = None if timeout_s is None else loop.call_later(timeout_s, _time_out, waiter[1])
     try:
-        return await asyncio.wait_for(waiter[1], timeout_s)
+        return await waiter[1]
     finally:
+        if timer is not None:
+            timer.cancel()
         # A wait that timed out leaves no future behind (an engine polling with short
         # timeouts would otherwise pile them up until the event came).
         pending = waiters.get(request_id)
@@ -191,6 +197,11 @@ async def _wait(
             pending.remove(waiter)
             if not pending:
                 del waiters[request_id]
+
+
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
 
 
 def _pick(by_peer: dict[str, E] | None, request_id: str, peer: str | None) -> E | None:
