@@ -80,10 +80,10 @@ def _run(args: argparse.Namespace) -> int:
     setup_logging(cfg.daemon.log_level, args.log_format)
     log_nt_copies()
     log_keep_freed_heap()
+    settings = resolve(cfg)
     # Before the daemon starts its threads (the data plane's, the transport's): each then
     # inherits the policy from the thread that starts it.
-    log_cpu_policy(cfg.daemon.cpu_policy)
-    settings = resolve(cfg)
+    log_cpu_policy(cfg.daemon.cpu_policy, settings.backend)
 
     async def main() -> int:
         stop = asyncio.Event()

@@ -258,14 +258,16 @@ class DaemonSection(BaseModel):
         "(kvxferd.client.host_pool).",
     )
 
-    cpu_policy: Literal["batch", "inherit"] = Field(
-        default="batch",
-        description="The daemon's CPU scheduling policy: batch puts every thread of a daemon "
-        "started as SCHED_OTHER on SCHED_BATCH (the same share of the CPU, but its wake-ups "
-        "do not preempt the task running on a busy core: more small requests per CPU second, "
-        "and no cutting into an engine's slices); a daemon started under another policy "
-        "(systemd CPUSchedulingPolicy=, chrt) keeps it. inherit: the policy it was started "
-        "with, whatever it is. The log and `kvxferd status` say which applies.",
+    cpu_policy: Literal["auto", "batch", "inherit"] = Field(
+        default="auto",
+        description="The daemon's CPU scheduling policy. batch puts every thread of a daemon "
+        "started as SCHED_OTHER on SCHED_BATCH: the same share of the CPU, but its wake-ups "
+        "do not preempt the task running on a busy core (more small requests per CPU second, "
+        "and no cutting into an engine's slices). auto (the default) does so for the NIXL and "
+        "Mooncake backends and leaves UCX and MPI daemons as started: their staged transfers "
+        "wait on the daemons' wake-ups and were slower on SCHED_BATCH. A daemon started under "
+        "another policy (systemd CPUSchedulingPolicy=, chrt) keeps it. inherit: the policy it "
+        "was started with, whatever it is. The log and `kvxferd status` say which applies.",
     )
 
     @field_validator("huge_pages", mode="before")

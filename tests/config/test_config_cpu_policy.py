@@ -1,4 +1,4 @@
-"""daemon.cpu_policy: batch by default, inherit, and a clear error for anything else. It is
+"""daemon.cpu_policy: auto by default, batch and inherit, and a clear error for anything else. It is
 the daemon's own scheduling, so it never changes what peers compare."""
 
 from __future__ import annotations
@@ -9,19 +9,20 @@ from kvxferd.config import load_config_text, resolve
 from kvxferd.errors import ConfigError
 
 
-def test_batch_is_the_default_and_inherit_loads() -> None:
-    assert load_config_text("", "d.yaml").daemon.cpu_policy == "batch"
-    cfg = load_config_text("daemon:\n  cpu_policy: inherit\n", "d.yaml")
-    assert cfg.daemon.cpu_policy == "inherit"
+def test_auto_is_the_default_and_the_others_load() -> None:
+    assert load_config_text("", "d.yaml").daemon.cpu_policy == "auto"
+    for choice in ("batch", "inherit"):
+        cfg = load_config_text(f"daemon:\n  cpu_policy: {choice}\n", "d.yaml")
+        assert cfg.daemon.cpu_policy == choice
 
 
-@pytest.mark.parametrize("value", ["fifo", "other", "BATCH", "true", "''"])
+@pytest.mark.parametrize("value", ["fifo", "other", "BATCH", "AUTO", "true", "''"])
 def test_anything_else_is_an_error_naming_the_setting(value: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config_text(f"daemon:\n  cpu_policy: {value}\n", "d.yaml")
     text = "\n".join(info.value.problems)
     assert "daemon.cpu_policy" in text, text
-    assert "must be one of 'batch', 'inherit'" in text, text
+    assert "must be one of 'auto', 'batch', 'inherit'" in text, text
 
 
 def test_it_does_not_change_the_fingerprint() -> None:

@@ -1,5 +1,6 @@
-"""daemon.cpu_policy (service/cpu_policy.py): a daemon started as SCHED_OTHER runs every
-thread on SCHED_BATCH and says so in its log and status; `inherit` and an operator's own
+"""daemon.cpu_policy (service/cpu_policy.py): a NIXL or Mooncake daemon started as
+SCHED_OTHER runs every thread on SCHED_BATCH and says so in its log and status (`auto`);
+UCX and MPI daemons stay as started unless told `batch`; `inherit` and an operator's own
 policy (chrt, systemd's CPUSchedulingPolicy=) stand; a refusal leaves the daemon running
 as it was, with a warning."""
 
@@ -33,7 +34,7 @@ def early():
     done.set()
 t = threading.Thread(target=early)
 t.start()
-result = apply_cpu_policy(sys.argv[1])
+result = apply_cpu_policy(sys.argv[1], sys.argv[2])
 go.set(); done.wait(10)
 late = threading.Thread(target=lambda: seen.update(late=policy_name(os.sched_getscheduler(0))))
 late.start(); late.join()
@@ -42,9 +43,9 @@ print(result.detail)
 """
 
 
-def _run(choice: str, *launcher: str) -> tuple[list[str], str]:
+def _run(choice: str, *launcher: str, backend: str = "NIXL") -> tuple[list[str], str]:
     out = subprocess.run(
-        [*launcher, sys.executable, "-c", _PROCESS, choice],
+        [*launcher, sys.executable, "-c", _PROCESS, choice, backend],
         capture_output=True,
         text=True,
         check=True,
@@ -54,10 +55,20 @@ def _run(choice: str, *launcher: str) -> tuple[list[str], str]:
     return first.split(), detail
 
 
-def test_batch_moves_every_thread_of_a_process_started_as_other() -> None:
-    policies, detail = _run("batch")
+@pytest.mark.parametrize(
+    "choice, backend", [("auto", "NIXL"), ("auto", "MOONCAKE"), ("batch", "UCX")]
+)
+def test_batch_moves_every_thread_of_a_process_started_as_other(choice: str, backend: str) -> None:
+    policies, detail = _run(choice, backend=backend)
     assert policies == ["batch"] * 4, (policies, detail)
-    assert "wake-ups do not preempt" in detail
+    assert f"wake-ups do not preempt (daemon.cpu_policy: {choice}, {backend} backend)" in detail
+
+
+@pytest.mark.parametrize("backend", ["UCX", "MPI"])
+def test_auto_leaves_the_two_sided_backends_as_started(backend: str) -> None:
+    policies, detail = _run("auto", backend=backend)
+    assert policies == ["other"] * 4, (policies, detail)
+    assert f"auto, and the {backend} backend's transfers wait on the daemons' wake-ups" in detail
 
 
 def test_inherit_leaves_the_policy_as_started() -> None:
@@ -79,7 +90,7 @@ def test_a_refusal_leaves_the_policy_and_says_why(monkeypatch: pytest.MonkeyPatc
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    result = cpu_policy.apply_cpu_policy("batch")
+    result = cpu_policy.apply_cpu_policy("batch", "NIXL")
     assert result.policy == "other"
     assert "SCHED_BATCH was refused: Operation not permitted" in result.detail
 
@@ -91,8 +102,8 @@ def test_a_daemon_runs_on_batch_and_says_so(cluster: LocalCluster) -> None:
     assert {cpu_policy.policy_name(os.sched_getscheduler(int(t))) for t in tasks} == {"batch"}
     assert "CPU scheduling policy batch" in d.log_text()
     doc = status(d)
-    assert doc["cpu_policy"] == {"policy": "batch", "configured": "batch"}
-    assert "CPU scheduling policy batch (daemon.cpu_policy: batch)" in summary(doc)
+    assert doc["cpu_policy"] == {"policy": "batch", "configured": "auto"}
+    assert "CPU scheduling policy batch (daemon.cpu_policy: auto)" in summary(doc)
 
 
 def test_a_daemon_told_to_inherit_keeps_other(cluster: LocalCluster) -> None:
