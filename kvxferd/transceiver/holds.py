@@ -18,7 +18,10 @@ the hold. A leg is *fenced*, and never ends on a timer, when:
 
 The keeper dials every peer with pending legs whose connection is gone, with
 back-off, and sends the Aborts again on every new connection of the same
-incarnation. When the last leg of a hold is fenced, its memory is handed back
+incarnation, and on the live one for a hold added after that connection came up (a
+receive that failed because the old connection closed, ended just after the peer dialed
+back in: otherwise nobody would ask it, and the hold would last until the writer's
+process exits). When the last leg of a hold is fenced, its memory is handed back
 (`on_released`: the engine hears a `released` event).
 
 Over TCP an AbortAck is a fence only because the writer drains, never cancels, a write
@@ -114,6 +117,9 @@ class _Peer:
     task: asyncio.Task[None] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     reading: bool = False
+    # The connection each of its holds was last asked on (an Abort sent there): a hold is
+    # asked once per connection of the incarnation.
+    asked: dict[tuple[str, int], PeerConnection] = field(default_factory=dict)
 
 
 class HoldKeeper:
@@ -193,31 +199,44 @@ class HoldKeeper:
     async def on_established(self, conn: PeerConnection) -> None:
         """A connection to a context daemon: ask its incarnation again, or take a new one on
         another host as proof that the old process and its transfers are gone."""
-        for key, peer in list(self._peers.items()):
-            leg = peer.leg
-            if leg.name != conn.peer.name:
+        for peer in list(self._peers.values()):
+            if peer.leg.name == conn.peer.name:
+                await self._on_connection(peer, conn)
+                peer.wake.set()
+
+    async def _on_connection(self, peer: _Peer, conn: PeerConnection) -> None:
+        """What a live connection to `peer`'s daemon does for its holds: its incarnation is
+        asked the Aborts not asked there yet; another incarnation reached where the old one
+        was fences the legs whose old process cannot be watched."""
+        leg = peer.leg
+        if leg.incarnation == conn.peer.incarnation:
+            await self._ask(peer, conn)
+        elif peer.watch is None and conn.dialed and conn.label == leg.address:
+            # Only a daemon we reached where the old one was: a name alone proves nothing
+            # (another daemon misconfigured with it, a replacement elsewhere while the old
+            # one still drains and writes).
+            log.info(
+                "peer %s came back as incarnation %s: its old transfers are gone",
+                leg.key,
+                conn.peer.incarnation,
+            )
+            self._fence_peer(leg.key, Fence.PEER_RESTARTED)
+
+    async def _ask(self, peer: _Peer, conn: PeerConnection) -> None:
+        """Send the Abort of each hold of `peer` not yet asked on `conn` (a connection of its
+        incarnation); the AbortAck, on any connection of it, fences the leg."""
+        for hold in self._holds_of(peer.leg.key):
+            if peer.asked.get(hold.key) is conn:
                 continue
-            if leg.incarnation == conn.peer.incarnation:
-                for hold in self._holds_of(key):
-                    await conn.send(
-                        Abort(
-                            request_id=hold.request_id,
-                            rx_token=hold.rx_token,
-                            reason=hold.reason,
-                            message=hold.message,
-                        )
-                    )
-            elif peer.watch is None and conn.dialed and conn.label == leg.address:
-                # Only a daemon we reached where the old one was: a name alone proves
-                # nothing (another daemon misconfigured with it, a replacement elsewhere
-                # while the old one still drains and writes).
-                log.info(
-                    "peer %s came back as incarnation %s: its old transfers are gone",
-                    key,
-                    conn.peer.incarnation,
+            peer.asked[hold.key] = conn
+            await conn.send(
+                Abort(
+                    request_id=hold.request_id,
+                    rx_token=hold.rx_token,
+                    reason=hold.reason,
+                    message=hold.message,
                 )
-                self._fence_peer(key, Fence.PEER_RESTARTED)
-            peer.wake.set()
+            )
 
     def _holds_of(self, peer_key: str) -> list[Hold]:
         return [h for h in self.holds.values() if any(leg.key == peer_key for leg in h.pending)]
@@ -233,6 +252,9 @@ class HoldKeeper:
         if leg not in hold.pending:
             return
         hold.pending.remove(leg)
+        peer = self._peers.get(leg.key)
+        if peer is not None:
+            peer.asked.pop(hold.key, None)
         log.info("request %s: %s fenced (%s)", shown(hold.request_id), leg.key, how)
         if not hold.pending:
             self._release(hold, how)
@@ -293,7 +315,14 @@ class HoldKeeper:
                         return
                 except (KvxferdError, OSError, asyncio.TimeoutError):
                     pass
+            # Cleared before the asking below: a hold added meanwhile sets it again.
             peer.wake.clear()
+            if conn is not None and not conn.closed.is_set():
+                # The connection may have come up before this hold was added (or be the
+                # one another receive dialed): on_established saw only the holds of then.
+                await self._on_connection(peer, conn)
+                if peer.leg.key not in self._peers:
+                    return  # fenced (the daemon came back as a new incarnation)
             waits: list[asyncio.Future[object]] = [asyncio.ensure_future(peer.wake.wait())]
             if conn is not None and not conn.closed.is_set():
                 waits.append(asyncio.ensure_future(conn.closed.wait()))

@@ -82,7 +82,9 @@ def hold(leg: HeldLeg, rid: str = "r1") -> Hold:
 class Keeper:
     """A keeper whose dials fail (or raise `refusal`), recording releases."""
 
-    def __init__(self, refusal: Exception | None = None) -> None:
+    def __init__(self, refusal: Exception | None = None, live: FakeConn | None = None) -> None:
+        """`live`: what a dial returns instead, as PeerManager.connect returns a connection
+        that is up already (no on_established then)."""
         self.freed: list[Reservation] = []
         self.released: list[tuple[str, str]] = []
         self.dials = 0
@@ -90,6 +92,8 @@ class Keeper:
 
         async def connect(address: str) -> Any:
             self.dials += 1
+            if live is not None:
+                return live
             raise self.refusal or HandshakeError(f"cannot reach {address}")
 
         self.keeper = HoldKeeper(connect, self.freed.append, retry_s=0.01, retry_max_s=0.05)
@@ -195,5 +199,51 @@ def test_a_writer_already_gone_is_fenced_at_once() -> None:
         k = Keeper()
         k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", info)))
         assert k.released == [("r1", "peer_exited")] and not k.keeper.holds
+
+    asyncio.run(scenario())
+
+
+async def _sent(conn: FakeConn, count: int) -> list[Any]:
+    """What `conn` was sent once it holds `count` messages (deadline-bound)."""
+    for _ in range(500):
+        if len(conn.sent) >= count:
+            return conn.sent
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(conn.sent)} message(s) sent, expected {count}: {conn.sent}")
+
+
+def test_a_hold_added_after_its_daemon_reconnected_is_asked_on_that_connection() -> None:
+    """The receive failed because the old connection closed, and ended just after the
+    context daemon dialed back in: on_established had asked only the holds of then. Seen
+    in a 2->1 demo whose generation daemon was stopped 8 s: the hold waited until the
+    context daemon exited (68 s) and the engine could not deregister its pool."""
+
+    async def scenario() -> None:
+        conn = FakeConn(_Peer("ctx", "inc1"))
+        k = Keeper(live=conn)
+        await k.keeper.on_established(conn)  # before any hold: nothing to ask
+        k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", None), "r1"))
+        sent = await _sent(conn, 1)
+        assert [(type(m), m.request_id) for m in sent] == [(Abort, "r1")]
+        # A second hold of the same daemon, on the same live connection, is asked too;
+        # the first is not asked twice there, not even by a repeated on_established.
+        k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", None), "r2"))
+        sent = await _sent(conn, 2)
+        await k.keeper.on_established(conn)
+        assert [m.request_id for m in conn.sent] == ["r1", "r2"]
+        assert k.keeper.on_fence_message(conn, "r1", 7)
+        assert k.keeper.on_fence_message(conn, "r2", 7)
+        assert sorted(k.released) == [("r1", "abort_ack"), ("r2", "abort_ack")]
+        assert not k.keeper.holds
+
+    asyncio.run(scenario())
+
+
+def test_a_new_incarnation_already_connected_when_the_hold_is_added_releases() -> None:
+    async def scenario() -> None:
+        k = Keeper(live=FakeConn(_Peer("ctx", "inc2")))  # dialed, where the old one was
+        k.keeper.add(hold(HeldLeg("ctx", "inc1", "127.0.0.1:1", None)))
+        assert await k.released_within(5)
+        assert k.released == [("r1", "peer_restarted")]
 
     asyncio.run(scenario())
