@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import mmap
 import time
@@ -337,11 +338,19 @@ class HostStaging:
         self.pages = Pages("4k", FOUR_K.page_bytes, "; ".join(reasons))
 
     def close(self) -> None:
-        del self.array
-        if self._memfd is not None:
-            self._memfd.close()
-        if self._map is not None:
-            self._map.close()
+        """Unmap, unless a transport still holds a view: a two-sided receive or send
+        posted into a reservation for a peer that stalled or died mid-message never ends
+        (UCX, MPI), and its buffer is a view of this region. The mapping then goes when the
+        process does; unmapping under it could let a late completion write into freed
+        memory. Idempotent."""
+        self.__dict__.pop("array", None)
+        memfd, self._memfd = self._memfd, None
+        if memfd is not None:
+            memfd.close()  # defers its unmap itself while views are alive
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
 
 
 def host_staging(huge_pages: HugePagesMode) -> Callable[[int, str], HostStaging]:
