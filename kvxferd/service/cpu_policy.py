@@ -69,6 +69,7 @@ class CpuPolicy:
 
     policy: str | None
     detail: str
+    refused: bool = False  # the kernel refused SCHED_BATCH to some or all threads
 
 
 def _threads() -> list[int]:
@@ -123,6 +124,7 @@ def apply_cpu_policy(choice: CpuPolicyChoice, backend: str) -> CpuPolicy:
         return CpuPolicy(
             "other",
             f"CPU scheduling policy left at other: SCHED_BATCH was refused: {refused}",
+            refused=True,
         )
     now = policy_name(getter(0))
     detail = (
@@ -131,13 +133,13 @@ def apply_cpu_policy(choice: CpuPolicyChoice, backend: str) -> CpuPolicy:
     )
     if refused:
         detail += f"; some threads were refused: {refused}"
-    return CpuPolicy(now, detail)
+    return CpuPolicy(now, detail, refused=bool(refused))
 
 
 def log_cpu_policy(choice: CpuPolicyChoice, backend: str) -> CpuPolicy:
     """apply_cpu_policy, its outcome in the daemon's log (a refusal as a warning)."""
     result = apply_cpu_policy(choice, backend)
-    if "refused" in result.detail:
+    if result.refused:
         log.warning("%s", result.detail)
     else:
         log.info("%s", result.detail)

@@ -91,7 +91,7 @@ def test_a_refusal_leaves_the_policy_and_says_why(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     result = cpu_policy.apply_cpu_policy("batch", "NIXL")
-    assert result.policy == "other"
+    assert result.policy == "other" and result.refused
     assert "SCHED_BATCH was refused: Operation not permitted" in result.detail
 
 
