@@ -7,6 +7,7 @@ kernel and read back from the daemon's log), and runs reference engines.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -25,6 +26,10 @@ from typing import Any
 import yaml
 
 from kvxferd.errors import KvxferdError
+
+# A run that failed gives the daemons still up this long to drain and exit (then kills
+# them): a killed peer's holds are fenced at once by its pidfd, so they need a few seconds.
+STOP_AFTER_FAILURE_S = 20.0
 
 _LISTEN_RE = re.compile(r"listening for peers on (\S+)")
 _HTTP_RE = re.compile(r"HTTP \(health, status\) on (\S+)")
@@ -327,10 +332,28 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for d in self.daemons:
-            if d.alive():
-                d.kill()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if exc_type is not None:
+                # The run failed (an engine exited, a daemon died): the daemons still up
+                # stop as an operator stops them, within a bound, rather than killed: their
+                # logs, kept for the user, then end with their drain and say what they
+                # still held, and their transports shut down as they do in production.
+                self._stop_within(STOP_AFTER_FAILURE_S)
+        finally:
+            for d in self.daemons:
+                if d.alive():
+                    d.kill()
+
+    def _stop_within(self, timeout_s: float) -> None:
+        """SIGTERM every daemon still up at once, then wait for them until `timeout_s`."""
+        running = [d for d in self.daemons if d.alive()]
+        for d in running:
+            d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for d in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                d.proc.wait(max(0.0, deadline - time.monotonic()))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -136,6 +136,15 @@ def test_a_generation_rank_killed_mid_split_ends_the_demo_with_one_line(tmp_path
     assert demo.returncode == 1, err[-3000:]
     assert "its daemon went away" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    # The daemons still up were stopped, not killed: their kept logs end with their drain.
+    (workdir,) = tmp_path.glob("kvxferd-demo.*")  # kept: the run failed
+    for name in ("demo-ctx", "demo-gen0"):
+        log = (workdir / f"{name}.log").read_text()
+        assert "SIGTERM received: draining" in log and log.rstrip().endswith("stopped"), (
+            name,
+            log[-2000:],
+        )
+        assert "Traceback" not in log, (name, log[-3000:])
 
 
 @pytest.mark.timeout(420)
