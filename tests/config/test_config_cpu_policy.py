@@ -29,3 +29,16 @@ def test_it_does_not_change_the_fingerprint() -> None:
     plain = resolve(load_config_text("", "d.yaml")).fingerprint()
     cfg = load_config_text("daemon:\n  cpu_policy: inherit\n", "d.yaml")
     assert resolve(cfg).fingerprint() == plain
+
+
+def test_a_reload_that_changes_it_says_a_restart_is_needed_and_keeps_it() -> None:
+    # The policy is applied once, before the daemon's threads start; a SIGHUP cannot move
+    # them all again safely, so it is reported like every other start-up setting.
+    from kvxferd.service.reload import plan
+
+    base = "engine: {role: context}\n"
+    old = load_config_text(base, "old.yaml")
+    new = load_config_text(base + "daemon: {cpu_policy: inherit}\n", "new.yaml")
+    cfg, _settings, report = plan(old, resolve(old), None, new, resolve(new), None)
+    assert [c.split(":")[0] for c in report.restart_needed] == ["daemon.cpu_policy"]
+    assert cfg.daemon.cpu_policy == "auto"  # the running value is kept
