@@ -11,6 +11,7 @@ until the backend confirms the release, the blocks stay on loan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -78,6 +79,32 @@ def _failed(exc: TransferError) -> Terminal:
     if isinstance(exc, RemoteMemoryError):
         return Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
     return Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
+
+
+# How long a write that failed as a local error waits for its peer's connection to close
+# before it is reported so: see _ended_by.
+PEER_GONE_GRACE_S = 0.5
+
+
+async def _ended_by(exc: TransferError, conn: PeerConnection) -> Terminal:
+    """_failed, except that a local failure whose peer's connection closes within
+    PEER_GONE_GRACE_S is the peer's: a process killed mid-write closes its sockets as it
+    exits, not all at once, so the transport can see its data connection fail while the
+    peer still accepts connections (Mooncake then reports a refusal of the write, not a
+    lost peer: seen with the generation daemon killed mid-transfer, 1 CI run in 4)."""
+    term = _failed(exc)
+    if term.fault == "peer":
+        return term
+    if not conn.closed.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(conn.closed.wait(), PEER_GONE_GRACE_S)
+    if conn.closed.is_set():
+        return Terminal.peer(
+            Status.FAILED,
+            Reason.PEER_LOST,
+            f"peer lost: {conn.peer.name}: {conn.close_reason} (its write failed: {exc})",
+        )
+    return term
 
 
 def nbytes_of(segments: np.ndarray) -> int:
@@ -150,7 +177,7 @@ class Writes:
                 s.request_end(exc.terminal)
                 return XferStatus.ERROR
             except TransferError as exc:
-                s.request_end(_failed(exc))
+                s.request_end(await _ended_by(exc, conn))
                 return XferStatus.ERROR
             handle, status = posted_write
             s.xfers.append(handle)
@@ -247,7 +274,7 @@ class Writes:
             try:
                 status = await self._dp.call_cheap(backend.poll, handle)
             except TransferError as exc:
-                s.request_end(_failed(exc))
+                s.request_end(await _ended_by(exc, conn))
                 return XferStatus.ERROR
         return status
 
