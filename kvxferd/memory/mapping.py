@@ -16,9 +16,20 @@ import numpy.typing as npt
 
 from kvxferd.memory.hugepages import FOUR_K, Pages
 
-__all__ = ["MappedRegion"]
+__all__ = ["MappedRegion", "unmap_unless_viewed"]
 
 _R = TypeVar("_R", bound="MappedRegion")
+
+
+def unmap_unless_viewed(mm: mmap.mmap) -> bool:
+    """Unmap `mm` now, or (False) leave it to its last view: a view still alive (one handed
+    out by a region's .array, a transport's posted buffer) has the mmap object as its base,
+    which unmaps when that view goes away. Closing under it would leave it dangling."""
+    try:
+        mm.close()
+    except BufferError:
+        return False
+    return True
 
 
 class MappedRegion:
@@ -81,13 +92,7 @@ class MappedRegion:
         if fd is not None:
             os.close(fd)
         mm, self._mmap, self._view = self._mmap, None, None
-        if mm is None:
-            return
-        try:
-            mm.close()
-        except BufferError:
-            # A view handed out by .array is still alive; the mmap object is its base and is
-            # unmapped when the last view goes away. Closing now would leave it dangling.
+        if mm is not None and not unmap_unless_viewed(mm):
             self._log.debug("%s %r: views still alive, unmap deferred", self._kind, self._label)
 
     def __enter__(self: _R) -> _R:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import mmap
 import os
 from collections.abc import Awaitable, Callable
@@ -41,6 +40,7 @@ import numpy.typing as npt
 from kvxferd.backends.base import HOST, Memory
 from kvxferd.memory.hugepages import Pages
 from kvxferd.memory.layout import KvLayout
+from kvxferd.memory.mapping import unmap_unless_viewed
 from kvxferd.transceiver.copyplan import (
     CopyPlan,
     Heads,
@@ -178,9 +178,8 @@ class BounceRegion:
             self._backing.close()
         if self._map is not None:
             # A transport may still hold a view (an MPI receive from a peer that died
-            # mid-message never ends): the mapping then goes when the process does.
-            with contextlib.suppress(BufferError):
-                self._map.close()
+            # mid-message never ends): the mapping then goes with that view.
+            unmap_unless_viewed(self._map)
 
 
 def worth_bouncing(descriptors: int, nbytes: int) -> bool:

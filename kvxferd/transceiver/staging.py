@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import mmap
 import time
@@ -34,6 +33,7 @@ from kvxferd.memory.hugepages import (
     thp_page_bytes,
     thp_pages,
 )
+from kvxferd.memory.mapping import unmap_unless_viewed
 from kvxferd.memory.memfd import MemfdError, MemfdRegion
 from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
 
@@ -340,17 +340,16 @@ class HostStaging:
     def close(self) -> None:
         """Unmap, unless a transport still holds a view: a two-sided receive or send
         posted into a reservation for a peer that stalled or died mid-message never ends
-        (UCX, MPI), and its buffer is a view of this region. The mapping then goes when the
-        process does; unmapping under it could let a late completion write into freed
-        memory. Idempotent."""
+        (UCX, MPI), and its buffer is a view of this region. The mapping then goes with that
+        view; unmapping under it could let a late completion write into freed memory.
+        Idempotent."""
         self.__dict__.pop("array", None)
         memfd, self._memfd = self._memfd, None
         if memfd is not None:
             memfd.close()  # defers its unmap itself while views are alive
         mapping, self._map = self._map, None
         if mapping is not None:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+            unmap_unless_viewed(mapping)
 
 
 def host_staging(huge_pages: HugePagesMode) -> Callable[[int, str], HostStaging]:
