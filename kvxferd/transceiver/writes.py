@@ -70,31 +70,24 @@ _RELEASE_RETRY_S = 0.01
 _RELEASE_RETRY_MAX_S = 0.2
 
 
-def _failed(exc: TransferError) -> Terminal:
-    """How a backend error at a post or a poll ends its request, and whose fault it is:
-    the peer going away, or addresses its agent never registered (RemoteMemoryError,
-    raised only at a post), are the peer's; any other failure is ours."""
-    if isinstance(exc, PeerLostError):
-        return Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc))
-    if isinstance(exc, RemoteMemoryError):
-        return Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
-    return Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
-
-
 # How long a write that failed as a local error waits for its peer's connection to close
 # before it is reported so: see _ended_by.
 PEER_GONE_GRACE_S = 0.5
 
 
 async def _ended_by(exc: TransferError, conn: PeerConnection) -> Terminal:
-    """_failed, except that a local failure whose peer's connection closes within
-    PEER_GONE_GRACE_S is the peer's: a process killed mid-write closes its sockets as it
-    exits, not all at once, so the transport can see its data connection fail while the
-    peer still accepts connections (Mooncake then reports a refusal of the write, not a
-    lost peer: seen with the generation daemon killed mid-transfer, 1 CI run in 4)."""
-    term = _failed(exc)
-    if term.fault == "peer":
-        return term
+    """How a backend error at a post or a poll ends its request, and whose fault it is:
+    the peer going away, or addresses its agent never registered (RemoteMemoryError,
+    raised only at a post), are the peer's; any other failure is ours, unless the peer's
+    connection closes within PEER_GONE_GRACE_S. A process killed mid-write closes its
+    sockets as it exits, not all at once, so the transport can see its data connection
+    fail while the peer still accepts connections (Mooncake then reports a refusal of the
+    write, not a lost peer: seen with the generation daemon killed mid-transfer, 1 CI run
+    in 4)."""
+    if isinstance(exc, PeerLostError):
+        return Terminal.peer(Status.FAILED, Reason.PEER_LOST, str(exc))
+    if isinstance(exc, RemoteMemoryError):
+        return Terminal.peer(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
     if not conn.closed.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(conn.closed.wait(), PEER_GONE_GRACE_S)
@@ -104,7 +97,7 @@ async def _ended_by(exc: TransferError, conn: PeerConnection) -> Terminal:
             Reason.PEER_LOST,
             f"peer lost: {conn.peer.name}: {conn.close_reason} (its write failed: {exc})",
         )
-    return term
+    return Terminal.local(Status.FAILED, Reason.TRANSFER_ERROR, str(exc))
 
 
 def nbytes_of(segments: np.ndarray) -> int:
