@@ -287,9 +287,18 @@ class PeerManager:
             self.dial_backoff.check(address)
             dial = asyncio.create_task(self._dial(address), name=f"dial-{address}")
             self._dialing[address] = dial
-            dial.add_done_callback(lambda _t: self._dialing.pop(address, None))
+            dial.add_done_callback(partial(self._dial_done, address))
         # Shielded: one waiter giving up must not abort the dial others share.
         return await asyncio.shield(dial)
+
+    def _dial_done(self, address: str, dial: asyncio.Task[PeerConnection]) -> None:
+        self._dialing.pop(address, None)
+        # Every receive that waited may have given up (cancelled by its engine) before the
+        # shared dial failed: its error is then nobody's, and asyncio would log it as a
+        # "Task exception was never retrieved" ERROR with a traceback. It is counted in
+        # the dial backoff, which tells the next receive.
+        if not dial.cancelled():
+            dial.exception()
 
     @property
     def dial_backoff(self) -> DialBackoff:
