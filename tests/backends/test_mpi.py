@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from twosided_harness import MIB, REPO, connected, connected_pair, wait_until
@@ -234,14 +235,20 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header() -> None:
         rx.stop()
 
 
+def _mpich_shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")}
+
+
 def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() -> None:
     """A client that says hello, takes the MPI port and disappears: the
     listener's MPI_Comm_accept is released (it would spin forever), and the
-    listener still takes real peers."""
+    listener still takes real peers. The throwaway process that releases the
+    accept leaves no /dev/shm file behind (it exits without MPI_Finalize)."""
     from kvxferd.backends.mpi.wire import ACK, HELLO, frame
 
     rx = Child("gen")
     try:
+        before = _mpich_shm_files()
         host, port = rx.ok("start")["address"].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(frame(HELLO, b"ghost/1"))
@@ -250,6 +257,11 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
             (n,) = struct.unpack("!H", s.recv(2))
             s.recv(n)
         wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the abandoned accept ending")
+        # Other tests' MPI processes make (and unlink) such files too: only one that stays
+        # is a leak.
+        wait_until(
+            lambda: not _mpich_shm_files() - before, 30, "no mpich_shm file left by the release"
+        )
         tx = Child("ctx")
         try:
             tx.ok("connect", peer=rx.key, address=f"{host}:{port}")

@@ -191,7 +191,7 @@ def _bootstrap_process_manager(mpiexec: str) -> tuple[subprocess.Popen[bytes], s
     return proc, conn
 
 
-def _unlink_world_shm() -> None:
+def unlink_world_shm() -> None:
     """Unlink the /dev/shm file MPICH made for this process's world at MPI_Init.
 
     MPICH removes it in MPI_Finalize, which never runs here: each daemon start
@@ -262,7 +262,7 @@ def init_runtime() -> Runtime:
             for name in set_env:
                 os.environ.pop(name, None)
         if not already and MPI.COMM_WORLD.Get_size() == 1:
-            _unlink_world_shm()  # no other local rank of our world will attach
+            unlink_world_shm()  # no other local rank of our world will attach
         provided = MPI.Query_thread()
         if provided < MPI.THREAD_MULTIPLE:
             raise StartupError(

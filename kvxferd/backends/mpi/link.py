@@ -67,11 +67,19 @@ HELLO_TIMEOUT_S = 10.0
 _MAX_AFTER_LINK = 4096
 
 # Run (under mpiexec when there is one) to end an MPI_Comm_accept whose peer
-# never connected: connecting completes it. Exits without MPI_Finalize.
+# never connected: connecting completes it. Exits without MPI_Finalize, so it
+# unlinks the /dev/shm file its MPI_Init made (a world of one), as the daemon
+# does; each release left 1 MiB there before.
 _ACCEPT_RELEASER = """
 import sys, mpi4py
 mpi4py.rc.finalize = False
 from mpi4py import MPI
+try:  # tidiness only: the Connect must happen whatever this does
+    from kvxferd.backends.mpi.bootstrap import unlink_world_shm
+    if MPI.COMM_WORLD.Get_size() == 1:
+        unlink_world_shm()
+except Exception:
+    pass
 MPI.COMM_SELF.Connect(sys.argv[1])
 """
 
