@@ -64,6 +64,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from kvxferd.integrations.vllm.deployment import Deployment
 
     d = Deployment(tmp_path_factory.mktemp("vllm"), more_decoders={"decode-recompute": "recompute"})
+    before = _vllm_shm()
     try:
         d.start()
         # A server's first completion pays vLLM's one-time start-up work, slow on a loaded
@@ -75,6 +76,26 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield d
     finally:
         d.stop()
+    # vLLM's shared memory goes with its servers (VllmServer.stop lets multiprocessing's
+    # resource tracker unlink it); what another module's live server maps is its own.
+    _until("no vLLM shared memory left behind", lambda: not (_vllm_shm() - before - _mapped()), 30)
+
+
+def _vllm_shm() -> set[str]:
+    """multiprocessing's shared memory and semaphores in /dev/shm (vLLM's, here)."""
+    return {str(p) for pattern in ("psm_*", "sem.mp-*") for p in Path("/dev/shm").glob(pattern)}
+
+
+def _mapped() -> set[str]:
+    """The /dev/shm files some live process maps."""
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        found.update(w for w in text.split() if w.startswith("/dev/shm/"))
+    return found
 
 
 def _baseline(dep: Any, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
