@@ -304,6 +304,7 @@ def stream_completion(
     ids: list[int] = []
     first = float("inf")
     finish: str | None = None
+    error = ""
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             transfer_id = resp.headers.get("X-Kvxferd-Transfer-Id", "")
@@ -315,6 +316,10 @@ def stream_completion(
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
+                if isinstance(chunk.get("error"), dict):
+                    # vLLM reports a request that failed mid-stream (a KV load under
+                    # kv_load_failure_policy "fail", say) as an error event in a 200 stream.
+                    error = json.dumps(chunk["error"])[:500]
                 for choice in chunk.get("choices", []):
                     new = choice.get("token_ids") or []
                     if new and first == float("inf"):
@@ -332,4 +337,4 @@ def stream_completion(
         )
     except (OSError, ValueError) as exc:
         return Streamed(0, ids, finish, first, time.perf_counter() - start, str(exc))
-    return Streamed(200, ids, finish, first, time.perf_counter() - start, "", transfer_id)
+    return Streamed(200, ids, finish, first, time.perf_counter() - start, error, transfer_id)
