@@ -14,7 +14,15 @@ from kvxferd.errors import ConfigError, KvxferdError
 
 # Modules under kvxferd.commands that provide add_parser(subparsers).
 # Imported lazily per module so that `kvxferd config ...` never loads a backend.
-_COMMAND_MODULES = ("config_cmd", "run_cmd", "demo_cmd", "status_cmd", "bench_cmd", "certs_cmd")
+_COMMAND_MODULES = (
+    "config_cmd",
+    "run_cmd",
+    "demo_cmd",
+    "status_cmd",
+    "fence_cmd",
+    "bench_cmd",
+    "certs_cmd",
+)
 
 EXIT_USAGE = 2
 

@@ -152,6 +152,19 @@ class Query(_RequestCall, tag="query"):
     peer: str = ""
 
 
+class FenceWriter(EngineCall, tag="fence_writer"):
+    """An operator's word that context daemon `peer` (its `daemon.name`; one `incarnation`
+    of it, or "" for every one) is gone for good: the holds waiting for it to be fenced
+    end (ReleasedMsg.how "operator"). Only for a writer that cannot answer any more (its
+    host died, and it will not come back where it was): a stopped process can still write.
+    Refused (writer_alive) while a connection to it is up, or while its process runs on
+    this host (watched: its exit fences it by itself). Reply.result: how many holds
+    ended."""
+
+    peer: str
+    incarnation: str = ""
+
+
 class Reply(_Msg, tag="reply"):
     """`ok` False carries an error code and a message naming what was wrong.
 
@@ -168,7 +181,7 @@ class Reply(_Msg, tag="reply"):
 
 class ReleasedMsg(_Msg, tag="released"):
     """Blocks of a request reported with `blocks_held` are back: no write can land there.
-    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent; for a send,
+    `how`: the fence (abort_ack, peer_exited, peer_restarted, peer_quiescent, operator; for a send,
     drained: its write that ended in flight reached done or error). `peer`: the
     receive's context peer (as its Outcome.peer); "" from older daemons."""
 
@@ -180,7 +193,16 @@ class ReleasedMsg(_Msg, tag="released"):
 
 
 EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
-    EngineHello, RegisterPool, PoolHandoff, DeregisterPool, Recv, Send, Cancel, Release, Query
+    EngineHello,
+    RegisterPool,
+    PoolHandoff,
+    DeregisterPool,
+    Recv,
+    Send,
+    Cancel,
+    Release,
+    Query,
+    FenceWriter,
 ]
 DaemonMessage = Union[DaemonHello, Reply, Outcome, ReleasedMsg]  # noqa: UP007
 
@@ -214,3 +236,8 @@ class ApiError(Code):
     DEVICE_UNAVAILABLE = "device_unavailable"
     # A pool whose memory kind (host or vram) is not the one this daemon is configured for.
     MEMORY_MISMATCH = "memory_mismatch"
+    # FenceWriter for a context daemon that is alive: connected, or its process (on this
+    # host) has not exited.
+    WRITER_ALIVE = "writer_alive"
+    # FenceWriter for a daemon no hold waits for.
+    NOTHING_HELD = "nothing_held"

@@ -19,6 +19,7 @@ from kvxferd.api.messages import (
     DeregisterPool,
     EngineCall,
     EngineHello,
+    FenceWriter,
     Query,
     Recv,
     RegisterPool,
@@ -495,6 +496,16 @@ class AsyncClient:
         the daemon, which answers for it. `peer`: as release's. Not thread-safe: call it
         on the client's loop (the blocking Client's release does)."""
         return self._book.forget(request_id, peer)
+
+    async def fence_writer(self, peer: str, incarnation: str = "") -> int:
+        """An operator's word that context daemon `peer` (one `incarnation`, or every one)
+        is gone for good: the holds waiting for it end, and each engine hears `released`
+        (how "operator") for its blocks. Only for a writer whose host died and that will not
+        come back where it was; a stopped process can still write. CallError
+        `writer_alive` while the daemon is connected to it or its process (on this host)
+        has not exited, `nothing_held` when no hold waits for it. Returns how many holds
+        ended (`kvxferd fence` calls this)."""
+        return int(await self._ask(FenceWriter, peer=peer, incarnation=incarnation))
 
     async def query(self, request_id: str, peer: str | None = None) -> str:
         return await self._ask(Query, request_id=request_id, peer=peer or "")

@@ -69,6 +69,7 @@ class Client:
     cancel = _blocking(AsyncClient.cancel)
     release = _blocking(AsyncClient.release)
     query = _blocking(AsyncClient.query)
+    fence_writer = _blocking(AsyncClient.fence_writer)
     wait = _blocking(AsyncClient.wait)
 
     def poll(

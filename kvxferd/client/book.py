@@ -30,7 +30,8 @@ class Released:
     """Blocks an outcome reported held are back: no write into them can land any more.
     `how`: the fence (abort_ack: the writer confirmed; peer_exited: its process is gone;
     peer_restarted: it came back as a new incarnation; peer_quiescent: it refused our
-    stale incarnation and said that nothing of ours is in flight)."""
+    stale incarnation and said that nothing of ours is in flight; operator: an operator
+    said its process is gone for good, `kvxferd fence`)."""
 
     request_id: str
     side: str

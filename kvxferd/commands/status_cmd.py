@@ -181,6 +181,7 @@ def summary(doc: dict[str, Any]) -> str:
         + f", {adm.get('waiting')} waiting"
     )
     holds = doc.get("holds") or {}
+    connected = {p.get("name") for p in doc.get("peers") or []}
     if holds.get("requests"):
         lines.append(
             f"  held: {holds['requests']} ended receive(s) keep {holds['blocks']} block(s) and "
@@ -190,6 +191,11 @@ def summary(doc: dict[str, Any]) -> str:
         lines += [
             f"    {peer}: {row['holds']} hold(s), {row['blocks']} block(s), "
             f"oldest {row['oldest_s']:.1f} s"
+            + (
+                ""
+                if peer in connected
+                else f" (not connected; gone for good? kvxferd fence {peer})"
+            )
             for peer, row in sorted(holds.get("by_peer", {}).items())
         ]
     else:

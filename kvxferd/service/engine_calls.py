@@ -21,6 +21,7 @@ from kvxferd.api.messages import (
     DeregisterPool,
     EngineHello,
     EngineMessage,
+    FenceWriter,
     Query,
     Recv,
     RegisterPool,
@@ -71,6 +72,7 @@ class EngineCalls:
             Cancel: self._cancel,
             Release: self._release,
             Query: self._query,
+            FenceWriter: self._fence_writer,
         }
 
     @property
@@ -161,6 +163,46 @@ class EngineCalls:
         if s is None:
             s = self._send_of(engine, msg.request_id).sessions[msg.request_id]
         return s.outcome.status if s.outcome else s.state.name.lower()
+
+    async def _fence_writer(self, engine: EngineConnection, msg: FenceWriter) -> str:
+        self._require_role(RECEIVING_ROLES, "fence_writer")
+        if not _DAEMON_NAME.fullmatch(msg.peer):
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"peer {shown(msg.peer, 40)} is not a daemon name "
+                "(1-128 letters, digits, '_', '.', '-')",
+            )
+        live = [
+            conn.key
+            for conn in self._d.peers.connections.values()
+            if conn.peer.name == msg.peer
+            and not conn.closed.is_set()
+            and (not msg.incarnation or conn.peer.incarnation == msg.incarnation)
+        ]
+        if live:
+            raise RequestError(
+                ApiError.WRITER_ALIVE,
+                f"{', '.join(sorted(live))} is connected: it is alive, and its holds end when "
+                "it answers their Aborts. Fence only a daemon whose process is gone for good",
+            )
+        holds = self._d.receiver.holds
+        before = len(holds.holds)
+        fenced, alive = holds.fence_by_operator(msg.peer, msg.incarnation)
+        if alive and not fenced:
+            raise RequestError(
+                ApiError.WRITER_ALIVE,
+                f"the process of {', '.join(alive)} runs on this host and has not exited "
+                "(a stopped process still writes once resumed); its holds end by themselves "
+                "when it exits",
+            )
+        if not fenced:
+            waited = sorted({leg.key for h in holds.holds.values() for leg in h.pending})
+            who = f"{msg.peer}/{msg.incarnation}" if msg.incarnation else msg.peer
+            raise RequestError(
+                ApiError.NOTHING_HELD,
+                f"no hold waits for {who}; holds wait for: {', '.join(waited) or 'nobody'}",
+            )
+        return str(before - len(holds.holds))
 
     def _recv_peers(self, msg: Recv) -> list[str]:
         """The context daemons of a receive: `peer`, or the list `peers` (head-merge)."""

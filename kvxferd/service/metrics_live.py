@@ -212,7 +212,7 @@ def _hold_families(holds: HoldKeeper) -> Iterable[Metric]:
     yield _counts_by_how(
         "kvxferd_holds_released",
         "Holds released, by the fence that ended them (abort_ack, peer_exited, peer_restarted, "
-        "peer_quiescent).",
+        "peer_quiescent, operator).",
         holds.released_total,
     )
 

@@ -14,7 +14,9 @@ the hold. A leg is *fenced*, and never ends on a timer, when:
 - its process is gone: same kernel and pid namespace, watched through a pidfd
   (kvxferd.peers.process); a stopped process is not gone;
 - it came back with a new incarnation and its old process cannot be watched here
-  (another host): the old daemon's transfers died with it.
+  (another host): the old daemon's transfers died with it;
+- an operator says its process is gone for good (FenceWriter, `kvxferd fence`): for a
+  writer on another host that died and will not come back, nothing else can tell.
 
 The keeper dials every peer with pending legs whose connection is gone, with
 back-off, and sends the Aborts again on every new connection of the same
@@ -63,6 +65,9 @@ class Fence:
     # It refused our new connection (our name was taken meanwhile), saying that every
     # transfer we asked of it is released (Refused.quiescent).
     PEER_QUIESCENT = "peer_quiescent"
+    # An operator said its process is gone for good (FenceWriter, `kvxferd fence`): the
+    # only fence for a writer on another host that died and will not come back.
+    OPERATOR = "operator"
 
 
 @dataclass(eq=False)
@@ -292,6 +297,24 @@ class HoldKeeper:
                 with contextlib.suppress(Exception):
                     asyncio.get_running_loop().remove_reader(peer.watch.fd)
             peer.watch.close()
+
+    def fence_by_operator(self, name: str, incarnation: str = "") -> tuple[list[str], list[str]]:
+        """Fence every pending leg of daemon `name` (of one `incarnation`; "": all of them)
+        on an operator's word that its process is gone (Fence.OPERATOR). Returns the peer
+        keys fenced and those left alone because their process is watched here and has
+        not exited (a stopped one can still write; killed, it fences itself). The caller
+        refuses it for a daemon still connected."""
+        fenced, alive = [], []
+        for key, peer in list(self._peers.items()):
+            if peer.leg.name != name or (incarnation and peer.leg.incarnation != incarnation):
+                continue
+            if peer.watch is not None:
+                alive.append(key)  # its exit would have fenced it already
+                continue
+            log.warning("holds: %s fenced on an operator's word that its process is gone", key)
+            self._fence_peer(key, Fence.OPERATOR)
+            fenced.append(key)
+        return fenced, alive
 
     # -------------------------------------------------------------- re-asking
 
