@@ -36,6 +36,7 @@ from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES
 from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.service.operator_fence import fence_writer
 from kvxferd.service.ops import TaskScope
 from kvxferd.service.pools import LocalPool, PoolError
 from kvxferd.service.view import DaemonView
@@ -172,37 +173,7 @@ class EngineCalls:
                 f"peer {shown(msg.peer, 40)} is not a daemon name "
                 "(1-128 letters, digits, '_', '.', '-')",
             )
-        live = [
-            conn.key
-            for conn in self._d.peers.connections.values()
-            if conn.peer.name == msg.peer
-            and not conn.closed.is_set()
-            and (not msg.incarnation or conn.peer.incarnation == msg.incarnation)
-        ]
-        if live:
-            raise RequestError(
-                ApiError.WRITER_ALIVE,
-                f"{', '.join(sorted(live))} is connected: it is alive, and its holds end when "
-                "it answers their Aborts. Fence only a daemon whose process is gone for good",
-            )
-        holds = self._d.receiver.holds
-        before = len(holds.holds)
-        fenced, alive = holds.fence_by_operator(msg.peer, msg.incarnation)
-        if alive and not fenced:
-            raise RequestError(
-                ApiError.WRITER_ALIVE,
-                f"the process of {', '.join(alive)} runs on this host and has not exited "
-                "(a stopped process still writes once resumed); its holds end by themselves "
-                "when it exits",
-            )
-        if not fenced:
-            waited = sorted({leg.key for h in holds.holds.values() for leg in h.pending})
-            who = f"{msg.peer}/{msg.incarnation}" if msg.incarnation else msg.peer
-            raise RequestError(
-                ApiError.NOTHING_HELD,
-                f"no hold waits for {who}; holds wait for: {', '.join(waited) or 'nobody'}",
-            )
-        return str(before - len(holds.holds))
+        return fence_writer(msg, self._d.peers, self._d.receiver.holds)
 
     def _recv_peers(self, msg: Recv) -> list[str]:
         """The context daemons of a receive: `peer`, or the list `peers` (head-merge)."""
