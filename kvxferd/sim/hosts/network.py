@@ -9,10 +9,13 @@ up the hosts.
 A network namespace alone does not separate hosts for UCX: two processes in different
 network namespaces still share System V / POSIX shared memory and can reach each other
 with process_vm_writev (cross-memory attach), and UCX picks those over TCP. Each host
-is therefore one holder process made by `unshare --ipc --pid --fork --mount` inside its
-network namespace, with a private tmpfs on /dev/shm and its own /proc; everything a host
-runs (its daemons and its reference engine, which share pools) is entered into the
-holder's namespaces with nsenter.
+is therefore one holder process made by `unshare --ipc --pid --fork --mount --uts` inside
+its network namespace, with a private tmpfs on /dev/shm, its own /proc and its own
+hostname (the host's name); everything a host runs (its daemons and its reference engine,
+which share pools) is entered into the holder's namespaces with nsenter. The hostname
+matters to MPI: MPICH tells processes apart by hostname, pid and start second, and every
+host's daemon is pid 3 of its namespace, so with one hostname for all, MPI links went to
+the wrong daemon.
 
 Names carry the creating process's pid (`kvxh<pid>n<seq>-...`); a run cleans up the
 namespaces of earlier runs whose process is gone (a crashed or killed run), and its
@@ -72,8 +75,8 @@ def namespace_problem() -> str | None:
         _run(
             [
                 *("ip", "netns", "exec", probe),
-                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc"),
-                *("sh", "-c", "mount -t tmpfs tmpfs /dev/shm"),
+                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc", "--uts"),
+                *("sh", "-c", "mount -t tmpfs tmpfs /dev/shm && hostname kvxferd-probe"),
             ]
         )
         _run(["ip", "netns", "exec", probe, "nft", "list", "tables"])
@@ -173,7 +176,7 @@ class Host:
     def command(self, argv: list[str], cwd: str | None = None) -> list[str]:
         """`argv` run inside this host."""
         return [
-            *("nsenter", "-t", str(self.holder_pid), "--net", "--ipc", "--mount", "--pid"),
+            *("nsenter", "-t", str(self.holder_pid), "--net", "--ipc", "--mount", "--pid", "--uts"),
             f"--wd={cwd or os.getcwd()}",
             "--",
             *argv,
@@ -279,12 +282,13 @@ class Network:
         host.holder = subprocess.Popen(
             [
                 *("ip", "netns", "exec", host.netns),
-                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc"),
+                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc", "--uts"),
                 "--kill-child=SIGKILL",
                 *(
                     "sh",
                     "-c",
-                    f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec sleep inf",
+                    f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && hostname {host.name} "
+                    "&& exec sleep inf",
                 ),
             ],
             stdin=subprocess.DEVNULL,
