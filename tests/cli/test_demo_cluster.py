@@ -31,18 +31,24 @@ def _check(summary: dict[str, Any], requests: int, routes: int) -> None:
     assert set(summary["daemon_exit_codes"].values()) == {0}, summary
 
 
-def test_cluster_demo_on_network_namespaces() -> None:
+def _on_namespaces(*args: str) -> dict[str, Any]:
+    """A 2x2 demo of 40 requests on network namespaces, checked; its summary."""
     problem = namespace_problem()
     if problem is not None:
         pytest.skip(f"hosts as network namespaces: {problem}")
-    proc = _demo("2x2", "--gen-tp", "2", "--requests", "40", "--max-tokens", "256", "--json")
+    proc = _demo("2x2", *args, "--requests", "40", "--max-tokens", "256", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout)
+    summary: dict[str, Any] = json.loads(proc.stdout)
     _check(summary, 40, 4)
+    assert summary["bytes_on_veths"] >= summary["bytes"] > 0, summary
+    return summary
+
+
+def test_cluster_demo_on_network_namespaces() -> None:
+    summary = _on_namespaces("--gen-tp", "2")
     assert summary["hosts"] == "network namespaces"
     assert summary["instances"] == {"context": 2, "generation": 2}
     assert summary["daemons"] == 6  # two context daemons, two per generation instance
-    assert summary["bytes_on_veths"] >= summary["bytes"] > 0, summary
 
 
 def test_cluster_demo_over_mpi_on_network_namespaces() -> None:
@@ -50,14 +56,7 @@ def test_cluster_demo_over_mpi_on_network_namespaces() -> None:
     by hostname, pid and start second, and the daemons of every host are pid 3 of their
     namespace, started in the same second. With one hostname for all, the links of half
     the routes went to the wrong daemon and every request on them timed out."""
-    problem = namespace_problem()
-    if problem is not None:
-        pytest.skip(f"hosts as network namespaces: {problem}")
-    proc = _demo("2x2", "--backend", "MPI", "--requests", "40", "--max-tokens", "256", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout)
-    _check(summary, 40, 4)
-    assert summary["bytes_on_veths"] >= summary["bytes"] > 0, summary
+    _on_namespaces("--backend", "MPI")
 
 
 def test_cluster_demo_on_loopback_table() -> None:

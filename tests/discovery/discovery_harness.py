@@ -14,7 +14,7 @@ from kvxferd.sim.etcd_server import EtcdServer
 # The daemon tests' in-test engine and helpers (deadline-bounded waits, status reads).
 sys.path.insert(0, str(Path(__file__).parent.parent / "daemon"))
 
-from daemon_harness import status
+from daemon_harness import delivered, opened, status
 
 # Short enough that a killed daemon leaves within a test, and what etcd grants by default.
 LEASE_TTL_S = 2
@@ -49,3 +49,15 @@ def lease_left(etcd: EtcdServer, lease: int) -> int:
     out = etcd.etcdctl("lease", "timetolive", f"{lease:x}")
     match = re.search(r"remaining\((-?\d+)s\)", out)
     return int(match.group(1)) if match else -1
+
+
+async def one_by_name(ctx: DaemonProc, gen: DaemonProc, rid: str) -> None:
+    """One request moved from `ctx` to `gen`, the receive naming ctx by its daemon name
+    (resolved through discovery); pools of their own, so it runs beside other engines."""
+    async with (
+        opened(ctx, num_blocks=16, pool_id=f"p-{rid}") as c,
+        opened(gen, num_blocks=16, pool_id=f"p-{rid}") as g,
+    ):
+        blocks = await g.recv(rid, 100, ctx.name)
+        await c.send(rid, 100)
+        await delivered(c, g, rid, blocks, 100)

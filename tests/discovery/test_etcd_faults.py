@@ -18,7 +18,7 @@ from daemon_harness import (
     status,
     wait_for,
 )
-from discovery_harness import PREFIX, keys, members
+from discovery_harness import PREFIX, keys, members, one_by_name
 
 from kvxferd.client import CallError
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
@@ -71,18 +71,8 @@ def test_etcd_killed_mid_run_then_restarted(cluster: LocalCluster, etcd: EtcdSer
         d.name: status(d)["incarnation"] for d in (ctx, gen)
     }
     assert metric(gen, "kvxferd_discovery_up") == 1
-    asyncio.run(_one_by_name(ctx, gen, "after"))
+    asyncio.run(one_by_name(ctx, gen, "after"))
     assert cluster.stop_all() == {"ctx": 0, "gen": 0}
-
-
-async def _one_by_name(ctx: DaemonProc, gen: DaemonProc, rid: str) -> None:
-    async with (
-        opened(ctx, num_blocks=16, pool_id=f"p-{rid}") as c,
-        opened(gen, num_blocks=16, pool_id=f"p-{rid}") as g,
-    ):
-        blocks = await g.recv(rid, 100, ctx.name)
-        await c.send(rid, 100)
-        await delivered(c, g, rid, blocks, 100)
 
 
 def test_a_daemon_whose_key_is_deleted_registers_again(
@@ -127,7 +117,7 @@ def test_malformed_values_are_ignored_with_a_log(cluster: LocalCluster, etcd: Et
     # A good value after the bad ones is taken (the watch went on).
     ctx = cluster.start_daemon("ctx", "context")
     wait_for(lambda: members(gen) == ["ctx", "gen"], what="gen sees ctx after the bad values")
-    asyncio.run(_one_by_name(ctx, gen, "after-bad"))
+    asyncio.run(one_by_name(ctx, gen, "after-bad"))
 
 
 def test_etcd_absent_at_start_registers_when_it_comes(

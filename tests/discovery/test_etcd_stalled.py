@@ -8,23 +8,13 @@ import asyncio
 import signal
 import time
 
-from daemon_harness import assert_clean, delivered, opened, status, wait_for
-from discovery_harness import LEASE_TTL_S, keys, members
+from daemon_harness import assert_clean, status, wait_for
+from discovery_harness import LEASE_TTL_S, keys, members, one_by_name
 
-from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.cluster import LocalCluster
 from kvxferd.sim.etcd_server import EtcdServer
 
 STALL_S = 4 * LEASE_TTL_S
-
-
-async def _one_by_name(ctx: DaemonProc, gen: DaemonProc, rid: str) -> None:
-    async with (
-        opened(ctx, num_blocks=16, pool_id=f"p-{rid}") as c,
-        opened(gen, num_blocks=16, pool_id=f"p-{rid}") as g,
-    ):
-        blocks = await g.recv(rid, 100, ctx.name)
-        await c.send(rid, 100)
-        await delivered(c, g, rid, blocks, 100)
 
 
 def test_etcd_stopped_then_resumed(cluster: LocalCluster, etcd: EtcdServer) -> None:
@@ -36,7 +26,7 @@ def test_etcd_stopped_then_resumed(cluster: LocalCluster, etcd: EtcdServer) -> N
     try:
         stalled_at = time.monotonic()
         # Transfers by name go on from the last list while etcd hangs.
-        asyncio.run(_one_by_name(ctx, gen, "during"))
+        asyncio.run(one_by_name(ctx, gen, "during"))
         wait_for(lambda: not status(gen)["discovery"]["up"], 30, "gen's discovery down")
         left = STALL_S - (time.monotonic() - stalled_at)
         if left > 0:
@@ -56,6 +46,6 @@ def test_etcd_stopped_then_resumed(cluster: LocalCluster, etcd: EtcdServer) -> N
     while time.monotonic() < until:
         assert set(keys(etcd)) == {"ctx", "gen"}
         time.sleep(0.2)
-    asyncio.run(_one_by_name(ctx, gen, "after"))
+    asyncio.run(one_by_name(ctx, gen, "after"))
     assert_clean(ctx, gen)
     assert cluster.stop_all() == {"ctx": 0, "gen": 0}
