@@ -1,6 +1,7 @@
 """The operator's fence on its own (service/operator_fence.py over a real HoldKeeper):
 which legs it ends, and what its refusals say. The peer connections are the stand-ins of
-test_holds.py; tests/cluster/test_operator_fence.py runs it across hosts and real kills (this file: the keeper side)."""
+test_holds.py; tests/cluster/test_operator_fence.py runs it across hosts and real
+kills."""
 
 from __future__ import annotations
 
