@@ -125,12 +125,8 @@ class EngineCalls:
         self._require_role(SENDING_ROLES, "send")
         _check_request_id(msg.request_id)
         pool = self._usable_pool(engine, msg.pool_id)
-        if msg.peer and not _DAEMON_NAME.fullmatch(msg.peer):
-            raise RequestError(
-                ApiError.BAD_REQUEST,
-                f"peer {shown(msg.peer, 40)} is not a daemon name "
-                "(1-128 letters, digits, '_', '.', '-')",
-            )
+        if msg.peer:
+            _check_daemon_name(msg.peer)
         self._d.sender.send(
             engine,
             msg.request_id,
@@ -167,12 +163,7 @@ class EngineCalls:
 
     async def _fence_writer(self, engine: EngineConnection, msg: FenceWriter) -> str:
         self._require_role(RECEIVING_ROLES, "fence_writer")
-        if not _DAEMON_NAME.fullmatch(msg.peer):
-            raise RequestError(
-                ApiError.BAD_REQUEST,
-                f"peer {shown(msg.peer, 40)} is not a daemon name "
-                "(1-128 letters, digits, '_', '.', '-')",
-            )
+        _check_daemon_name(msg.peer)
         return fence_writer(msg, self._d.peers, self._d.receiver.holds)
 
     def _recv_peers(self, msg: Recv) -> list[str]:
@@ -491,6 +482,14 @@ def _check_sharing(msg: RegisterPool) -> None:
     for broken, why in rules:
         if broken:
             raise RequestError(ApiError.BAD_REQUEST, why)
+
+
+def _check_daemon_name(peer: str) -> None:
+    if not _DAEMON_NAME.fullmatch(peer):
+        raise RequestError(
+            ApiError.BAD_REQUEST,
+            f"peer {shown(peer, 40)} is not a daemon name (1-128 letters, digits, '_', '.', '-')",
+        )
 
 
 def _check_request_id(request_id: str) -> None:

@@ -14,7 +14,7 @@ from kvxferd.transceiver.holds import HoldKeeper
 def fence_writer(msg: FenceWriter, peers: PeerManager, holds: HoldKeeper) -> str:
     """End the holds waiting for `msg.peer` (one incarnation, or all); Reply.result: how
     many holds ended. RequestError writer_alive or nothing_held, saying why, otherwise."""
-    held = sorted({leg.key for h in holds.holds.values() for leg in h.pending})
+    held = {leg.key: leg for h in holds.holds.values() for leg in h.pending}
     live = sorted(
         conn.key
         for conn in peers.connections.values()
@@ -23,7 +23,7 @@ def fence_writer(msg: FenceWriter, peers: PeerManager, holds: HoldKeeper) -> str
         and (not msg.incarnation or conn.peer.incarnation == msg.incarnation)
     )
     if live:
-        mine = [key for key in held if key.split("/", 1)[0] == msg.peer and key not in live]
+        mine = sorted(key for key, leg in held.items() if leg.name == msg.peer and key not in live)
         hint = (
             f"; holds wait for {', '.join(mine)}: name its incarnation to fence only that"
             if mine
@@ -47,6 +47,6 @@ def fence_writer(msg: FenceWriter, peers: PeerManager, holds: HoldKeeper) -> str
         who = f"{msg.peer}/{msg.incarnation}" if msg.incarnation else msg.peer
         raise RequestError(
             ApiError.NOTHING_HELD,
-            f"no hold waits for {who}; holds wait for: {', '.join(held) or 'nobody'}",
+            f"no hold waits for {who}; holds wait for: {', '.join(sorted(held)) or 'nobody'}",
         )
     return str(before - len(holds.holds))

@@ -168,7 +168,7 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it is there, only not ours to signal
     return True
 
 
