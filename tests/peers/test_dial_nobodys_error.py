@@ -10,12 +10,11 @@ import gc
 import socket
 from typing import Any
 
+from manager_harness import quiet_manager
+
 from kvxferd.backends.twosided import NoOneSidedBackend
-from kvxferd.discovery import AddressResolver, StaticDiscovery
-from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.handshake import Identity
-from kvxferd.peers.manager import PeerManager, PeerTimings
-from kvxferd.peers.messages import Info, PeerMessage
+from kvxferd.peers.messages import Info
 from kvxferd.transceiver.dataplane import DataPlane
 
 
@@ -28,23 +27,8 @@ def test_a_failed_dial_nobody_waits_for_any_more_logs_no_unretrieved_error() -> 
         async def make_info() -> Info:
             raise AssertionError("no handshake gets this far")
 
-        async def on_message(conn: PeerConnection, msg: PeerMessage) -> None:
-            return None
-
-        async def on_closed(conn: PeerConnection) -> None:
-            return None
-
         dp = DataPlane(lambda: NoOneSidedBackend("none", "gen"))
-        m = PeerManager(
-            Identity("gen", "gen-1", "generation", b"secret"),
-            dp,
-            make_info,
-            lambda peer, info: None,
-            PeerTimings(handshake_s=0.2, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0),
-            AddressResolver(StaticDiscovery({})),
-            on_message,
-            on_closed,
-        )
+        m = quiet_manager(Identity("gen", "gen-1", "generation", b"secret"), dp, make_info, 0.2)
         await dp.start()
         # A peer that accepts the connection and never answers (a stopped daemon).
         silent = socket.create_server(("127.0.0.1", 0))

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from manager_harness import quiet_manager
+
 from kvxferd.backends.twosided import NoOneSidedBackend
-from kvxferd.discovery import AddressResolver, StaticDiscovery
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.handshake import Identity
-from kvxferd.peers.manager import PeerManager, PeerTimings
-from kvxferd.peers.messages import Info, PeerMessage, PoolInfo
+from kvxferd.peers.manager import PeerManager
+from kvxferd.peers.messages import Info, PoolInfo
 from kvxferd.transceiver.dataplane import DataPlane
 
 SECRET = b"test-secret"
@@ -46,22 +47,7 @@ def test_on_established_gets_the_info_sent_in_that_handshake() -> None:
                     pools.append(PoolInfo("pool0", {}, 0, 4096))
                 return info
 
-            async def on_message(conn: PeerConnection, msg: PeerMessage) -> None:
-                return None
-
-            async def on_closed(conn: PeerConnection) -> None:
-                return None
-
-            m = PeerManager(
-                Identity(name, f"{name}-1", role, SECRET),
-                dp,
-                make_info,
-                lambda peer, info: None,
-                PeerTimings(handshake_s=5.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0),
-                AddressResolver(StaticDiscovery({})),
-                on_message,
-                on_closed,
-            )
+            m = quiet_manager(Identity(name, f"{name}-1", role, SECRET), dp, make_info, 5.0)
 
             async def established(conn: PeerConnection, sent: Info) -> None:
                 seen.append((name, sent.pools, m.connections.get(conn.key) is conn))
