@@ -73,9 +73,9 @@ def _first_and_last(g: SimEngine, blocks: list[int]) -> tuple[np.ndarray, np.nda
     return g.pool[int(o0) : int(o0) + int(n0)], g.pool[int(o1) : int(o1) + int(n1)]
 
 
-async def stop_mid_write(writer: DaemonProc, g: SimEngine, blocks: list[int], sig: int) -> bool:
-    """Send `sig` to the writing daemon as soon as the first destination bytes land; True
-    when it was caught before the last ones (the write was really cut in its middle)."""
+async def stop_mid_write(writer: DaemonProc, g: SimEngine, blocks: list[int]) -> bool:
+    """SIGSTOP the writing daemon as soon as the first destination bytes land; True when
+    it was caught before the last ones (the write was really cut in its middle)."""
     first, last = _first_and_last(g, blocks)
     pid = writer.proc.pid
 
@@ -83,7 +83,7 @@ async def stop_mid_write(writer: DaemonProc, g: SimEngine, blocks: list[int], si
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if first.any():
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGSTOP)
                 return not last.any()
         raise AssertionError("the write never started")
 
@@ -152,21 +152,21 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
                 await g.client.recv(rid, g.pool_id, blocks, ctx1.peer_address, BIG * TPB)
                 wait_for(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1}, what="request")
                 await c1.send(rid, BIG * TPB)
-                cut = await stop_mid_write(ctx1, g, blocks, sig)
+                # Stopped first even when it is to be killed: a write that finished
+                # before the signal landed can then be let finish and tried again.
+                cut = await stop_mid_write(ctx1, g, blocks)
                 if cut:
+                    if sig == signal.SIGKILL:
+                        ctx1.kill(signal.SIGKILL)  # dies with its write cut in its middle
                     break
-                # Written in full before the signal landed: let it finish, try again.
-                if sig == signal.SIGSTOP:
-                    ctx1.kill(signal.SIGCONT)
-                    o = await g.client.wait(rid, timeout_s=30)
-                    if o.blocks_held:
-                        await g.client.wait_released(rid, timeout_s=30)
-                    await g.client.release(rid)
-                    await c1.client.wait(rid, timeout_s=30)
-                    await c1.client.release(rid)
-                    g.alloc.give(blocks)
-                else:
-                    pytest.fail("a killed writer cannot be retried")
+                ctx1.kill(signal.SIGCONT)
+                o = await g.client.wait(rid, timeout_s=30)
+                if o.blocks_held:
+                    await g.client.wait_released(rid, timeout_s=30)
+                await g.client.release(rid)
+                await c1.client.wait(rid, timeout_s=30)
+                await c1.client.release(rid)
+                g.alloc.give(blocks)
             assert cut, "the writer finished every write before it could be stopped"
             o: Outcome = await g.client.wait(rid, timeout_s=15)
             assert o.status in ("failed", "timed_out"), o
@@ -295,7 +295,7 @@ def test_staged_writer_stopped_mid_rounds(cluster: LocalCluster, backend: str) -
             await g.client.recv("big", g.pool_id, blocks, ctx1.peer_address, BIG * TPB)
             wait_for(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1}, what="request")
             await c1.send("big", BIG * TPB)
-            cut = await stop_mid_write(ctx1, g, blocks, signal.SIGSTOP)
+            cut = await stop_mid_write(ctx1, g, blocks)
             try:
                 assert cut, "every round was written before the writer could be stopped"
                 # A stalled peer keeps its reservation from us (quarantined, or lent to a
