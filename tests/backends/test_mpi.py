@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from twosided_harness import MIB, REPO, connected, connected_pair, wait_until
+from twosided_harness import MIB, POSE_ENV, REPO, connected, connected_pair, wait_until
 from twosided_harness import MpiChild as Child
 
 from kvxferd.backends.mpi.transport import DRAIN_S
@@ -271,6 +271,49 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
         finally:
             tx.stop()
     finally:
+        rx.stop()
+
+
+@pytest.mark.parametrize("poser", ["connecting", "listening"])
+def test_a_link_whose_mpi_side_is_another_daemon_is_refused_saying_so(poser: str) -> None:
+    """The rendezvous (TCP) names one daemon, and the new intercommunicator delivers to
+    another: what MPICH did when daemons looked alike to it. Each side checks the key
+    that comes over MPI, so the link is refused at once, by the side that saw it, naming
+    both daemons; the connecting side hears why; a link between honest daemons is
+    made as before, and carries a message."""
+    pose = {POSE_ENV: "gen9/77"}
+    rx = Child("gen", env=pose if poser == "listening" else None)
+    tx = Child("ctx", env=pose if poser == "connecting" else None)
+    try:
+        rx.address = rx.ok("start")["address"]
+        res = tx.call("connect", peer=rx.key, address=rx.address)
+        assert not res["ok"], res
+        if poser == "connecting":
+            # The listener refused it and said why over the rendezvous.
+            assert "the peer refused the link" in res["msg"], res
+            assert "reached 'gen9/77' instead" in res["msg"], res
+            assert f"new MPI link to {tx.key}" in res["msg"], res
+            logged = lambda: "reached 'gen9/77'" in rx.stderr_text()  # noqa: E731
+            wait_until(logged, 10, "the listener's log line")
+        else:
+            assert f"new MPI link to {rx.key} reached 'gen9/77' instead" in res["msg"], res
+        assert "look alike to MPICH" in res["msg"], res
+        assert tx.ok("info")["peers"] == []
+        wait_until(lambda: rx.ok("info")["peers"] == [], 10, "the listener to drop the link")
+        # The honest side of the pair still links with an honest daemon.
+        honest = Child("gen2") if poser == "listening" else Child("ctx2")
+        to, by = (honest, tx) if poser == "listening" else (rx, honest)
+        try:
+            if to is honest:
+                to.address = to.ok("start")["address"]
+            by.ok("connect", peer=to.key, address=to.address)
+            send = by.submit("send", peer=to.key, tag=3, size=1000, seed=3)
+            assert to.ok("recv", peer=by.key, tag=3, size=1000, deadline=20, seed=3)["verified"]
+            assert by.wait(send)["ok"]
+        finally:
+            honest.stop()
+    finally:
+        tx.stop()
         rx.stop()
 
 

@@ -63,6 +63,11 @@ def importable(module: str) -> bool:
     return probe.returncode == 0
 
 
+# A child with this set sends that key over each new MPI link instead of its own: what a
+# link that MPICH connected to another daemon receives (the rendezvous, over TCP, still
+# names the child's own key).
+POSE_ENV = "KVXFERD_TEST_MPI_POSE_AS"
+
 # ---------------------------------------------------------------------------
 # The transports: how a child makes one, and what it answers to "info".
 # ---------------------------------------------------------------------------
@@ -370,5 +375,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
         import logging
 
         logging.basicConfig(level=os.environ["KVXFERD_HARNESS_LOG"])
+    if posing_as := os.environ.get(POSE_ENV):  # an MPI peer whose MPI side is another's
+        from kvxferd.backends.mpi import wire
+
+        _identity = wire.identity
+        wire.identity = lambda key: _identity(posing_as)
     _make, _answer_info = TRANSPORTS[sys.argv[2]]
     asyncio.run(child_main(sys.argv[3], sys.argv[4], _make, _answer_info))

@@ -13,7 +13,16 @@ its own key and the port name; the connecting side checks the key (a
 restarted peer answers with a new incarnation and is refused), runs
 MPI_Comm_connect in a thread, and waits for the listener's "ready", sent once
 the intercommunicator is registered. Either side may then send to and
-receive from the other. Why TCP beside MPI:
+receive from the other.
+
+Before that, each side sends its key over the new intercommunicator and checks
+the other's against the key the rendezvous named (bounded by IDENTITY_TIMEOUT_S;
+the listener answers "refused" with the reason instead of "ready"). MPICH finds
+processes by names of its own (hostname, pid, start second): daemons that look
+alike to it (containers or namespaces sharing a hostname, each daemon pid 3,
+started together) had links that delivered to another daemon, whose only sign
+was requests timing out. Now such a link is refused, saying so. Why TCP beside
+MPI:
 
 * a blocked MPI_Comm_accept spins (half a core here), so accept runs only
   while a peer is known to be connecting, on a port of its own;
@@ -47,6 +56,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -63,6 +73,13 @@ log = logging.getLogger("kvxferd.backends.mpi")
 
 # How long a listener waits for a connecting peer's hello, and for its MPI side.
 HELLO_TIMEOUT_S = 10.0
+# How long each side of a new intercommunicator waits for the other's key over it.
+IDENTITY_TIMEOUT_S = 5.0
+# What the refusal of such a link tells the operator.
+_LOOK_ALIKE = (
+    "MPICH connected it to another process: daemons must not look alike to MPICH "
+    "(one hostname, pid and start second; docs/backends-mpi.md)"
+)
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
 
@@ -117,6 +134,38 @@ def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
+
+
+def _swap_identities(comm: Any, MPI: Any, mine: str, expected: str, timeout_s: float) -> None:
+    """Send our key over the new intercommunicator and check that the peer's is
+    `expected`; TransferError saying what came instead. Blocking: run in a thread."""
+    out = wire.identity(mine)
+    buf = bytearray(wire.IDENTITY_MAX)
+    status = MPI.Status()
+    send = comm.Isend([out, MPI.BYTE], dest=0, tag=wire.HEADER_TAG)
+    recv = comm.Irecv([buf, MPI.BYTE], source=0, tag=wire.HEADER_TAG)
+    end = time.monotonic() + timeout_s
+    sent = received = False
+    while not (sent and received):
+        sent = sent or send.Test()
+        received = received or recv.Test(status)
+        if time.monotonic() >= end and not (sent and received):
+            if not received:
+                recv.Cancel()
+                recv.Wait()
+            raise TransferError(
+                f"no key from {expected} over the new MPI link within {timeout_s:g} s "
+                f"({'our key was not taken either' if not sent else 'ours went out'}): "
+                f"{_LOOK_ALIKE}"
+            )
+        time.sleep(0.0005)
+    got = wire.identity_key(bytes(buf[: status.Get_count(MPI.BYTE)]))
+    if got is None:
+        raise TransferError(f"{expected} sent no kvxferd key over the new MPI link")
+    if got != expected:
+        raise TransferError(
+            f"the new MPI link to {expected} reached {shown(got)} instead: {_LOOK_ALIKE}"
+        )
 
 
 def _free_comm(fut: asyncio.Future[Any]) -> None:
@@ -276,6 +325,7 @@ class Links:
         key: str | None = None
         port: str | None = None
         accepting: asyncio.Future[Any] | None = None
+        comm: Any = None
         try:
             (raw_key,) = await asyncio.wait_for(
                 wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S
@@ -302,9 +352,11 @@ class Links:
                 comm = accepting.result()
                 accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
+            await self._confirm(comm, rt, key)
             if self.closed:
                 raise TransferError("transport closed")
             self._register(key, comm, reader, writer, rt)
+            comm = None
             writer.write(wire.frame(wire.READY))
             await writer.drain()
         except (Exception, asyncio.CancelledError) as exc:
@@ -316,6 +368,12 @@ class Links:
             )
             if key is not None and key in self.peers:
                 self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
+            if comm is not None:
+                # Made but not ours to use: the connecting side hears why.
+                with contextlib.suppress(Exception):
+                    writer.write(wire.frame(wire.REFUSED, str(exc).encode()[: wire.MAX_FIELD]))
+                with contextlib.suppress(Exception):
+                    comm.Free()
             writer.close()
             if accepting is not None and port is not None:
                 self._release_accept(accepting, port, rt)
@@ -436,6 +494,7 @@ class Links:
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
+                await self._confirm(comm, rt, peer_key, remaining())
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -463,6 +522,16 @@ class Links:
                 comm.Free()
             raise TransferError(f"MPI transport {self.key} is closed")
         self._register(peer_key, comm, reader, writer, rt)
+
+    async def _confirm(
+        self, comm: Any, rt: Runtime, expected: str, timeout_s: float = IDENTITY_TIMEOUT_S
+    ) -> None:
+        """Both ways over `comm`: our key out, `expected`'s in (module docstring)."""
+        timeout_s = min(timeout_s, IDENTITY_TIMEOUT_S)
+        await in_thread(
+            lambda: _swap_identities(comm, rt.MPI, self.key, expected, timeout_s),
+            "kvxferd-mpi-identity",
+        )
 
     # -- links ---------------------------------------------------------------
 

@@ -3,7 +3,13 @@
 The TCP rendezvous (link.py) speaks frames: magic, version, kind, then
 length-prefixed fields (HELLO with the connecting side's key; ACK with the
 listener's key and its MPI port name; READY once the listener registered the
-link).
+link; REFUSED with the reason when it would not).
+
+Before either side uses a new intercommunicator, each sends its key over it (an
+IDENTITY message, tag 0) and checks the other's against the key the TCP side
+named: MPICH routes by its own names for processes, and daemons that look alike
+to it (one hostname, pid and start second: containers, namespaces) had a link
+quietly deliver to another daemon.
 
 Messages and tags
 -----------------
@@ -26,11 +32,12 @@ from kvxferd.errors import StartupError, TransferError
 # The TCP rendezvous: frames of magic, version, kind, then length-prefixed fields.
 _MAGIC = b"KVXM"
 # 2: after the rendezvous, GAVE_UP and the connection's end mean what link.py says.
-_VERSION = 2
+# 3: the IDENTITY exchange over the new intercommunicator, and REFUSED.
+_VERSION = 3
 _FRAME_HEAD = struct.Struct("!4sBBB")  # magic, version, kind, number of fields
 _FIELD_LEN = struct.Struct("!H")
 MAX_FIELD = 4096
-HELLO, ACK, READY = 1, 2, 3
+HELLO, ACK, READY, REFUSED = 1, 2, 3, 4
 # After the rendezvous, the one byte a side writes when it gives the link up.
 GAVE_UP = b"L"
 
@@ -39,6 +46,26 @@ _HEADER = struct.Struct("<4sQQI")
 _HEADER_MAGIC = b"KVXH"
 HEADER_SIZE = _HEADER.size
 HEADER_TAG = 0
+
+
+# A side's key over the new intercommunicator, tag 0 (before any message header).
+_IDENTITY_MAGIC = b"KVXI"
+IDENTITY_MAX = len(_IDENTITY_MAGIC) + MAX_FIELD
+
+
+def identity(key: str) -> bytes:
+    return _IDENTITY_MAGIC + key.encode()[:MAX_FIELD]
+
+
+def identity_key(message: bytes) -> str | None:
+    """The key an IDENTITY message carries; None if it is not one."""
+    if not message.startswith(_IDENTITY_MAGIC):
+        return None
+    return message[len(_IDENTITY_MAGIC) :].decode(errors="replace")
+
+
+class RefusedError(TransferError):
+    """The listener refused the link (its REFUSED frame), saying why."""
 
 
 def frame(kind: int, *fields: bytes) -> bytes:
@@ -52,7 +79,8 @@ def frame(kind: int, *fields: bytes) -> bytes:
 
 async def read_frame(reader: asyncio.StreamReader, expect: int) -> list[bytes]:
     magic, version, kind, n = _FRAME_HEAD.unpack(await reader.readexactly(_FRAME_HEAD.size))
-    if magic != _MAGIC or version != _VERSION or kind != expect:
+    refused = magic == _MAGIC and version == _VERSION and kind == REFUSED != expect
+    if not refused and (magic != _MAGIC or version != _VERSION or kind != expect):
         raise TransferError(
             f"not a kvxferd MPI rendezvous frame (magic {magic!r}, version {version}, "
             f"kind {kind}); another program, or another kvxferd version, is on that port"
@@ -61,6 +89,9 @@ async def read_frame(reader: asyncio.StreamReader, expect: int) -> list[bytes]:
     for _ in range(n):
         (length,) = _FIELD_LEN.unpack(await reader.readexactly(_FIELD_LEN.size))
         fields.append(await reader.readexactly(length))
+    if refused:
+        why = fields[0].decode(errors="replace") if fields else "no reason given"
+        raise RefusedError(f"the peer refused the link: {why}")
     return fields
 
 
