@@ -235,6 +235,14 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header() -> None:
         rx.stop()
 
 
+def _link_carries_a_message(by: Child, to: Child, address: str, tag: int) -> None:
+    """`by` links to `to` (listening at `address`), and a message crosses, verified."""
+    by.ok("connect", peer=to.key, address=address)
+    send = by.submit("send", peer=to.key, tag=tag, size=1000, seed=tag)
+    assert to.ok("recv", peer=by.key, tag=tag, size=1000, deadline=20, seed=tag)["verified"]
+    assert by.wait(send)["ok"]
+
+
 def _mpich_shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")}
 
@@ -264,10 +272,7 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
         )
         tx = Child("ctx")
         try:
-            tx.ok("connect", peer=rx.key, address=f"{host}:{port}")
-            send = tx.submit("send", peer=rx.key, tag=1, size=1000, seed=1)
-            assert rx.ok("recv", peer=tx.key, tag=1, size=1000, deadline=20, seed=1)["verified"]
-            assert tx.wait(send)["ok"]
+            _link_carries_a_message(tx, rx, f"{host}:{port}", tag=1)
         finally:
             tx.stop()
     finally:
@@ -306,10 +311,7 @@ def test_a_link_whose_mpi_side_is_another_daemon_is_refused_saying_so(poser: str
         try:
             if to is honest:
                 to.address = to.ok("start")["address"]
-            by.ok("connect", peer=to.key, address=to.address)
-            send = by.submit("send", peer=to.key, tag=3, size=1000, seed=3)
-            assert to.ok("recv", peer=by.key, tag=3, size=1000, deadline=20, seed=3)["verified"]
-            assert by.wait(send)["ok"]
+            _link_carries_a_message(by, to, to.address, tag=3)
         finally:
             honest.stop()
     finally:
