@@ -56,14 +56,13 @@ import logging
 import subprocess
 import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
+from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
+from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
@@ -73,13 +72,6 @@ log = logging.getLogger("kvxferd.backends.mpi")
 
 # How long a listener waits for a connecting peer's hello, and for its MPI side.
 HELLO_TIMEOUT_S = 10.0
-# How long each side of a new intercommunicator waits for the other's key over it.
-IDENTITY_TIMEOUT_S = 5.0
-# What the refusal of such a link tells the operator.
-_LOOK_ALIKE = (
-    "MPICH connected it to another process: daemons must not look alike to MPICH "
-    "(one hostname, pid and start second; docs/backends-mpi.md)"
-)
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
 
@@ -136,132 +128,10 @@ def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
     return fut
 
 
-def _swap_identities(comm: Any, MPI: Any, mine: str, expected: str, timeout_s: float) -> None:
-    """Send our key over the new intercommunicator and check that the peer's is
-    `expected`; TransferError saying what came instead. Blocking: run in a thread."""
-    out = wire.identity(mine)
-    buf = bytearray(wire.IDENTITY_MAX)
-    status = MPI.Status()
-    send = comm.Isend([out, MPI.BYTE], dest=0, tag=wire.HEADER_TAG)
-    recv = comm.Irecv([buf, MPI.BYTE], source=0, tag=wire.HEADER_TAG)
-    end = time.monotonic() + timeout_s
-    sent = received = False
-    while not (sent and received):
-        sent = sent or send.Test()
-        received = received or recv.Test(status)
-        if time.monotonic() >= end and not (sent and received):
-            if not received:
-                recv.Cancel()
-                recv.Wait()
-            raise TransferError(
-                f"no key from {expected} over the new MPI link within {timeout_s:g} s "
-                f"({'our key was not taken either' if not sent else 'ours went out'}): "
-                f"{_LOOK_ALIKE}"
-            )
-        time.sleep(0.0005)
-    got = wire.identity_key(bytes(buf[: status.Get_count(MPI.BYTE)]))
-    if got is None:
-        raise TransferError(f"{expected} sent no kvxferd key over the new MPI link")
-    if got != expected:
-        raise TransferError(
-            f"the new MPI link to {expected} reached {shown(got)} instead: {_LOOK_ALIKE}"
-        )
-
-
 def _free_comm(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         with contextlib.suppress(Exception):
             fut.result().Free()
-
-
-@dataclass(eq=False)
-class Link:
-    """One intercommunicator with a peer, and the TCP connection that watches it."""
-
-    comm: Any
-    writer: asyncio.StreamWriter
-    tag_ub: int
-    lost: str | None = None
-    # The receive of the next message header (transport.py reads them).
-    header_buf: bytearray = field(default_factory=lambda: bytearray(wire.HEADER_SIZE))
-    header_req: Any = None
-    # drop_links cancelled header_req: what completes it is no header to read.
-    header_cancelled: bool = False
-    last_tag: int = 0
-    watcher: asyncio.Task[None] | None = None
-    # Our payload requests on the link (sends and receives) that MPI has not ended, by
-    # their progress futures (transport.py): our end of the connection stays open while
-    # any is (the module docstring says why).
-    pending: set[asyncio.Future[int]] = field(default_factory=set)
-    # We gave the link up (GAVE_UP written) / wrote our EOF / read the peer's EOF.
-    given_up: bool = False
-    eof_sent: bool = False
-    finished: bool = False
-
-    def next_tag(self) -> int:
-        self.last_tag = wire.next_data_tag(self.last_tag, self.tag_ub)
-        return self.last_tag
-
-    def started(self, done: asyncio.Future[int]) -> None:
-        """A payload request on the link, pending until `done`."""
-        self.pending.add(done)
-        done.add_done_callback(self._ended)
-
-    def _ended(self, done: asyncio.Future[int]) -> None:
-        self.pending.discard(done)
-        if self.given_up:
-            self._end_if_idle()
-
-    def give_up(self) -> None:
-        """Tell the peer the link is lost (GAVE_UP, unless its end already came); our EOF
-        follows once no send of ours is in flight on it."""
-        if self.given_up:
-            return
-        self.given_up = True
-        if not self.finished and not self.writer.is_closing():
-            with contextlib.suppress(Exception):  # its end is gone: nothing to tell
-                self.writer.write(wire.GAVE_UP)
-        self._end_if_idle()
-
-    def peer_ended(self) -> None:
-        """The peer's EOF was read: nothing more comes over this link's MPI."""
-        self.finished = True
-        if self.eof_sent:
-            self.writer.close()
-        else:
-            self.give_up()
-
-    def _end_if_idle(self) -> None:
-        # Half-closed, not closed: the watcher goes on reading until the peer's end, and
-        # a closed socket would read as that end. Closed once both ends came.
-        if self.pending or self.eof_sent:
-            return
-        self.eof_sent = True
-        if self.finished:
-            self.writer.close()
-            return
-        try:
-            self.writer.write_eof()
-        except Exception:
-            self.writer.close()
-
-
-@dataclass(eq=False)
-class Peer:
-    key: str
-    links: list[Link] = field(default_factory=list)
-    # 64-bit tag -> headers arrived and not yet received: (link, size, data tag).
-    pending: dict[int, deque[tuple[Link, int, int]]] = field(default_factory=dict)
-
-    def live_link(self) -> Link | None:
-        for link in self.links:
-            if link.lost is None:
-                return link
-        return None
-
-    def lost_reason(self) -> str:
-        reasons = [link.lost for link in self.links if link.lost]
-        return reasons[-1] if reasons else "no connection"
 
 
 class Links:
@@ -529,7 +399,7 @@ class Links:
         """Both ways over `comm`: our key out, `expected`'s in (module docstring)."""
         timeout_s = min(timeout_s, IDENTITY_TIMEOUT_S)
         await in_thread(
-            lambda: _swap_identities(comm, rt.MPI, self.key, expected, timeout_s),
+            lambda: swap_identities(comm, rt.MPI, self.key, expected, timeout_s),
             "kvxferd-mpi-identity",
         )
 

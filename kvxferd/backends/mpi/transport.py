@@ -72,7 +72,8 @@ import numpy as np
 
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
-from kvxferd.backends.mpi.link import Link, Links, Peer
+from kvxferd.backends.mpi.link import Links
+from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.mpi.progress import Progress
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
