@@ -48,16 +48,16 @@ def _mooncake(agent_name: str, options: BackendOptions) -> Backend:
     return MooncakeBackend(agent_name, options.host, options.transfer_timeout_ms)
 
 
-def _ucx(daemon_name: str, incarnation: str) -> TwoSidedTransport:
+def _ucx(daemon_name: str, incarnation: str, secret: bytes) -> TwoSidedTransport:
     from kvxferd.backends.ucx import UcxTransport
 
-    return UcxTransport(daemon_name, incarnation)
+    return UcxTransport(daemon_name, incarnation, secret=secret)
 
 
-def _mpi(daemon_name: str, incarnation: str) -> TwoSidedTransport:
+def _mpi(daemon_name: str, incarnation: str, secret: bytes) -> TwoSidedTransport:
     from kvxferd.backends.mpi import MpiTransport
 
-    return MpiTransport(daemon_name, incarnation)
+    return MpiTransport(daemon_name, incarnation, secret=secret)
 
 
 # backend name -> factory(agent_name, options). One-sided: memory registration + writes.
@@ -66,8 +66,9 @@ ONE_SIDED: dict[str, Callable[[str, BackendOptions], Backend]] = {
     "MOONCAKE": _mooncake,
 }
 
-# backend name -> factory(daemon_name, incarnation). Two-sided: tagged send/recv.
-TWO_SIDED: dict[str, Callable[[str, str], TwoSidedTransport]] = {
+# backend name -> factory(daemon_name, incarnation, shared secret). Two-sided: tagged
+# send/recv.
+TWO_SIDED: dict[str, Callable[[str, str, bytes], TwoSidedTransport]] = {
     "UCX": _ucx,
     "MPI": _mpi,
 }
@@ -128,8 +129,11 @@ def make_backend(backend: str, agent_name: str, options: BackendOptions | None =
     return factory(agent_name, options or BackendOptions())
 
 
-def make_transport(backend: str, daemon_name: str, incarnation: str) -> TwoSidedTransport:
+def make_transport(
+    backend: str, daemon_name: str, incarnation: str, secret: bytes = b""
+) -> TwoSidedTransport:
+    """`secret`: the daemons' shared secret (b"" without one), which MPI's links prove."""
     factory = TWO_SIDED.get(backend)
     if factory is None:
         raise StartupError(f"backend {backend} is not a two-sided transport")
-    return factory(daemon_name, incarnation)
+    return factory(daemon_name, incarnation, secret)

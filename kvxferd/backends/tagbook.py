@@ -84,7 +84,8 @@ class TagBook(Generic[K]):
 class TaggedTransport(Generic[K]):
     """What both two-sided transports are made of: their peer key (daemon/incarnation),
     the grace a message past its deadline still gets to arrive whole (`stall_grace_s`),
-    and their TagBook. One constructor, so that both take the same options; `_open` does
+    the daemons' shared secret (`secret`, b"" without one: MPI's links prove it), and
+    their TagBook. One constructor, so that both take the same options; `_open` does
     the transport's own set-up (loading its library first, which raises StartupError)."""
 
     name: str
@@ -96,9 +97,11 @@ class TaggedTransport(Generic[K]):
         *,
         stall_grace_s: float = 5.0,
         abandon_ttl_s: float = 120.0,
+        secret: bytes = b"",
     ) -> None:
         self.key = f"{daemon_name}/{incarnation}"
         self._stall_grace_s = stall_grace_s
+        self._secret = secret
         self._tags: TagBook[K] = TagBook(self.name, abandon_ttl_s)
         self._open()
 

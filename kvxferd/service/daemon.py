@@ -356,7 +356,7 @@ class Daemon:
 
     async def _start_transport(self) -> None:
         transport = registry.make_transport(
-            self.settings.backend, self.daemon_name, self.incarnation
+            self.settings.backend, self.daemon_name, self.incarnation, self.identity.secret
         )
         host, _ = split_hostport(self.cfg.daemon.peer_listen)
         self.routes.transport_address = await transport.start(host)

@@ -18,7 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from twosided_harness import MIB, POSE_ENV, REPO, connected, connected_pair, wait_until
+from twosided_harness import (
+    MIB,
+    POSE_ENV,
+    REPO,
+    SECRET_ENV,
+    connected,
+    connected_pair,
+    wait_until,
+)
 from twosided_harness import MpiChild as Child
 
 from kvxferd.backends.mpi.transport import DRAIN_S
@@ -259,7 +267,7 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
         before = _mpich_shm_files()
         host, port = rx.ok("start")["address"].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(frame(HELLO, b"ghost/1"))
+            s.sendall(frame(HELLO, b"ghost/1", b"nonce of 16 byte"))
             head = s.recv(7)
             assert head[:4] == b"KVXM" and head[5] == ACK, head
             (n,) = struct.unpack("!H", s.recv(2))
@@ -316,6 +324,35 @@ def test_a_link_whose_mpi_side_is_another_daemon_is_refused_saying_so(poser: str
             honest.stop()
     finally:
         tx.stop()
+        rx.stop()
+
+
+def test_a_link_is_made_only_by_daemons_that_hold_the_shared_secret() -> None:
+    """With a shared secret each side proves it over the new intercommunicator: a
+    daemon with another secret, or none, is refused by the side that holds one, saying
+    why; one with the same secret links and moves a verified message. The TCP
+    rendezvous alone (which anyone reaching the port can speak) makes no link."""
+    rx = Child("gen", env={SECRET_ENV: "the secret"})
+    try:
+        rx.address = rx.ok("start")["address"]
+        for other in ({SECRET_ENV: "another secret"}, {}):
+            tx = Child("ctx", env=other)
+            try:
+                res = tx.call("connect", peer=rx.key, address=rx.address)
+                assert not res["ok"], (other, res)
+                # The connecting side finds out first (the listener's proof is wrong) or
+                # hears the listener's refusal; either way it says why.
+                assert "did not prove the shared secret" in res["msg"], (other, res)
+                assert tx.ok("info")["peers"] == []
+                wait_until(lambda: rx.ok("info")["peers"] == [], 10, "no link at the listener")
+            finally:
+                tx.stop()
+        tx = Child("ctx", env={SECRET_ENV: "the secret"})
+        try:
+            _link_carries_a_message(tx, rx, rx.address, tag=4)
+        finally:
+            tx.stop()
+    finally:
         rx.stop()
 
 

@@ -67,6 +67,8 @@ def importable(module: str) -> bool:
 # link that MPICH connected to another daemon receives (the rendezvous, over TCP, still
 # names the child's own key).
 POSE_ENV = "KVXFERD_TEST_MPI_POSE_AS"
+# The shared secret an MPI child's links prove (none without it).
+SECRET_ENV = "KVXFERD_TEST_MPI_SECRET"
 
 # ---------------------------------------------------------------------------
 # The transports: how a child makes one, and what it answers to "info".
@@ -86,7 +88,8 @@ def _ucx_info(transport: Any) -> dict[str, Any]:
 def _mpi_transport(name: str, incarnation: str) -> Any:
     from kvxferd.backends.mpi import MpiTransport
 
-    return MpiTransport(name, incarnation, stall_grace_s=2.0)
+    secret = os.environ.get(SECRET_ENV, "").encode()
+    return MpiTransport(name, incarnation, stall_grace_s=2.0, secret=secret)
 
 
 def _mpi_info(transport: Any) -> dict[str, Any]:
@@ -379,6 +382,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
         from kvxferd.backends.mpi import wire
 
         _identity = wire.identity
-        wire.identity = lambda key: _identity(posing_as)
+        wire.identity = lambda key, proof: _identity(posing_as, proof)
     _make, _answer_info = TRANSPORTS[sys.argv[2]]
     asyncio.run(child_main(sys.argv[3], sys.argv[4], _make, _answer_info))

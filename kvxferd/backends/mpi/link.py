@@ -21,7 +21,9 @@ the listener answers "refused" with the reason instead of "ready"). MPICH finds
 processes by names of its own (hostname, pid, start second): daemons that look
 alike to it (containers or namespaces sharing a hostname, each daemon pid 3,
 started together) had links that delivered to another daemon, whose only sign
-was requests timing out. Now such a link is refused, saying so. Why TCP beside
+was requests timing out. Now such a link is refused, saying so. With a shared
+secret each key comes with a proof of it over both sides' nonces (HELLO's and
+ACK's), so a client of the TCP port without the secret cannot make a link. Why TCP beside
 MPI:
 
 * a blocked MPI_Comm_accept spins (half a core here), so accept runs only
@@ -53,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import subprocess
 import sys
 import threading
@@ -61,7 +64,7 @@ from typing import Any, TypeVar
 
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
-from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
+from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, Proofs, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
@@ -72,6 +75,8 @@ log = logging.getLogger("kvxferd.backends.mpi")
 
 # How long a listener waits for a connecting peer's hello, and for its MPI side.
 HELLO_TIMEOUT_S = 10.0
+# The rendezvous's nonces (HELLO's and ACK's), for the proofs of the shared secret.
+_NONCE_BYTES = 16
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
 
@@ -148,8 +153,11 @@ class Links:
         runtime: Callable[[], Awaitable[Runtime]],
         on_link: Callable[[], None],
         on_finished: Callable[[Link], None],
+        secret: bytes = b"",
     ) -> None:
+        """`secret`: the daemons' shared secret; each new link then proves it (identity.py)."""
         self.key = key
+        self._secret = secret
         self._runtime = runtime
         self._on_link = on_link
         self._on_finished = on_finished
@@ -197,14 +205,17 @@ class Links:
         accepting: asyncio.Future[Any] | None = None
         comm: Any = None
         try:
-            (raw_key,) = await asyncio.wait_for(
-                wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S
+            raw_key, nonce_c = wire.fields(
+                await asyncio.wait_for(wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S),
+                ("key", "nonce"),
+                "HELLO",
             )
             key = raw_key.decode()
+            nonce_l = secrets.token_bytes(_NONCE_BYTES)
             async with self._accept_turn:
                 port = MPI.Open_port()
                 accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
-                writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode()))
+                writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode(), nonce_l))
                 await writer.drain()
                 # The peer now connects; if its TCP side closes first, it never will.
                 closed = asyncio.ensure_future(reader.read(1))
@@ -222,7 +233,7 @@ class Links:
                 comm = accepting.result()
                 accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-            await self._confirm(comm, rt, key)
+            await self._confirm(comm, rt, key, Proofs(self._secret, nonce_l, nonce_c, True))
             if self.closed:
                 raise TransferError("transport closed")
             self._register(key, comm, reader, writer, rt)
@@ -336,10 +347,13 @@ class Links:
             )
         connecting: asyncio.Future[Any] | None = None
         try:
-            writer.write(wire.frame(wire.HELLO, self.key.encode()))
+            nonce_c = secrets.token_bytes(_NONCE_BYTES)
+            writer.write(wire.frame(wire.HELLO, self.key.encode(), nonce_c))
             await writer.drain()
-            raw_key, raw_port = await asyncio.wait_for(
-                wire.read_frame(reader, wire.ACK), remaining()
+            raw_key, raw_port, nonce_l = wire.fields(
+                await asyncio.wait_for(wire.read_frame(reader, wire.ACK), remaining()),
+                ("key", "port", "nonce"),
+                "ACK",
             )
             got = raw_key.decode()
             if got != peer_key:
@@ -364,7 +378,8 @@ class Links:
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
-                await self._confirm(comm, rt, peer_key, remaining())
+                proofs = Proofs(self._secret, nonce_l, nonce_c, False)
+                await self._confirm(comm, rt, peer_key, proofs, remaining())
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -394,12 +409,17 @@ class Links:
         self._register(peer_key, comm, reader, writer, rt)
 
     async def _confirm(
-        self, comm: Any, rt: Runtime, expected: str, timeout_s: float = IDENTITY_TIMEOUT_S
+        self,
+        comm: Any,
+        rt: Runtime,
+        expected: str,
+        proofs: Proofs,
+        timeout_s: float = IDENTITY_TIMEOUT_S,
     ) -> None:
-        """Both ways over `comm`: our key out, `expected`'s in (module docstring)."""
+        """Both ways over `comm`: our key and proof out, `expected`'s in (identity.py)."""
         timeout_s = min(timeout_s, IDENTITY_TIMEOUT_S)
         await in_thread(
-            lambda: swap_identities(comm, rt.MPI, self.key, expected, timeout_s),
+            lambda: swap_identities(comm, rt.MPI, self.key, expected, proofs, timeout_s),
             "kvxferd-mpi-identity",
         )
 

@@ -143,7 +143,9 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         if len(self.key.encode()) > wire.MAX_FIELD:
             raise StartupError(f"MPI peer key {self.key[:40]!r}... is too long")
         self._rt: Runtime | None = None
-        self._links = Links(self.key, self._runtime, self._start_ticker, self._link_finished)
+        self._links = Links(
+            self.key, self._runtime, self._start_ticker, self._link_finished, self._secret
+        )
         self._zombies: list[_Zombie] = []
         self._ticker: asyncio.Task[None] | None = None
         self._progress: Progress | None = None

@@ -3,13 +3,16 @@
 The TCP rendezvous (link.py) speaks frames: magic, version, kind, then
 length-prefixed fields (HELLO with the connecting side's key; ACK with the
 listener's key and its MPI port name; READY once the listener registered the
-link; REFUSED with the reason when it would not).
+link; REFUSED with the reason when it would not). HELLO and ACK also carry a fresh
+nonce each, for the proofs of the shared secret below.
 
 Before either side uses a new intercommunicator, each sends its key over it (an
 IDENTITY message, tag 0) and checks the other's against the key the TCP side
 named: MPICH routes by its own names for processes, and daemons that look alike
 to it (one hostname, pid and start second: containers, namespaces) had a link
-quietly deliver to another daemon.
+quietly deliver to another daemon. With a shared secret (daemon.shared_secret_file) the
+key comes with an HMAC over both nonces and both keys (identity.py), so only a daemon that
+holds the secret can make a link: the TCP rendezvous alone proves nothing.
 
 Messages and tags
 -----------------
@@ -48,20 +51,37 @@ HEADER_SIZE = _HEADER.size
 HEADER_TAG = 0
 
 
-# A side's key over the new intercommunicator, tag 0 (before any message header).
+# A side's key over the new intercommunicator, tag 0 (before any message header): magic,
+# the key's length, the key, then its proof of the shared secret (empty without one).
 _IDENTITY_MAGIC = b"KVXI"
-IDENTITY_MAX = len(_IDENTITY_MAGIC) + MAX_FIELD
+_IDENTITY_LEN = struct.Struct("!H")
+IDENTITY_MAX = len(_IDENTITY_MAGIC) + _IDENTITY_LEN.size + MAX_FIELD + 64
 
 
-def identity(key: str) -> bytes:
-    return _IDENTITY_MAGIC + key.encode()[:MAX_FIELD]
+def identity(key: str, proof: bytes) -> bytes:
+    raw = key.encode()[:MAX_FIELD]
+    return _IDENTITY_MAGIC + _IDENTITY_LEN.pack(len(raw)) + raw + proof
 
 
-def identity_key(message: bytes) -> str | None:
-    """The key an IDENTITY message carries; None if it is not one."""
-    if not message.startswith(_IDENTITY_MAGIC):
+def identity_parts(message: bytes) -> tuple[str, bytes] | None:
+    """(key, proof) of an IDENTITY message; None if it is not one."""
+    head = len(_IDENTITY_MAGIC) + _IDENTITY_LEN.size
+    if not message.startswith(_IDENTITY_MAGIC) or len(message) < head:
         return None
-    return message[len(_IDENTITY_MAGIC) :].decode(errors="replace")
+    (n,) = _IDENTITY_LEN.unpack_from(message, len(_IDENTITY_MAGIC))
+    if len(message) < head + n:
+        return None
+    return message[head : head + n].decode(errors="replace"), message[head + n :]
+
+
+def fields(got: list[bytes], names: tuple[str, ...], kind: str) -> list[bytes]:
+    """`got`, the fields of a `kind` frame, if there are as many as `names`."""
+    if len(got) != len(names):
+        raise TransferError(
+            f"a {kind} of {len(got)} fields, not {len(names)} ({', '.join(names)}): "
+            "another kvxferd version, or not kvxferd"
+        )
+    return got
 
 
 class RefusedError(TransferError):
