@@ -1,17 +1,15 @@
 """The key check on a new MPI link (link.py's docstring says why): each side sends its
 key over the new intercommunicator and checks the other's against the key the TCP
-rendezvous named; with a shared secret, each key comes with a proof of it (an HMAC over
-the rendezvous's two nonces and both keys), so a client of the TCP port that lacks the
-secret cannot link under any daemon's key."""
+rendezvous named; with a shared secret, each key comes with a proof of it
+(kvxferd/backends/link_proof.py), so a client of the TCP port that lacks the secret
+cannot link under any daemon's key."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from kvxferd.backends.link_proof import WRONG_SECRET, Proofs
 from kvxferd.backends.mpi import wire
 from kvxferd.errors import TransferError
 from kvxferd.service.logs import shown
@@ -23,34 +21,6 @@ _LOOK_ALIKE = (
     "MPICH connected it to another process: daemons must not look alike to MPICH "
     "(one hostname, pid and start second; docs/backends-mpi.md)"
 )
-
-
-@dataclass(frozen=True)
-class Proofs:
-    """The proofs of one rendezvous, over the listener's and the connector's nonces."""
-
-    secret: bytes
-    listener_nonce: bytes
-    connector_nonce: bytes
-    listening: bool
-
-    def _proof(self, by_listener: bool, sender: str, receiver: str) -> bytes:
-        if not self.secret:
-            return b""
-        role = b"listener" if by_listener else b"connector"
-        # Each part length-prefixed: the nonces' lengths come from the wire.
-        parts = (
-            *(b"kvxferd-mpi-link", role, self.listener_nonce, self.connector_nonce),
-            *(sender.encode(), receiver.encode()),
-        )
-        msg = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
-        return hmac.new(self.secret, msg, hashlib.sha256).digest()
-
-    def ours(self, me: str, peer: str) -> bytes:
-        return self._proof(self.listening, me, peer)
-
-    def proves(self, proof: bytes, peer: str, me: str) -> bool:
-        return hmac.compare_digest(proof, self._proof(not self.listening, peer, me))
 
 
 def swap_identities(
@@ -89,6 +59,5 @@ def swap_identities(
         )
     if not proofs.proves(proof, expected, mine):
         raise TransferError(
-            f"{expected} did not prove the shared secret over the new MPI link (another "
-            "daemon.shared_secret_file, or none on one side)"
+            f"{expected} did not prove the shared secret over the new MPI link ({WRONG_SECRET})"
         )

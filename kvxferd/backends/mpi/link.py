@@ -62,9 +62,10 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
 from kvxferd.backends.mpi import wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
-from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, Proofs, swap_identities
+from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
@@ -75,8 +76,8 @@ log = logging.getLogger("kvxferd.backends.mpi")
 
 # How long a listener waits for a connecting peer's hello, and for its MPI side.
 HELLO_TIMEOUT_S = 10.0
-# The rendezvous's nonces (HELLO's and ACK's), for the proofs of the shared secret.
-_NONCE_BYTES = 16
+# What the proofs of the shared secret on an MPI link are bound to (link_proof.py).
+_LABEL = b"kvxferd-mpi-link"
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
 
@@ -211,7 +212,7 @@ class Links:
                 "HELLO",
             )
             key = raw_key.decode()
-            nonce_l = secrets.token_bytes(_NONCE_BYTES)
+            nonce_l = secrets.token_bytes(NONCE_BYTES)
             async with self._accept_turn:
                 port = MPI.Open_port()
                 accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
@@ -233,7 +234,7 @@ class Links:
                 comm = accepting.result()
                 accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-            await self._confirm(comm, rt, key, Proofs(self._secret, nonce_l, nonce_c, True))
+            await self._confirm(comm, rt, key, Proofs(_LABEL, self._secret, nonce_l, nonce_c, True))
             if self.closed:
                 raise TransferError("transport closed")
             self._register(key, comm, reader, writer, rt)
@@ -347,7 +348,7 @@ class Links:
             )
         connecting: asyncio.Future[Any] | None = None
         try:
-            nonce_c = secrets.token_bytes(_NONCE_BYTES)
+            nonce_c = secrets.token_bytes(NONCE_BYTES)
             writer.write(wire.frame(wire.HELLO, self.key.encode(), nonce_c))
             await writer.drain()
             raw_key, raw_port, nonce_l = wire.fields(
@@ -378,7 +379,7 @@ class Links:
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
-                proofs = Proofs(self._secret, nonce_l, nonce_c, False)
+                proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, False)
                 await self._confirm(comm, rt, peer_key, proofs, remaining())
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
             except BaseException:
