@@ -20,7 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from twosided_harness import MIB, MpiChild, TransportChild, UcxChild, connected_pair
+from twosided_harness import (
+    MIB,
+    SECRET_ENV,
+    TRUSTING_ENV,
+    MpiChild,
+    TransportChild,
+    UcxChild,
+    connected_pair,
+    wait_until,
+)
 
 Pair = tuple[TransportChild, TransportChild]
 
@@ -300,4 +309,46 @@ def test_a_peer_stalled_mid_connect_harms_nobody_once_it_answers(backend: Backen
         assert tx.proc.poll() is None and rx.proc.poll() is None
     finally:
         tx.stop()
+        rx.stop()
+
+
+@pytest.mark.parametrize("connector", ["another secret", "no secret", "hostile"])
+def test_a_link_is_made_only_by_daemons_that_hold_the_shared_secret(
+    backend: Backend, connector: str
+) -> None:
+    """With a shared secret each side of a new link proves it to the other (the
+    transport's own port, which anyone reaching it can speak, proves nothing): a
+    connector with another secret, or none, is refused saying why; a hostile one that
+    takes any proof and sends a wrong one is refused by the listener, which never
+    registers it; one with the same secret then links and moves a message."""
+    env = {
+        "another secret": {SECRET_ENV: "another secret"},
+        "no secret": {},
+        "hostile": {SECRET_ENV: "a guess", TRUSTING_ENV: "1"},
+    }[connector]
+    rx = backend.child("gen", env={SECRET_ENV: "the secret"})
+    try:
+        address = rx.ok("start")["address"]
+        tx = backend.child("ctx", env=env)
+        try:
+            res = tx.call("connect", peer=rx.key, address=address)
+            assert not res["ok"], res
+            if connector != "hostile":
+                assert "did not prove the shared secret" in res["msg"], res
+            else:
+                refused = lambda: "did not prove the shared secret" in rx.stderr_text()  # noqa: E731
+                wait_until(refused, 10, "the listener's refusal")
+            assert tx.ok("info")["peers"] == []
+            assert rx.ok("info")["peers"] == []
+        finally:
+            tx.stop()
+        honest = backend.child("ctx2", env={SECRET_ENV: "the secret"})
+        try:
+            honest.ok("connect", peer=rx.key, address=address)
+            send = honest.submit("send", peer=rx.key, tag=7, size=1000, seed=7)
+            assert rx.ok("recv", peer=honest.key, tag=7, size=1000, deadline=20, seed=7)["verified"]
+            assert honest.wait(send)["ok"]
+        finally:
+            honest.stop()
+    finally:
         rx.stop()

@@ -67,8 +67,16 @@ def importable(module: str) -> bool:
 # link that MPICH connected to another daemon receives (the rendezvous, over TCP, still
 # names the child's own key).
 POSE_ENV = "KVXFERD_TEST_MPI_POSE_AS"
-# The shared secret an MPI child's links prove (none without it).
-SECRET_ENV = "KVXFERD_TEST_MPI_SECRET"
+# The shared secret a child's links prove (none without it).
+SECRET_ENV = "KVXFERD_TEST_SECRET"
+# A child with this set takes any proof of the secret from the other side, and sends its
+# own: a hostile connector, which the listener's own check must stop.
+TRUSTING_ENV = "KVXFERD_TEST_TRUST_ANY_PROOF"
+
+
+def _secret() -> bytes:
+    return os.environ.get(SECRET_ENV, "").encode()
+
 
 # ---------------------------------------------------------------------------
 # The transports: how a child makes one, and what it answers to "info".
@@ -78,7 +86,7 @@ SECRET_ENV = "KVXFERD_TEST_MPI_SECRET"
 def _ucx_transport(name: str, incarnation: str) -> Any:
     from kvxferd.backends.ucx import UcxTransport
 
-    return UcxTransport(name, incarnation, stall_grace_s=2.0)
+    return UcxTransport(name, incarnation, stall_grace_s=2.0, secret=_secret())
 
 
 def _ucx_info(transport: Any) -> dict[str, Any]:
@@ -88,8 +96,7 @@ def _ucx_info(transport: Any) -> dict[str, Any]:
 def _mpi_transport(name: str, incarnation: str) -> Any:
     from kvxferd.backends.mpi import MpiTransport
 
-    secret = os.environ.get(SECRET_ENV, "").encode()
-    return MpiTransport(name, incarnation, stall_grace_s=2.0, secret=secret)
+    return MpiTransport(name, incarnation, stall_grace_s=2.0, secret=_secret())
 
 
 def _mpi_info(transport: Any) -> dict[str, Any]:
@@ -383,5 +390,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
 
         _identity = wire.identity
         wire.identity = lambda key, proof: _identity(posing_as, proof)
+    if os.environ.get(TRUSTING_ENV):
+        from kvxferd.backends.link_proof import Proofs
+
+        Proofs.proves = lambda self, proof, peer, me: True  # type: ignore[method-assign]
     _make, _answer_info = TRANSPORTS[sys.argv[2]]
     asyncio.run(child_main(sys.argv[3], sys.argv[4], _make, _answer_info))
