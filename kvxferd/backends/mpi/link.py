@@ -23,8 +23,9 @@ alike to it (containers or namespaces sharing a hostname, each daemon pid 3,
 started together) had links that delivered to another daemon, whose only sign
 was requests timing out. Now such a link is refused, saying so. With a shared
 secret each key comes with a proof of it over both sides' nonces (HELLO's and
-ACK's), so a client of the TCP port without the secret cannot make a link. Why TCP beside
-MPI:
+ACK's), so a client of the TCP port without the secret cannot make a link.
+
+Why TCP beside MPI:
 
 * a blocked MPI_Comm_accept spins (half a core here), so accept runs only
   while a peer is known to be connecting, on a port of its own;
