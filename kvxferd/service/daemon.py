@@ -360,6 +360,16 @@ class Daemon:
         )
         host, _ = split_hostport(self.cfg.daemon.peer_listen)
         self.routes.transport_address = await transport.start(host)
+        if self.peers.tls is not None and not self.secret_configured:
+            # Mutual TLS covers the peer channel, not the transport's own listener: its
+            # links prove the shared secret only (kvxferd/backends/link_proof.py). With
+            # neither, start-up already warned that nothing is authenticated.
+            log.warning(
+                "%s links are not authenticated without daemon.shared_secret_file: any "
+                "client that reaches %s can make one (docs/operations.md)",
+                self.settings.backend,
+                self.routes.transport_address,
+            )
         self.routes.transport = transport
         self.sender.mover.attach(transport)
         self.receiver.mover.attach(transport)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import assert_clean, metric, status, wait_for
+from daemon_harness import assert_clean, log_lines, metric, status, wait_for
 from test_faults import _cfg, logged, opened
 
 from kvxferd.errors import IncompatiblePeerError
@@ -231,3 +231,22 @@ def test_sighup_rotates_the_certificate_and_keeps_it_when_the_new_files_are_bad(
     assert still == after
     state, why, ok = asyncio.run(transfer(ctx, gen, "r-after"))
     assert state == "done" and ok, why
+
+
+@pytest.mark.parametrize("backend", ["UCX", "MPI"])
+def test_a_two_sided_transport_without_the_shared_secret_says_its_links_are_open(
+    tmp_path: Path, backend: str
+) -> None:
+    """Mutual TLS authenticates the peer channel, not UCX's or MPI's own listener, whose
+    links prove the shared secret only: a TLS-only daemon warns so at start-up, naming the
+    address; one with the secret as well does not."""
+    staged = {"backend": backend, "transceiver_runtime": "CPP"}
+    with LocalCluster(tmp_path / "tls", tls=True, secret=None) as bare:
+        d = bare.start_daemon("gen", "generation", transceiver=staged)
+        line = logged(d, "links are not authenticated without daemon.shared_secret_file")[0]
+        up = logged(d, "transport listening on")[0]
+        assert backend in line and up.rsplit(" ", 1)[1] in line, (line, up)
+    with LocalCluster(tmp_path / "both", tls=True) as both:
+        d = both.start_daemon("gen", "generation", transceiver=staged)
+        logged(d, "transport listening on")
+        assert not log_lines(d, "links are not authenticated"), d.log_text()[-2000:]
