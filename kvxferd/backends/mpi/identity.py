@@ -43,10 +43,12 @@ def swap_identities(
             if not received:
                 recv.Cancel()
                 recv.Wait()
+            # A stalled peer, or a link that went to another process: which, MPI
+            # cannot tell.
             raise TransferError(
                 f"no key from {expected} over the new MPI link within {timeout_s:g} s "
                 f"({'our key was not taken either' if not sent else 'ours went out'}): "
-                f"{_LOOK_ALIKE}"
+                f"it stalled, or {_LOOK_ALIKE}"
             )
         time.sleep(0.0005)
     parts = wire.identity_parts(bytes(buf[: status.Get_count(MPI.BYTE)]))
