@@ -132,7 +132,8 @@ def make_backend(backend: str, agent_name: str, options: BackendOptions | None =
 def make_transport(
     backend: str, daemon_name: str, incarnation: str, secret: bytes = b""
 ) -> TwoSidedTransport:
-    """`secret`: the daemons' shared secret (b"" without one), which MPI's links prove."""
+    """`secret`: the daemons' shared secret (b"" without one), which every new link of
+    the transport proves (link_proof.py)."""
     factory = TWO_SIDED.get(backend)
     if factory is None:
         raise StartupError(f"backend {backend} is not a two-sided transport")

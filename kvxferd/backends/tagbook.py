@@ -84,7 +84,7 @@ class TagBook(Generic[K]):
 class TaggedTransport(Generic[K]):
     """What both two-sided transports are made of: their peer key (daemon/incarnation),
     the grace a message past its deadline still gets to arrive whole (`stall_grace_s`),
-    the daemons' shared secret (`secret`, b"" without one: MPI's links prove it), and
+    the daemons' shared secret (`secret`, b"" without one: their links prove it), and
     their TagBook. One constructor, so that both take the same options; `_open` does
     the transport's own set-up (loading its library first, which raises StartupError)."""
 

@@ -207,10 +207,8 @@ class Links:
         accepting: asyncio.Future[Any] | None = None
         comm: Any = None
         try:
-            raw_key, nonce_c = wire.fields(
-                await asyncio.wait_for(wire.read_frame(reader, wire.HELLO), HELLO_TIMEOUT_S),
-                ("key", "nonce"),
-                "HELLO",
+            raw_key, nonce_c = await asyncio.wait_for(
+                wire.read_frame(reader, wire.HELLO, ("key", "nonce")), HELLO_TIMEOUT_S
             )
             key = raw_key.decode()
             nonce_l = secrets.token_bytes(NONCE_BYTES)
@@ -235,7 +233,8 @@ class Links:
                 comm = accepting.result()
                 accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-            await self._confirm(comm, rt, key, Proofs(_LABEL, self._secret, nonce_l, nonce_c, True))
+            proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=True)
+            await self._confirm(comm, rt, key, proofs)
             if self.closed:
                 raise TransferError("transport closed")
             self._register(key, comm, reader, writer, rt)
@@ -352,10 +351,8 @@ class Links:
             nonce_c = secrets.token_bytes(NONCE_BYTES)
             writer.write(wire.frame(wire.HELLO, self.key.encode(), nonce_c))
             await writer.drain()
-            raw_key, raw_port, nonce_l = wire.fields(
-                await asyncio.wait_for(wire.read_frame(reader, wire.ACK), remaining()),
-                ("key", "port", "nonce"),
-                "ACK",
+            raw_key, raw_port, nonce_l = await asyncio.wait_for(
+                wire.read_frame(reader, wire.ACK, ("key", "port", "nonce")), remaining()
             )
             got = raw_key.decode()
             if got != peer_key:
@@ -380,7 +377,7 @@ class Links:
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
-                proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, False)
+                proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=False)
                 await self._confirm(comm, rt, peer_key, proofs, remaining())
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
             except BaseException:

@@ -74,16 +74,6 @@ def identity_parts(message: bytes) -> tuple[str, bytes] | None:
     return message[head : head + n].decode(errors="replace"), message[head + n :]
 
 
-def fields(got: list[bytes], names: tuple[str, ...], kind: str) -> list[bytes]:
-    """`got`, the fields of a `kind` frame, if there are as many as `names`."""
-    if len(got) != len(names):
-        raise TransferError(
-            f"a {kind} of {len(got)} fields, not {len(names)} ({', '.join(names)}): "
-            "another kvxferd version, or not kvxferd"
-        )
-    return got
-
-
 class RefusedError(TransferError):
     """The listener refused the link (its REFUSED frame), saying why."""
 
@@ -97,7 +87,14 @@ def frame(kind: int, *fields: bytes) -> bytes:
     return b"".join(out)
 
 
-async def read_frame(reader: asyncio.StreamReader, expect: int) -> list[bytes]:
+_KINDS = {HELLO: "HELLO", ACK: "ACK", READY: "READY", REFUSED: "REFUSED"}
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, expect: int, names: tuple[str, ...] = ()
+) -> list[bytes]:
+    """The fields of the next frame, which must be an `expect` with as many fields as
+    `names`; RefusedError when it is the listener's REFUSED instead."""
     magic, version, kind, n = _FRAME_HEAD.unpack(await reader.readexactly(_FRAME_HEAD.size))
     refused = magic == _MAGIC and version == _VERSION and kind == REFUSED != expect
     if not refused and (magic != _MAGIC or version != _VERSION or kind != expect):
@@ -112,6 +109,11 @@ async def read_frame(reader: asyncio.StreamReader, expect: int) -> list[bytes]:
     if refused:
         why = fields[0].decode(errors="replace") if fields else "no reason given"
         raise RefusedError(f"the peer refused the link: {why}")
+    if len(fields) != len(names):
+        raise TransferError(
+            f"a {_KINDS[expect]} of {len(fields)} fields, not {len(names)} "
+            f"({', '.join(names) or 'none'}): another kvxferd version, or not kvxferd"
+        )
     return fields
 
 
