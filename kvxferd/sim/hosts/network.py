@@ -58,6 +58,11 @@ def _run(argv: list[str], stdin: str | None = None, check: bool = True) -> str:
     return proc.stdout
 
 
+# A host's holder process: its own IPC, PID, mount (a private /dev/shm and /proc) and UTS
+# (hostname) namespaces, inside the host's network namespace. The probe makes the same.
+_HOLDER_UNSHARE = ("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc", "--uts")
+
+
 def namespace_problem() -> str | None:
     """Why hosts cannot be made here (None: they can). Checks what is needed for real:
     root, the tools, and that a network namespace and an unshared holder can be made."""
@@ -75,7 +80,7 @@ def namespace_problem() -> str | None:
         _run(
             [
                 *("ip", "netns", "exec", probe),
-                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc", "--uts"),
+                *_HOLDER_UNSHARE,
                 *("sh", "-c", "mount -t tmpfs tmpfs /dev/shm && hostname kvxferd-probe"),
             ]
         )
@@ -282,7 +287,7 @@ class Network:
         host.holder = subprocess.Popen(
             [
                 *("ip", "netns", "exec", host.netns),
-                *("unshare", "--ipc", "--pid", "--fork", "--mount", "--mount-proc", "--uts"),
+                *_HOLDER_UNSHARE,
                 "--kill-child=SIGKILL",
                 *(
                     "sh",
