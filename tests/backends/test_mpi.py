@@ -24,6 +24,7 @@ from twosided_harness import (
     REPO,
     connected,
     connected_pair,
+    link_carries_a_message,
     wait_until,
 )
 from twosided_harness import MpiChild as Child
@@ -242,14 +243,6 @@ def test_a_link_closed_by_its_own_side_leaves_no_stale_header() -> None:
         rx.stop()
 
 
-def _link_carries_a_message(by: Child, to: Child, address: str, tag: int) -> None:
-    """`by` links to `to` (listening at `address`), and a message crosses, verified."""
-    by.ok("connect", peer=to.key, address=address)
-    send = by.submit("send", peer=to.key, tag=tag, size=1000, seed=tag)
-    assert to.ok("recv", peer=by.key, tag=tag, size=1000, deadline=20, seed=tag)["verified"]
-    assert by.wait(send)["ok"]
-
-
 def _mpich_shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")}
 
@@ -279,7 +272,7 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
         )
         tx = Child("ctx")
         try:
-            _link_carries_a_message(tx, rx, f"{host}:{port}", tag=1)
+            link_carries_a_message(tx, rx, f"{host}:{port}", tag=1)
         finally:
             tx.stop()
     finally:
@@ -318,7 +311,7 @@ def test_a_link_whose_mpi_side_is_another_daemon_is_refused_saying_so(poser: str
         try:
             if to is honest:
                 to.address = to.ok("start")["address"]
-            _link_carries_a_message(by, to, to.address, tag=3)
+            link_carries_a_message(by, to, to.address, tag=3)
         finally:
             honest.stop()
     finally:

@@ -28,6 +28,7 @@ from twosided_harness import (
     TransportChild,
     UcxChild,
     connected_pair,
+    link_carries_a_message,
     wait_until,
 )
 
@@ -344,10 +345,7 @@ def test_a_link_is_made_only_by_daemons_that_hold_the_shared_secret(
             tx.stop()
         honest = backend.child("ctx2", env={SECRET_ENV: "the secret"})
         try:
-            honest.ok("connect", peer=rx.key, address=address)
-            send = honest.submit("send", peer=rx.key, tag=7, size=1000, seed=7)
-            assert rx.ok("recv", peer=honest.key, tag=7, size=1000, deadline=20, seed=7)["verified"]
-            assert honest.wait(send)["ok"]
+            link_carries_a_message(honest, rx, address, tag=7)
         finally:
             honest.stop()
     finally:

@@ -371,6 +371,14 @@ def connected_pair(child: type[C]) -> Iterator[tuple[C, C]]:
         rx.stop()
 
 
+def link_carries_a_message(by: TransportChild, to: TransportChild, address: str, tag: int) -> None:
+    """`by` links to `to` (listening at `address`), and a message crosses, verified."""
+    by.ok("connect", peer=to.key, address=address)
+    send = by.submit("send", peer=to.key, tag=tag, size=1000, seed=tag)
+    assert to.ok("recv", peer=by.key, tag=tag, size=1000, deadline=20, seed=tag)["verified"]
+    assert by.wait(send)["ok"]
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
