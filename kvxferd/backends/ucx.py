@@ -17,7 +17,7 @@ peer's listener and sends a hello carrying our key; the listener answers with it
 own key, which `connect` checks against the key it was asked for (a restarted peer
 answers with a new incarnation and is refused), and each proves the shared secret
 to the other; the listener registers the endpoint under our key before its last
-hello (ucx_wire.py has the four). Hellos use ucxx's per-endpoint tags, so two peers
+hello (ucx_hellos.py has the four). Hellos use ucxx's per-endpoint tags, so two peers
 connecting at once never swap them. Once an endpoint exists in either
 direction, either side may send to and receive from that peer.
 
@@ -111,26 +111,19 @@ import importlib
 import logging
 import math
 import os
-import secrets
 from collections.abc import Awaitable
 from typing import Any
 
 from kvxferd.backends import ucx_peer_info
-from kvxferd.backends.link_proof import NONCE_BYTES, WRONG_SECRET, Proofs
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.backends.twosided import connect_failures, connect_timeout
+from kvxferd.backends.ucx_hellos import Hellos
 from kvxferd.backends.ucx_progress import (
     EventLoopProgress,
     install_event_loop_progress,
     progress_mode,
 )
 from kvxferd.backends.ucx_wire import (
-    ACK_TAG,
-    HELLO_BYTES,
-    HELLO_TAG,
-    PROOF_TAG,
-    READY_TAG,
-    decode_hello,
     encode_hello,
     wire_tag,
 )
@@ -153,8 +146,6 @@ _INSTALL_HINT = (
 
 # How long a listener waits for an incoming endpoint's hello.
 HELLO_TIMEOUT_S = 10.0
-# What the proofs of the shared secret on a UCX endpoint are bound to (link_proof.py).
-_LABEL = b"kvxferd-ucx-link"
 
 # Probing for an awaited message: the first polls only yield to the loop,
 # later ones sleep up to this long (asyncio sleeps at millisecond resolution).
@@ -243,6 +234,7 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
     def _open(self) -> None:
         self._ucxx = _load()
         encode_hello(self.key)  # a key too long for a hello fails here, at start-up
+        self._hellos = Hellos(self.key, self._secret, self._bounded)
         self._ctx: Any = None
         self._driver: EventLoopProgress | None = None
         self._listener: Any = None
@@ -311,29 +303,18 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         return f"{host}:{self._listener.port}"
 
     async def _on_endpoint(self, ep: Any) -> None:
-        """Listener callback: the hellos (ucx_wire.py), checking the connector's proof of
-        the shared secret; registers the endpoint before READY."""
+        """Listener callback: the hellos (ucx_hellos.py), checking the connector's proof
+        of the shared secret; registers the endpoint before READY."""
         key = None
         try:
-            key, nonce_c, _ = await self._hello_in(ep, HELLO_TAG, HELLO_TIMEOUT_S)
-            nonce_l = secrets.token_bytes(NONCE_BYTES)
-            proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=True)
-            ack = encode_hello(self.key, nonce_l, proofs.ours(self.key, key))
-            await self._bounded(ep.send(ack, tag=ACK_TAG), HELLO_TIMEOUT_S)
-            again, nonce, proof = await self._hello_in(ep, PROOF_TAG, HELLO_TIMEOUT_S)
-            if (again, nonce) != (key, nonce_c):
-                raise TransferError(f"the proof came from {shown(again)}, not {shown(key)}")
-            if not proofs.proves(proof, key, self.key):
-                raise TransferError(
-                    f"{shown(key)} did not prove the shared secret over UCX ({WRONG_SECRET})"
-                )
+            key, nonce_c = await self._hellos.greeted(ep, HELLO_TIMEOUT_S)
+            nonce_l = await self._hellos.answer(ep, key, nonce_c, HELLO_TIMEOUT_S)
             if self._closed:
                 raise TransferError("transport closed")
             self._register(key, ep)
             # Registered before READY: once connect() returns on the other side, our
             # recv() for that peer finds the endpoint.
-            ready = encode_hello(self.key, nonce_l)
-            await self._bounded(ep.send(ready, tag=READY_TAG), HELLO_TIMEOUT_S)
+            await self._hellos.ready(ep, nonce_l, HELLO_TIMEOUT_S)
         except Exception as exc:
             # Before the peer channel vouched for it: the key is whatever was sent.
             log.warning(
@@ -347,13 +328,8 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
             return
         log.info("UCX: peer %s connected to us", shown(key))
 
-    async def _hello_in(self, ep: Any, tag: int, timeout_s: float) -> tuple[str, bytes, bytes]:
-        buf = bytearray(HELLO_BYTES)
-        await self._bounded(ep.recv(buf, tag=tag), timeout_s)
-        return decode_hello(buf)
-
     async def connect(self, peer_key: str, address: str, timeout_s: float) -> None:
-        """Open an endpoint to the peer listening at `address`; the hellos (ucx_wire.py),
+        """Open an endpoint to the peer listening at `address`; the hellos (ucx_hellos.py),
         checking the listener's key and its proof of the shared secret."""
         ctx = self._context()
         host, port = _split_address(address)
@@ -372,24 +348,7 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
                 timeout_s,
             )
         try:
-            nonce_c = secrets.token_bytes(NONCE_BYTES)
-            await self._bounded(ep.send(encode_hello(self.key, nonce_c), tag=HELLO_TAG), left())
-            got, nonce_l, proof = await self._hello_in(ep, ACK_TAG, left())
-            if got != peer_key:
-                raise PeerLostError(
-                    f"UCX: {address} is {got}, not {peer_key} (the peer restarted or the "
-                    "address was reused)"
-                )
-            proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=False)
-            if not proofs.proves(proof, peer_key, self.key):
-                raise TransferError(
-                    f"UCX: {peer_key} at {address} did not prove the shared secret ({WRONG_SECRET})"
-                )
-            ours = encode_hello(self.key, nonce_c, proofs.ours(self.key, peer_key))
-            await self._bounded(ep.send(ours, tag=PROOF_TAG), left())
-            # READY: the listener took our proof and registered us (or, refusing, aborts
-            # the endpoint, which ends this wait with an error).
-            await self._hello_in(ep, READY_TAG, left())
+            await self._hellos.make(ep, peer_key, address, left)
         except BaseException as exc:
             self._abort(ep)
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
