@@ -242,11 +242,17 @@ class Links:
             writer.write(wire.frame(wire.READY))
             await writer.drain()
         except (Exception, asyncio.CancelledError) as exc:
-            # Before the peer channel vouched for it: the key is whatever was sent.
+            # Before the peer channel vouched for it: the key is whatever was sent. A
+            # timeout and a cut-off frame say nothing by themselves.
+            why = str(exc) or (
+                f"no whole frame within {HELLO_TIMEOUT_S:g} s"
+                if isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+                else type(exc).__name__
+            )
             log.warning(
                 "MPI: refused an incoming connection (peer %s): %s",
                 shown(key),
-                shown(exc, TEXT_LIMIT),
+                shown(why, TEXT_LIMIT),
             )
             if key is not None and key in self.peers:
                 self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
