@@ -70,6 +70,9 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--base", help="another checkout, measured in the same passes")
     p.add_argument(
+        "--base-name", default="base", help="the base's name in the table (default: base)"
+    )
+    p.add_argument(
         "--verify",
         nargs="+",
         choices=["each", "slot"],
@@ -82,7 +85,7 @@ def main() -> int:
         [(f"this/{v}", None, v) for v in args.verify] if args.verify else [("this", None, None)]
     )
     if args.base:
-        trees.append(("base", os.path.abspath(args.base), None))
+        trees.append((args.base_name, os.path.abspath(args.base), None))
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for k in range(args.passes):
         order = in_pass(trees, k)

@@ -12,7 +12,7 @@ import contextlib
 import struct
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import msgspec
 
@@ -65,9 +65,11 @@ class CorkedWriter:
     (docs/benchmarks.md, issue 16 "small requests").
     """
 
-    FLUSH_AT_BYTES = 256 << 10
-    FLUSH_AT_FRAMES = 8
-    ABORT_GRACE_S = 1.0
+    # Constants of the class, not fields of each writer: mypyc compiles the module only
+    # when they say so (benchmarks/issue16_mypyc.sh).
+    FLUSH_AT_BYTES: ClassVar[int] = 256 << 10
+    FLUSH_AT_FRAMES: ClassVar[int] = 8
+    ABORT_GRACE_S: ClassVar[float] = 1.0
 
     def __init__(self, writer: asyncio.StreamWriter, yield_turns: int = 0) -> None:
         """`yield_turns`: loop turns the scheduled flush waits beyond the next one, so that
