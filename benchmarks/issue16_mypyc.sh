@@ -10,7 +10,8 @@
 #   MODULES="kvxferd/peers/framing.py ..." KEEP=1 REV=HEAD benchmarks/issue16_mypyc.sh
 #
 # This is an experiment, not a build of kvxferd: the test suite does not run against
-# compiled modules (docs/benchmarks.md, issue 16 "mypyc" says what breaks there).
+# compiled modules (docs/benchmarks.md, issue 16, "the daemons with their hot modules
+# compiled (mypyc)" says what breaks there).
 # Left out: kvxferd/transceiver/dataplane.py (its attribute `_inline` becomes the C name
 # `__inline`, a GCC keyword) and the engine client (kvxferd/client/*: StampingClient in
 # kvxferd/bench/engine.py subclasses AsyncClient, which a compiled class forbids unless it
