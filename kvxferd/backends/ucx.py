@@ -57,44 +57,15 @@ peer right after a send can cut the receiver's message short; wait for the
 receiver's acknowledgement first. Waiting for arrival costs a probe every
 millisecond at most, so a message is noticed up to ~1 ms after it arrives.
 
-Progress mode (measured with benchmarks/ucx_raw.py)
----------------------------------------------------
-Two processes on loopback, one transport each, 8 messages of 64 MiB one after
-the other, on the 2-core CPU-only dev host (shared and noisy: median of 5
-interleaved runs, range in brackets). Idle CPU: share of one core used by a
-process holding a started, connected transport over 3 s of doing nothing.
-
-    mode                  GB/s               idle CPU
-    blocking (ours)       1.53 (0.67-1.80)   1.5-1.8 %   <- default
-    polling               1.69 (0.94-1.74)   98 %
-    thread (ucxx default) 0.83 (0.37-0.96)   3.2 %
-    thread-polling        0.60 (0.52-0.62)   98 %
-    ucxx's own blocking   1.32-1.46 (2 runs) 97 %
-
-While a message moves, the receiving process uses a whole core in every mode
-(ucxx waits on its requests by yielding to the loop in a loop). "polling"
-also spins when there is nothing to do: a core per daemon for the life of the
-process, both cores of a 2-core host for a pair, and with other load it lost
-its lead (0.52 GB/s against 0.95 for blocking in a busier run). "blocking" is
-within noise of it in throughput and costs nothing idle, so it is the
-default. It is ucx-py's blocking mode, progress on the event loop when UCX's
-epoll descriptor is readable; ucxx 0.52's BlockingMode lost the step that
-re-arms the worker after each event, so once an endpoint exists it
-progresses on every loop turn (97 % idle above). EventLoopProgress
-(ucx_progress.py) replaces it on our loop. Set UCXPY_PROGRESS_MODE (blocking, polling, thread,
-thread-polling) to override; it is read once, when the first transport of the
-process starts.
-
-Transports: with endpoint error handling (which peer-loss detection needs),
-UCX 1.21 uses only TCP, even between two processes on one host: its
-shared-memory and CMA transports cannot report a dead peer and are left out.
-That bounds UCX throughput on one host here (without error handling it picked
-sysv+cma: 1.79 GB/s against 0.40 with TCP in one run, thread mode,
-but then a killed peer hangs transfers).
+Progress mode and transports: the default progress mode ("blocking": progress on
+the event loop when UCX's epoll descriptor is readable, EventLoopProgress in
+ucx_progress.py) was chosen by measurement, and UCX runs TCP only while endpoint error
+handling is on (which peer-loss detection needs); docs/backends-ucx.md has the numbers
+and UCXPY_PROGRESS_MODE.
 
 The listener binds every interface (ucxx has no bind address). With a shared secret
 (daemon.shared_secret_file) a new endpoint is registered only once its connector proved
-the secret (link_proof.py; the hellos are in ucx_wire.py), and the connector checks the
+the secret (link_proof.py; the hellos are in ucx_hellos.py), and the connector checks the
 listener's proof in turn; without one the hellos only say which peer an endpoint belongs
 to.
 
