@@ -46,6 +46,7 @@ __all__ = [
     "Segments",
     "pair_segments",
     "paired_blocks",
+    "run_lengths",
 ]
 
 BLOCK_MAJOR: Final = "block-major"
@@ -117,13 +118,13 @@ def _is_int(value: object) -> bool:
     )
 
 
-# A request of a few blocks (one-block requests by the thousand a second) is checked in
-# Python: the numpy path costs ~11 us whatever the length. Anything it refuses goes the numpy
-# way, which names the problem.
-_SHORT_IDS = 16
+# A list of ids is checked in Python first: a set of plain ints beats the numpy path at
+# every length measured here (33 ids 2.9 against 9.7 us, 1,024 62 against 102, 100,000
+# 12 against 21 ms; the numpy path costs ~9 us before the first id). Anything it refuses goes
+# the numpy way, which names the problem.
 
 
-def _short_ids(values: list[object], num_blocks: int) -> npt.NDArray[np.int64] | None:
+def _plain_ids(values: list[object], num_blocks: int) -> npt.NDArray[np.int64] | None:
     """`values` as int64 ids when each is a plain int in range and none repeats; else None."""
     for v in values:
         if type(v) is not int or not 0 <= v < num_blocks:
@@ -203,6 +204,10 @@ class KvLayout:
             "token": self.tokens_per_block,
             "head": self.num_kv_heads,
         }
+
+    def sizes(self) -> dict[str, int]:
+        """How many indices each dimension of DIMS has."""
+        return self._sizes()
 
     def strides(self) -> dict[str, int]:
         """Bytes between consecutive indices of each dimension."""
@@ -356,10 +361,9 @@ class KvLayout:
             # numpy would silently turn True into 1 and an int next to a float into a float:
             # check the caller's own values first (microseconds for thousands of ids).
             values = list(blocks)
-            if len(values) <= _SHORT_IDS:
-                ids = _short_ids(values, self.num_blocks)
-                if ids is not None:
-                    return ids
+            ids = _plain_ids(values, self.num_blocks)
+            if ids is not None:
+                return ids
             for i, value in enumerate(values):
                 if not _is_int(value):
                     raise LayoutError(f"block id {value!r} at position {i} is not an integer")
@@ -436,6 +440,18 @@ class KvLayout:
         return _coalesce(starts, starts, self.piece_bytes)[0]
 
 
+def run_lengths(starts: npt.NDArray[np.intp], total: int, unit: int) -> npt.NDArray[np.int64]:
+    """Bytes of each run when runs begin at unit indices `starts` (ascending, the first 0)
+    and the last ends at `total` units. (np.diff with append= builds its operand through
+    broadcast_to and concatenate: 5.5 us for 33 runs against 1.2 here, several times a
+    request.)"""
+    out = np.empty(starts.shape[0], dtype=np.int64)
+    np.subtract(starts[1:], starts[:-1], out=out[:-1])
+    out[-1] = total - starts[-1]
+    out *= unit
+    return out
+
+
 def _coalesce(
     src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], length: int
 ) -> tuple[Segments, Segments]:
@@ -453,7 +469,7 @@ def _coalesce(
     np.not_equal(src[1:], src[:-1] + length, out=breaks[1:])
     breaks[1:] |= dst[1:] != dst[:-1] + length
     starts = np.flatnonzero(breaks)
-    lengths = np.diff(starts, append=n) * length
+    lengths = run_lengths(starts, n, length)
     src_segments = np.empty((starts.shape[0], 2), dtype=np.int64)
     np.take(src, starts, out=src_segments[:, 0])
     src_segments[:, 1] = lengths

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.memory.heads import check_head_slice, head_slice_offsets
-from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, run_lengths
 
 Index = npt.NDArray[np.intp]
 Heads = tuple[int, int]  # a pool's heads [start, end), local indices
@@ -55,7 +55,7 @@ class CopyPlan:
         starts = np.flatnonzero(breaks)
         out = np.empty((starts.size, 2), dtype=np.int64)
         out[:, 0] = index[starts] * self.unit
-        out[:, 1] = np.diff(starts, append=index.size) * self.unit
+        out[:, 1] = run_lengths(starts, index.size, self.unit)
         return out
 
 

@@ -258,10 +258,17 @@ def expected_legs(pool: LocalPool | None, legs: list[TxLeg]) -> int:
     dst = dst_tp(leg)
     if not isinstance(dst_layout, KvLayout) or dst is None:
         return 1
-    if mapping_problems(pool.layout, pool.tp, dst_layout, dst):
+    return _ranks_holding_ours(pool.layout, pool.tp, dst_layout, dst)
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks_holding_ours(src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank) -> int:
+    """expected_legs for one pair of pools: asked several times a request (the mapping
+    check compares every geometry field), always for the same few pairs."""
+    if mapping_problems(src, src_tp, dst, dst_tp):
         return 1
-    ours = head_range(pool.layout, pool.tp)
-    return max(1, len(overlapping_ranks(ours, dst_layout.num_kv_heads, dst.size)))
+    ours = head_range(src, src_tp)
+    return max(1, len(overlapping_ranks(ours, dst.num_kv_heads, dst_tp.size)))
 
 
 def coverage_problem(pool: LocalPool, legs: list[TxLeg]) -> str | None:
