@@ -49,6 +49,7 @@ from kvxferd.transceiver.copyplan import (
     copy_plan,
     word_rows,
 )
+from kvxferd.transceiver.head_gather import SplitGather
 
 # Bounce only when the per-block path would need at least this many
 # descriptors of this average size or less. Measured here (docs/benchmarks.md,
@@ -62,6 +63,12 @@ MAX_AVG_SEGMENT_BYTES = 6 << 10
 RESERVATION_ALIGN = 4096
 
 Bytes = npt.NDArray[np.uint8]
+
+
+def reserved_bytes(nbytes: int) -> int:
+    """What a reservation of `nbytes` takes of its region: whole pages."""
+    return -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
+
 
 # Copies this large are split over the copier's threads; below it a thread
 # hand-off (tens of microseconds) would eat the gain.
@@ -135,7 +142,7 @@ class BounceRegion:
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Room for `nbytes` now, or None (never waits)."""
-        need = -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
+        need = reserved_bytes(nbytes)
         for i, (offset, length) in enumerate(self._free):
             if length >= need:
                 if length == need:
@@ -211,6 +218,12 @@ class Copier(Protocol):
         self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
     ) -> None: ...
 
+    def gather_slices(
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], slices: list[tuple[Heads, Bytes]]
+    ) -> None:
+        """`gather_heads` of each (heads, out) of `slices`: every leg of a head-split."""
+        ...
+
 
 class _PlannedCopier:
     """The Copier calls as one copy plan each, executed by the subclass's `_copy`: host
@@ -236,6 +249,12 @@ class _PlannedCopier:
         self, packed: Bytes, pool: Bytes, layout: KvLayout, blocks: list[int], heads: Heads
     ) -> None:
         self._copy(packed, pool, layout, copy_plan(layout, blocks, heads), into_pool=True)
+
+    def gather_slices(
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], slices: list[tuple[Heads, Bytes]]
+    ) -> None:
+        for heads, out in slices:
+            self.gather_heads(pool, layout, blocks, heads, out)
 
 
 class HostCopier(_PlannedCopier):
@@ -313,6 +332,16 @@ class HostCopier(_PlannedCopier):
                 np.take(pool_units, index[share], out=packed_units[share], mode="clip")
 
         self._split(copy, index.size, plan.nbytes)
+
+    def gather_slices(
+        self, pool: Bytes, layout: KvLayout, blocks: list[int], slices: list[tuple[Heads, Bytes]]
+    ) -> None:
+        """Every leg in one pass over the blocks (head_gather.py), split over the threads
+        by logical block when large."""
+        ids = layout.check_blocks(blocks)
+        gather = SplitGather(pool, layout, ids, slices)
+        nbytes = sum(out.size for _, out in slices)
+        self._split(gather.copy, gather.count, nbytes)
 
 
 # Copies a plan's rows (pool, packed, device index, unit bytes, into_pool) if it can.
@@ -454,6 +483,19 @@ class BounceBuffers:
             await self._run_copy(self.copier.gather, pool, layout, blocks, out)
         else:
             await self._run_copy(self.copier.gather_heads, pool, layout, blocks, heads, out)
+
+    async def gather_slices(
+        self,
+        pool: Bytes,
+        layout: KvLayout,
+        blocks: list[int],
+        slices: list[tuple[Heads, Reservation, int]],
+    ) -> None:
+        """Gather, for each (heads, reservation, nbytes) of `slices`, the pool's heads of
+        `blocks` into that send reservation: a head-split's legs in one copy."""
+        outs = [(heads, self.send.view(res, nbytes)) for heads, res, nbytes in slices]
+        self.gathers += len(slices)
+        await self._run_copy(self.copier.gather_slices, pool, layout, blocks, outs)
 
     async def scatter(
         self,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvxferd.backends.base import Memory, XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport
-from kvxferd.transceiver.bounce import BounceBuffers
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation
 from kvxferd.transceiver.direct_bounce import BouncePlanner, LegWrite
 from kvxferd.transceiver.leg_targets import (
     check_leg,
@@ -41,6 +41,13 @@ from kvxferd.transceiver.writes import Writes, nbytes_of
 
 if TYPE_CHECKING:
     from kvxferd.transceiver.movers import Route
+
+
+def _prepared(together: list[LegWrite | None] | None, i: int) -> tuple[LegWrite | None, bool]:
+    """(leg i's write gathered with the others, whether it may still move one-sided)."""
+    if together is None:
+        return None, True  # the legs plan their own
+    return together[i], together[i] is not None
 
 
 class DirectMover:
@@ -62,16 +69,24 @@ class DirectMover:
         pass  # it keeps nothing per peer
 
     async def _leg_plan(
-        self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool, copy_only: bool
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        start: int,
+        end: int,
+        last: bool,
+        copy_only: bool,
+        one_sided_ok: bool = True,
     ) -> LegWrite | Terminal:
         """One leg's write of blocks [start, end): (local, remote, our send reservation or
         None, whether it goes into the receiver's reservation), or why the request ends.
-        Only a whole request (one write) bounces."""
+        Only a whole request (one write) bounces; `one_sided_ok` False: not moved one-sided
+        (the split's legs found no room together)."""
         first, _ = leg.span(start, end)
         whole = start == 0 and last
         if whole and copy_only:
             return await self._bouncer.copy_only_leg(s, leg, start, end, first)
-        if whole:
+        if whole and one_sided_ok:
             one_sided = await self._bouncer.one_sided(s, leg, first, end)
             if one_sided is not None:
                 return one_sided
@@ -122,9 +137,16 @@ class DirectMover:
         if len(legs) == 1:
             await self._write_leg(s, legs[0], start, end, last)
         else:
+            together = await self._split_together(s, legs, start, end, last)
+            if isinstance(together, Terminal):
+                s.request_end(together)
+                return
             # Each rank's leg at once: one leg's write moves while the next one gathers.
             done = await asyncio.gather(
-                *(self._write_leg(s, leg, start, end, last) for leg in legs),
+                *(
+                    self._write_leg(s, leg, start, end, last, *_prepared(together, i))
+                    for i, leg in enumerate(legs)
+                ),
                 return_exceptions=True,
             )
             for outcome in done:
@@ -133,7 +155,51 @@ class DirectMover:
         if s.terminal is None:
             s.written = end
 
-    async def _write_leg(self, s: TxSession, leg: TxLeg, start: int, end: int, last: bool) -> None:
+    async def _split_together(
+        self, s: TxSession, legs: list[TxLeg], start: int, end: int, last: bool
+    ) -> list[LegWrite | None] | Terminal | None:
+        """The legs of a whole head-split request gathered in one pass
+        (BouncePlanner.split_together), where every leg takes the same blocks of a pool
+        the backend reads itself; None: each leg plans its own."""
+        assert s.pool is not None
+        if start != 0 or not last or not s.pool.zero_copy:
+            return None
+        firsts = {leg.span(start, end)[0] for leg in legs}
+        if len(firsts) != 1 or (first := firsts.pop()) >= end:
+            return None
+        return await self._bouncer.split_together(s, legs, first, end)
+
+    async def _write_leg(
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        start: int,
+        end: int,
+        last: bool,
+        prepared: LegWrite | None = None,
+        one_sided_ok: bool = True,
+    ) -> None:
+        """One leg's write and Result; `prepared`: its write, already gathered. Its send
+        reservation is this leg's to give back: once the write is quiescent, or here when
+        the leg ends before its post."""
+        unposted = [prepared[2]] if prepared is not None and prepared[2] is not None else []
+        try:
+            await self._leg(s, leg, start, end, last, prepared, one_sided_ok, unposted)
+        finally:
+            if unposted and self.bounce is not None:
+                self.bounce.send.release(unposted[0])
+
+    async def _leg(
+        self,
+        s: TxSession,
+        leg: TxLeg,
+        start: int,
+        end: int,
+        last: bool,
+        prepared: LegWrite | None,
+        one_sided_ok: bool,
+        unposted: list[Reservation],
+    ) -> None:
         if s.terminal is not None:
             return  # another leg ended the request before this one began
         nbytes = 0
@@ -151,7 +217,9 @@ class DirectMover:
                 s.request_end(memories)
                 return
             copy_only, local_memory, remote_memory = memories
-            planned = await self._leg_plan(s, leg, start, end, last, copy_only)
+            planned = prepared or await self._leg_plan(
+                s, leg, start, end, last, copy_only, one_sided_ok
+            )
             if isinstance(planned, Terminal):
                 s.request_end(planned)
                 return
@@ -164,11 +232,13 @@ class DirectMover:
                     leg.conn.info.bounce_memory, leg.conn.info.bounce_device
                 )
                 if bounce_memory is None:
+                    unposted.clear()
                     if reservation is not None and self.bounce is not None:
                         self.bounce.send.release(reservation)
                     s.request_end(unknown_memory("bounce region", leg.conn.info.bounce_memory))
                     return
                 remote_memory = bounce_memory
+            unposted.clear()  # from here on the post's own end gives it back
             try:
                 status = await self.writes.post_and_wait(
                     s,

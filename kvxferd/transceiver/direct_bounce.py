@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvxferd.memory.layout import KvLayout, LayoutError
-from kvxferd.transceiver.bounce import BounceBuffers, Reservation, worth_bouncing
+from kvxferd.peers.messages import PoolInfo
+from kvxferd.transceiver.bounce import BounceBuffers, Reservation, reserved_bytes, worth_bouncing
 from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.leg_targets import check_leg, heads_of_leg
 from kvxferd.transceiver.legs import TxLeg, dst_tp, leg_block_bytes
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import BOUNCE_ROOM_WAIT_S, NO_BOUNCE_ROOM, RoomLine
+from kvxferd.transceiver.staging import BOUNCE_ROOM_WAIT_S, NO_BOUNCE_ROOM, RoomLine, reserve_all
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import nbytes_of
 
@@ -78,6 +80,39 @@ class BouncePlanner:
         local, remote, reservation = bounced
         return local, remote, reservation, True
 
+    def _one_sided_shape(self, s: TxSession, leg: TxLeg, first: int, end: int) -> _OneSided | None:
+        """What a one-sided move of a leg would copy (see one_sided), or None when it does
+        not apply or pay."""
+        assert s.pool is not None
+        bounce, req, conn = self.bounce, leg.request, leg.conn
+        tp, dst_layout, info = (
+            dst_tp(leg),
+            conn.layouts.get(req.pool_id),
+            conn.pools.get(req.pool_id),
+        )
+        if bounce is None or tp is None or not isinstance(dst_layout, KvLayout) or info is None:
+            return None
+        if not s.pool.layout.named or not dst_layout.named or tp.size == s.pool.tp.size:
+            return None
+        heads = heads_of_leg(s, leg)
+        if isinstance(heads, Terminal):
+            return None  # the per-block plan names the problem
+        if heads is not None and tuple(heads) == (0, s.pool.layout.num_kv_heads):
+            heads = None  # every head of ours: whole blocks
+        try:
+            if heads is not None and tp.size > s.pool.tp.size:
+                runs = copy_plan(dst_layout, leg.dst_blocks(first, end)).segments()
+            elif heads is None and tp.size < s.pool.tp.size:
+                runs = copy_plan(s.pool.layout, s.blocks[first:end]).segments()
+            else:
+                return None
+        except LayoutError:
+            return None
+        nbytes = nbytes_of(runs)
+        if worth_bouncing(len(runs), nbytes):
+            return None  # that side is fragmented: a packed write both sides copy pays
+        return _OneSided(heads, runs, nbytes, info)
+
     async def one_sided(
         self, s: TxSession, leg: TxLeg, first: int, end: int
     ) -> LegWrite | Terminal | None:
@@ -102,33 +137,11 @@ class BouncePlanner:
         request ended while it waited."""
         assert s.pool is not None
         bounce, req, conn = self.bounce, leg.request, leg.conn
-        tp, dst_layout, info = (
-            dst_tp(leg),
-            conn.layouts.get(req.pool_id),
-            conn.pools.get(req.pool_id),
-        )
-        if bounce is None or tp is None or not isinstance(dst_layout, KvLayout) or info is None:
+        shape = self._one_sided_shape(s, leg, first, end)
+        if shape is None:
             return None
-        if not s.pool.layout.named or not dst_layout.named or tp.size == s.pool.tp.size:
-            return None
-        heads = heads_of_leg(s, leg)
-        if isinstance(heads, Terminal):
-            return None  # the per-block plan names the problem
-        blocks = s.blocks[first:end]
-        if heads is not None and tuple(heads) == (0, s.pool.layout.num_kv_heads):
-            heads = None  # every head of ours: whole blocks
-        try:
-            if heads is not None and tp.size > s.pool.tp.size:
-                runs = copy_plan(dst_layout, leg.dst_blocks(first, end)).segments()
-            elif heads is None and tp.size < s.pool.tp.size:
-                runs = copy_plan(s.pool.layout, blocks).segments()
-            else:
-                return None
-        except LayoutError:
-            return None
-        nbytes = nbytes_of(runs)
-        if worth_bouncing(len(runs), nbytes):
-            return None  # that side is fragmented: a packed write both sides copy pays
+        assert bounce is not None
+        heads, runs, nbytes, info = shape.heads, shape.runs, shape.nbytes, shape.info
         if heads is None:  # merge: out of our blocks into the receiver's reservation
             if req.bounce_nbytes < nbytes or conn.info.bounce_nbytes == 0:
                 return None
@@ -148,14 +161,63 @@ class BouncePlanner:
             return s.terminal
         bounce.reservations_made += 1
         try:
-            await bounce.gather(s.pool.region.array, s.pool.layout, blocks, res, nbytes, heads)
+            await bounce.gather(
+                s.pool.region.array, s.pool.layout, s.blocks[first:end], res, nbytes, heads
+            )
         except BaseException:
             bounce.send.release(res)
             raise
-        remote = runs.copy()
-        remote[:, 0] += info.base
         bounce.one_sided_legs += 1
-        return _packed(bounce.send.address + res.offset, runs), remote, res, False
+        return _split_write(bounce, res, shape)
+
+    async def split_together(
+        self, s: TxSession, legs: list[TxLeg], first: int, end: int
+    ) -> list[LegWrite | None] | Terminal | None:
+        """Every leg of a head-split moved as one_sided moves a split leg, with all the
+        legs' room reserved at once (all or none, in line, up to BOUNCE_ROOM_WAIT_S) and
+        their slices gathered in one pass over our blocks (Copier.gather_slices): the pool
+        is read once, not once per leg. Each leg's write, or None for a leg to plan without
+        a one-sided move (no room in time: the per-block path, as one_sided falls back);
+        None when some leg does not qualify (each then plans its own); a Terminal: the
+        request ended while it waited."""
+        bounce = self.bounce
+        assert s.pool is not None
+        if bounce is None or len(legs) < 2:
+            return None
+        shapes: list[_OneSided] = []
+        slice_heads: list[tuple[int, int]] = []
+        for leg in legs:
+            shape = self._one_sided_shape(s, leg, first, end)
+            if shape is None or shape.heads is None or not shape.info.writable:
+                return None
+            shapes.append(shape)
+            slice_heads.append(shape.heads)
+        sizes = [shape.nbytes for shape in shapes]
+        if sum(map(reserved_bytes, sizes)) > bounce.send.nbytes:
+            return None  # they never fit at once: one leg at a time
+        got = await self._rooms(s, sizes, BOUNCE_ROOM_WAIT_S)
+        if got is None:
+            bounce.fallbacks += len(legs)
+            return [None] * len(legs)
+        if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
+            for res in got:
+                bounce.send.release(res)
+            return s.terminal
+        bounce.reservations_made += len(got)
+        slices = [
+            (heads, res, shape.nbytes)
+            for heads, res, shape in zip(slice_heads, got, shapes, strict=True)
+        ]
+        try:
+            await bounce.gather_slices(
+                s.pool.region.array, s.pool.layout, s.blocks[first:end], slices
+            )
+        except BaseException:
+            for res in got:
+                bounce.send.release(res)
+            raise
+        bounce.one_sided_legs += len(legs)
+        return [_split_write(bounce, res, shape) for shape, res in zip(shapes, got, strict=True)]
 
     async def bounce_plan(
         self,
@@ -259,9 +321,44 @@ class BouncePlanner:
         else in line, until `wait_s` from now or the request's deadline (None then)."""
         bounce = self.bounce
         assert bounce is not None
-        deadline = min(
-            s.deadline if s.deadline is not None else math.inf, time.monotonic() + wait_s
+        res, waited = await self.room.take(
+            lambda: bounce.send.reserve(nbytes), _room_deadline(s, wait_s)
         )
-        res, waited = await self.room.take(lambda: bounce.send.reserve(nbytes), deadline)
         bounce.room_waits += waited
         return res
+
+    async def _rooms(
+        self, s: TxSession, sizes: list[int], wait_s: float
+    ) -> list[Reservation] | None:
+        """_room for several reservations, all or none (staging.reserve_all)."""
+        bounce = self.bounce
+        assert bounce is not None
+        got, waited = await self.room.take(
+            lambda: reserve_all(bounce.send, sizes), _room_deadline(s, wait_s)
+        )
+        bounce.room_waits += waited
+        return got
+
+
+def _room_deadline(s: TxSession, wait_s: float) -> float:
+    """`wait_s` from now, or the request's deadline when that comes first."""
+    return min(s.deadline if s.deadline is not None else math.inf, time.monotonic() + wait_s)
+
+
+@dataclass(frozen=True)
+class _OneSided:
+    """What a one-sided move copies: our heads a split leg gathers (None: a merge leg,
+    whole blocks), the runs of the side written without a copy (in packed order), their
+    bytes, and the receiver's pool."""
+
+    heads: tuple[int, int] | None
+    runs: np.ndarray
+    nbytes: int
+    info: PoolInfo
+
+
+def _split_write(bounce: BounceBuffers, res: Reservation, shape: _OneSided) -> LegWrite:
+    """A split leg gathered into `res`: written packed out of it into the receiver's runs."""
+    remote = shape.runs.copy()
+    remote[:, 0] += shape.info.base
+    return _packed(bounce.send.address + res.offset, shape.runs), remote, res, False

@@ -35,7 +35,7 @@ from kvxferd.memory.hugepages import (
 )
 from kvxferd.memory.mapping import unmap_unless_viewed
 from kvxferd.memory.memfd import MemfdError, MemfdRegion
-from kvxferd.transceiver.bounce import RESERVATION_ALIGN, BounceRegion, Reservation
+from kvxferd.transceiver.bounce import BounceRegion, Reservation, reserved_bytes
 
 if TYPE_CHECKING:
     from kvxferd.backends.twosided import TwoSidedTransport
@@ -249,17 +249,13 @@ def plan_rounds(
     return rounds
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // RESERVATION_ALIGN) * RESERVATION_ALIGN
-
-
 def blocks_per_round(region_bytes: int, blocks: int, leg_block_bytes: list[int]) -> int:
     """How many blocks each leg's reservation holds so that one reservation per leg fits the
     region together (each rounded up to the reservation alignment): every block when they
     can, else as many as fit; 0 when not even one block of every leg fits."""
     per_block = sum(leg_block_bytes)
     k = min(blocks, region_bytes // per_block)
-    while k > 0 and sum(_aligned(k * b) for b in leg_block_bytes) > region_bytes:
+    while k > 0 and sum(reserved_bytes(k * b) for b in leg_block_bytes) > region_bytes:
         k -= 1
     return k
 
