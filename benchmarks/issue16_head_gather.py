@@ -13,7 +13,14 @@ before each run by writing another 1 GiB:
   per block      both legs of one block, block after block (the source read once, from
                  cache for the second leg);
   chunks of K    both legs of K blocks at a time, as takes;
-  whole blocks   a take of the whole blocks (what equal sizes would copy, if they copied).
+  whole blocks   a take of the whole blocks (what equal sizes would copy, if they copied);
+  gather_heads x2  HostCopier.gather_heads per leg, one thread (the daemon until stop 46);
+  gather_slices    HostCopier.gather_slices, one thread: both legs in one pass, a block run
+                 at a time, each leg's heads copied as one 256-byte element per token row
+                 (transceiver/head_gather.py; the daemon since stop 46).
+
+"per block" above copies uint8 rows (numpy's strided loop, byte elements); gather_slices
+copies the same bytes as whole 256-byte elements, which is where its gain comes from.
 
 Reported: GB/s of source bytes (the best of 5 runs) and CPU s/GB.
 
@@ -27,6 +34,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
+from kvxferd.transceiver.bounce import HostCopier
 
 BLOCK = 256 << 10
 RUN = 256  # one leg's heads of one token: 2 heads x 64 dims x 2 bytes
@@ -74,12 +84,26 @@ def main() -> None:
     def whole_blocks() -> None:
         np.take(pool.view(f"V{BLOCK}"), blocks, out=whole.view(f"V{BLOCK}"), mode="clip")
 
+    layout = KvLayout(8, 2, 4, 64, 32, "float16", BLOCK_MAJOR, POOL_BLOCKS)
+    assert layout.block_bytes == BLOCK
+    copier = HostCopier(threads=1)
+    ids = blocks.tolist()
+
+    def gather_heads_x2() -> None:
+        for leg in (0, 1):
+            copier.gather_heads(pool, layout, ids, (2 * leg, 2 * leg + 2), out[leg])
+
+    def gather_slices() -> None:
+        copier.gather_slices(pool, layout, ids, [((0, 2), out[0]), ((2, 4), out[1])])
+
     ways: dict[str, Callable[[], None]] = {
         "two passes": two_passes,
         "per block": per_block,
         "chunks of 4": chunks(4),
         "chunks of 16": chunks(16),
         "whole blocks": whole_blocks,
+        "gather_heads x2": gather_heads_x2,
+        "gather_slices": gather_slices,
     }
     nbytes = BLOCKS * BLOCK
     for name, way in ways.items():
@@ -89,7 +113,8 @@ def main() -> None:
             t0 = time.perf_counter()
             way()
             best = min(best, time.perf_counter() - t0)
-        print(f"{name:13s}: {nbytes / best / 1e9:5.2f} GB/s, {best / nbytes * 1e9:.3f} s/GB")
+        print(f"{name:15s}: {nbytes / best / 1e9:5.2f} GB/s, {best / nbytes * 1e9:.3f} s/GB")
+    copier.close()
 
 
 if __name__ == "__main__":

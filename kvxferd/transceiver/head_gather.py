@@ -6,9 +6,10 @@ pass reads every token's row of every block and keeps a part of it, so the pool 
 from memory N times. Here the blocks are walked once, a few at a time, and every leg's
 slice of them is copied while they are in the cache; each copy is a strided numpy
 assignment of whole runs of heads (no index array), one per leg and run of consecutive
-blocks. Measured on this host (one thread, a 1 GiB pool, 33 scattered 256 KiB blocks
-split in two): 13 GB/s against 8.3 for the two takes (docs/benchmarks.md, issue 16
-"tensor parallelism", 2026-12-06 "a split gathered in one pass").
+blocks. Measured on this host (one thread, the demo's 256 KiB blocks split in two,
+benchmarks/issue16_head_gather.py): 8.2-8.5 GB/s against 6.1-6.9 for a take per leg with
+the caches flushed, 13 against 8.3 with them warm (docs/benchmarks.md, issue 16 "tensor
+parallelism", "2026-12-06 (stop 46): a split gathered in one pass").
 
 The packed order of each leg is copyplan's for a head slice: (logical block, layer, K/V,
 token, heads), so the receiver and the per-leg path agree byte for byte.
