@@ -253,8 +253,14 @@ class _PlannedCopier:
     def gather_slices(
         self, pool: Bytes, layout: KvLayout, blocks: list[int], slices: list[tuple[Heads, Bytes]]
     ) -> None:
-        for heads, out in slices:
-            self.gather_heads(pool, layout, blocks, heads, out)
+        # Every slice checked before the first copy: a device copy is only launched, so one
+        # that raised after another had started would hand back room still being written.
+        plans = [(copy_plan(layout, blocks, heads), out) for heads, out in slices]
+        check_pool(pool, layout)
+        for plan, out in plans:
+            check_packed(out, plan)
+        for plan, out in plans:
+            self._copy(out, pool, layout, plan, into_pool=False)
 
 
 class HostCopier(_PlannedCopier):

@@ -130,3 +130,27 @@ def test_bad_arguments_are_refused_with_host_copiers_messages() -> None:
         assert ran == []  # refused before anything ran
     finally:
         host.close()
+
+
+def test_a_split_gathers_each_leg_as_gather_heads_does_and_checks_every_leg_first() -> None:
+    # The planned copiers' gather_slices (the device path): one gather_heads-like copy per
+    # leg, none launched until every leg's buffer was found to hold its bytes.
+    layout = tiny_layout(num_layers=2, num_kv_heads=4, head_dim=4, num_blocks=6)
+    pool = np.random.default_rng(1).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+    blocks = [4, 1, 5]
+    leg = len(blocks) * slice_block_bytes(layout, 2)
+    ran: list[int] = []
+    array = ArrayCopier(np, run=lambda copy: (ran.append(1), copy()))
+    outs = [np.zeros(leg, np.uint8), np.zeros(leg, np.uint8)]
+    array.gather_slices(pool, layout, blocks, [((0, 2), outs[0]), ((2, 4), outs[1])])
+    for heads, out in zip(((0, 2), (2, 4)), outs, strict=True):
+        alone = np.zeros(leg, np.uint8)
+        HostCopier(1).gather_heads(pool, layout, blocks, heads, alone)
+        assert np.array_equal(out, alone)
+    assert len(ran) == 2
+    ran.clear()
+    with pytest.raises(ValueError, match=f"holds {leg - 1} bytes, {leg} needed"):
+        array.gather_slices(
+            pool, layout, blocks, [((0, 2), outs[0]), ((2, 4), np.zeros(leg - 1, np.uint8))]
+        )
+    assert ran == []
