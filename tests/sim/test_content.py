@@ -264,6 +264,35 @@ def test_copying_paired_segments_delivers_the_request(
         assert (dst_pool[o : o + dst.piece_bytes] == 0xAB).all()
 
 
+@pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("geometry", ["words", "big-block"])
+def test_long_requests_of_runs_and_jumps_are_checked_run_by_run(geometry: str, major: str) -> None:
+    # 80 blocks (found in numpy, past the Python loop's 64) in runs of 1 to 9 with jumps
+    # between them; big-block's 2 MiB blocks cut every run into one-block chunks.
+    num_blocks = 160 if geometry == "words" else 24
+    lay, pool = make(geometry, major, num_blocks)
+    order = np.random.default_rng(5).permutation(num_blocks // 8) * 8
+    blocks = [
+        int(b + i)
+        for b, n in zip(order, [1, 9, 3, 7, 2] * 4, strict=False)
+        for i in range(min(n, 8))
+    ]
+    fill_blocks(pool, lay, blocks, SEED)
+    tokens = len(blocks) * lay.tokens_per_block
+    assert verify_blocks(pool, lay, blocks, SEED, tokens).ok
+    logical = len(blocks) - 3  # inside the last runs
+    pool[byte_of(lay, blocks[logical], 0, 0, 1, 2)] ^= 0x40
+    result = verify_blocks(pool, lay, blocks, SEED, tokens)
+    assert result.first_mismatch is not None
+    assert f"logical block {logical} (physical block {blocks[logical]}), layer 0, kv 0, " in (
+        result.first_mismatch
+    )
+    clear_blocks(pool, lay, blocks)
+    for b in range(num_blocks):
+        o = piece_offset(lay, b, 0, 0)
+        assert (pool[o : o + lay.piece_bytes] == 0).all() == (b in blocks)
+
+
 # -- speed -----------------------------------------------------------------------------------
 
 
