@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvxferd.backends.base import Memory, XferStatus
 from kvxferd.backends.twosided import TwoSidedTransport
-from kvxferd.transceiver.bounce import BounceBuffers, Reservation
+from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.direct_bounce import BouncePlanner, LegWrite
 from kvxferd.transceiver.leg_targets import (
     check_leg,
@@ -182,103 +182,91 @@ class DirectMover:
         """One leg's write and Result; `prepared`: its write, already gathered. Its send
         reservation is this leg's to give back: once the write is quiescent, or here when
         the leg ends before its post."""
-        unposted = [prepared[2]] if prepared is not None and prepared[2] is not None else []
+        unposted = prepared[2] if prepared is not None else None
         try:
-            await self._leg(s, leg, start, end, last, prepared, one_sided_ok, unposted)
-        finally:
-            if unposted and self.bounce is not None:
-                self.bounce.send.release(unposted[0])
-
-    async def _leg(
-        self,
-        s: TxSession,
-        leg: TxLeg,
-        start: int,
-        end: int,
-        last: bool,
-        prepared: LegWrite | None,
-        one_sided_ok: bool,
-        unposted: list[Reservation],
-    ) -> None:
-        if s.terminal is not None:
-            return  # another leg ended the request before this one began
-        nbytes = 0
-        bounced = False
-        first, _ = leg.span(start, end)
-        if first >= end and not last:
-            return  # the slice is all before the receiver's block_start: nothing for it
-        if end > first:
-            target = leg_target(s, leg, start, end, self.pipelined)
-            if isinstance(target, Terminal):
-                s.request_end(target)
-                return
-            memories = self._memories(s, leg)
-            if isinstance(memories, Terminal):
-                s.request_end(memories)
-                return
-            copy_only, local_memory, remote_memory = memories
-            planned = prepared or await self._leg_plan(
-                s, leg, start, end, last, copy_only, one_sided_ok
-            )
-            if isinstance(planned, Terminal):
-                s.request_end(planned)
-                return
-            local, remote, reservation, into_bounce = planned
-            if reservation is not None:  # we write out of our send region
-                assert self.bounce is not None
-                local_memory = self.bounce.send.memory
-            if into_bounce:  # into the reservation the receiver offered
-                bounce_memory = peer_memory(
-                    leg.conn.info.bounce_memory, leg.conn.info.bounce_device
-                )
-                if bounce_memory is None:
-                    unposted.clear()
-                    if reservation is not None and self.bounce is not None:
-                        self.bounce.send.release(reservation)
-                    s.request_end(unknown_memory("bounce region", leg.conn.info.bounce_memory))
+            if s.terminal is not None:
+                return  # another leg ended the request before this one began
+            nbytes = 0
+            bounced = False
+            first, _ = leg.span(start, end)
+            if first >= end and not last:
+                return  # the slice is all before the receiver's block_start: nothing for it
+            if end > first:
+                target = leg_target(s, leg, start, end, self.pipelined)
+                if isinstance(target, Terminal):
+                    s.request_end(target)
                     return
-                remote_memory = bounce_memory
-            unposted.clear()  # from here on the post's own end gives it back
-            try:
-                status = await self.writes.post_and_wait(
-                    s,
-                    local,
-                    remote,
-                    leg.conn,
-                    local_memory=local_memory,
-                    remote_memory=remote_memory,
+                memories = self._memories(s, leg)
+                if isinstance(memories, Terminal):
+                    s.request_end(memories)
+                    return
+                copy_only, local_memory, remote_memory = memories
+                planned = prepared or await self._leg_plan(
+                    s, leg, start, end, last, copy_only, one_sided_ok
                 )
-            finally:
-                if reservation is not None and self.bounce is not None:
-                    # Once the write is quiescent: now, or when its drain ends.
-                    s.when_quiescent(partial(self.bounce.send.release, reservation))
-            if status is not XferStatus.DONE or s.terminal is not None:
-                return
-            if s.deadline is not None and time.monotonic() > s.deadline:
-                s.request_end(
-                    Terminal.timed_out(
-                        Reason.SENDER_DEADLINE,
-                        "the write completed after kv_transfer_timeout_ms; not reported as success",
+                if isinstance(planned, Terminal):
+                    s.request_end(planned)
+                    return
+                local, remote, reservation, into_bounce = planned
+                if reservation is not None:  # we write out of our send region
+                    assert self.bounce is not None
+                    local_memory = self.bounce.send.memory
+                if into_bounce:  # into the reservation the receiver offered
+                    bounce_memory = peer_memory(
+                        leg.conn.info.bounce_memory, leg.conn.info.bounce_device
                     )
+                    if bounce_memory is None:
+                        unposted = None
+                        if reservation is not None and self.bounce is not None:
+                            self.bounce.send.release(reservation)
+                        s.request_end(unknown_memory("bounce region", leg.conn.info.bounce_memory))
+                        return
+                    remote_memory = bounce_memory
+                unposted = None  # from here on the post's own end gives it back
+                try:
+                    status = await self.writes.post_and_wait(
+                        s,
+                        local,
+                        remote,
+                        leg.conn,
+                        local_memory=local_memory,
+                        remote_memory=remote_memory,
+                    )
+                finally:
+                    if reservation is not None and self.bounce is not None:
+                        # Once the write is quiescent: now, or when its drain ends.
+                        s.when_quiescent(partial(self.bounce.send.release, reservation))
+                if status is not XferStatus.DONE or s.terminal is not None:
+                    return
+                if s.deadline is not None and time.monotonic() > s.deadline:
+                    s.request_end(
+                        Terminal.timed_out(
+                            Reason.SENDER_DEADLINE,
+                            "the write completed after kv_transfer_timeout_ms; not reported as "
+                            "success",
+                        )
+                    )
+                    return
+                nbytes = nbytes_of(local)
+                bounced = into_bounce  # the receiver scatters out of its reservation
+                s.nbytes += nbytes
+            elif first > start:
+                # The last slice, all before the receiver's block_start: nothing to write, but
+                # the block counts still decide whether this is success.
+                target = leg_target(s, leg, start, end, self.pipelined)
+                if isinstance(target, Terminal):
+                    s.request_end(target)
+                    return
+            sent = await leg.conn.send(leg.written(s.request_id, nbytes, last, bounced, (0, 0)))
+            if not sent:
+                s.request_end(
+                    Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
                 )
-                return
-            nbytes = nbytes_of(local)
-            bounced = into_bounce  # the receiver scatters out of its reservation
-            s.nbytes += nbytes
-        elif first > start:
-            # The last slice, all before the receiver's block_start: nothing to write, but
-            # the block counts still decide whether this is success.
-            target = leg_target(s, leg, start, end, self.pipelined)
-            if isinstance(target, Terminal):
-                s.request_end(target)
-                return
-        sent = await leg.conn.send(leg.written(s.request_id, nbytes, last, bounced, (0, 0)))
-        if not sent:
-            s.request_end(
-                Terminal.peer(Status.FAILED, Reason.PEER_LOST, "could not report the result")
-            )
-            s.mark_told(leg if s.legs else None)
-        elif last:
-            leg.served = True
-            if len(s.legs) > 1:
-                leg.told = True  # that receiver is done: a later leg's failure is not its news
+                s.mark_told(leg if s.legs else None)
+            elif last:
+                leg.served = True
+                if len(s.legs) > 1:
+                    leg.told = True  # that receiver is done: a later leg's failure is not its news
+        finally:
+            if unposted is not None and self.bounce is not None:
+                self.bounce.send.release(unposted)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import numpy as np
 
 from kvxferd.backends.base import HOST, Memory, XferHandle, XferStatus
@@ -19,6 +20,7 @@ from kvxferd.memory.layout import KvLayout
 from kvxferd.peers.messages import PoolInfo, RequestData, Result
 from kvxferd.peers.process import me
 from kvxferd.service.pools import LocalPool
+from kvxferd.sim.content import fill_blocks
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.legs import TxLeg
 from kvxferd.transceiver.sessions import TxSession
@@ -127,6 +129,24 @@ def tx_session(
     s.legs = [TxLeg(conn, request)]
     s.deadline = time.monotonic() + 5.0
     return s
+
+
+def two_rank_split(
+    ours: KvLayout, theirs: KvLayout, blocks: list[int], dst_blocks: list[list[int]], seed: int
+) -> tuple[TxSession, list[np.ndarray]]:
+    """A send of `blocks` (filled with request `seed`'s content) of our pool to both ranks of
+    a generation instance of 2 (pools of `theirs`, named gen0 and gen1), rank r into its
+    `dst_blocks[r]`: the session, with both legs, and each rank's pool."""
+    src = np.zeros(ours.pool_bytes, np.uint8)
+    fill_blocks(src, ours, blocks, seed=seed)
+    dsts = [np.zeros(theirs.pool_bytes, np.uint8) for _ in range(2)]
+    conns = [peer_conn(theirs, dst) for dst in dsts]
+    for rank, conn in enumerate(conns):
+        conn.pools["p0"] = msgspec.structs.replace(conn.pools["p0"], tp_rank=rank, tp_size=2)
+        conn.agent_name = conn.peer.name = f"gen{rank}"
+    s = tx_session(pool(ours, src), conns[0], blocks, dst_blocks[0])
+    s.legs.append(TxLeg(conns[1], RequestData("r1", 2, "p0", dst_blocks[1])))
+    return s, dsts
 
 
 def acking(conn: Any, s: TxSession) -> None:

@@ -8,19 +8,16 @@ import asyncio
 import ctypes
 from typing import Any
 
-import msgspec
-import numpy as np
 from layout_harness import tiny_layout
-from mover_harness import peer_conn, pool, tx_session, writes_over
+from mover_harness import two_rank_split, writes_over
 
 from kvxferd.backends.base import XferHandle, XferStatus
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
-from kvxferd.peers.messages import RequestData, Result
-from kvxferd.sim.content import fill_blocks, verify_blocks
+from kvxferd.peers.messages import Result
+from kvxferd.sim.content import verify_blocks
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.direct import DirectMover
-from kvxferd.transceiver.legs import TxLeg
 
 BLOCKS = [3, 0, 5, 1]
 
@@ -63,18 +60,9 @@ class TwoLegBackend:
 
 
 def _run(bounce_bytes: int) -> None:
-    ours, theirs = _layout(4), _layout(2)
-    src = np.zeros(ours.pool_bytes, np.uint8)
-    fill_blocks(src, ours, BLOCKS, seed=7)
-    dsts = [np.zeros(theirs.pool_bytes, np.uint8) for _ in range(2)]
-    conns = [peer_conn(theirs, dst) for dst in dsts]
-    for rank, conn in enumerate(conns):
-        conn.pools["p0"] = msgspec.structs.replace(conn.pools["p0"], tp_rank=rank, tp_size=2)
-        conn.agent_name = f"gen{rank}"
-        conn.peer.name = f"gen{rank}"
-    s = tx_session(pool(ours, src), conns[0], BLOCKS, [0, 1, 2, 3])
-    request = RequestData(request_id="r1", rx_token=2, pool_id="p0", blocks=[4, 5, 6, 7])
-    s.legs.append(TxLeg(conns[1], request))
+    theirs = _layout(2)
+    s, dsts = two_rank_split(_layout(4), theirs, BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7]], seed=7)
+    conns = [leg.conn for leg in s.legs]
     bounce = BounceBuffers(bounce_bytes) if bounce_bytes else None
     backend = TwoLegBackend()
 

@@ -9,21 +9,19 @@ import asyncio
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 from layout_harness import tiny_layout
-from mover_harness import RecordingBackend, peer_conn, pool, tx_session, writes_over
+from mover_harness import RecordingBackend, two_rank_split, writes_over
 
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout
-from kvxferd.peers.messages import RequestData, Result
-from kvxferd.sim.content import fill_blocks, verify_blocks
+from kvxferd.peers.messages import Result
+from kvxferd.sim.content import verify_blocks
 from kvxferd.transceiver import direct_bounce
 from kvxferd.transceiver.bounce import BounceBuffers, HostCopier
 from kvxferd.transceiver.direct import DirectMover
 from kvxferd.transceiver.direct_bounce import BouncePlanner
-from kvxferd.transceiver.legs import TxLeg
 from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.state import Reason, Status
 
@@ -57,16 +55,7 @@ class CountingCopier(HostCopier):
 
 def _split() -> tuple[TxSession, list[np.ndarray]]:
     """A send of 8 blocks of our 4-head pool to both generation ranks of 2 (2 heads each)."""
-    ours, theirs = _layout(4), _layout(2)
-    src = np.zeros(ours.pool_bytes, np.uint8)
-    fill_blocks(src, ours, BLOCKS, seed=5)
-    dsts = [np.zeros(theirs.pool_bytes, np.uint8) for _ in range(2)]
-    conns = [peer_conn(theirs, dst) for dst in dsts]
-    for rank, conn in enumerate(conns):
-        conn.pools["p0"] = msgspec.structs.replace(conn.pools["p0"], tp_rank=rank, tp_size=2)
-        conn.agent_name = conn.peer.name = f"gen{rank}"
-    s = tx_session(pool(ours, src), conns[0], BLOCKS, DST[0])
-    s.legs.append(TxLeg(conns[1], RequestData("r1", 2, "p0", DST[1])))
+    s, dsts = two_rank_split(_layout(4), _layout(2), BLOCKS, list(DST), seed=5)
     s.deadline = time.monotonic() + 30
     return s, dsts
 
