@@ -27,7 +27,13 @@ from kvxferd.transceiver.copyplan import copy_plan
 from kvxferd.transceiver.leg_targets import check_leg, heads_of_leg
 from kvxferd.transceiver.legs import TxLeg, dst_tp, leg_block_bytes
 from kvxferd.transceiver.sessions import Terminal, TxSession
-from kvxferd.transceiver.staging import BOUNCE_ROOM_WAIT_S, NO_BOUNCE_ROOM, RoomLine, reserve_all
+from kvxferd.transceiver.staging import (
+    BOUNCE_ROOM_WAIT_S,
+    NO_BOUNCE_ROOM,
+    OverRegion,
+    RoomLine,
+    reserve_all,
+)
 from kvxferd.transceiver.state import Reason, Status
 from kvxferd.transceiver.writes import nbytes_of
 
@@ -56,6 +62,7 @@ class BouncePlanner:
         self.pipelined = pipelined
         # Legs waiting for room in the send region, served in the order they began to wait.
         self.room = RoomLine()
+        self.over_region = OverRegion()
 
     async def copy_only_leg(
         self, s: TxSession, leg: TxLeg, start: int, end: int, first: int
@@ -150,7 +157,11 @@ class BouncePlanner:
             bounce.one_sided_legs += 1
             return local, _packed(conn.info.bounce_base + req.bounce_offset, runs), None, True
         # split: gathered here, into the receiver's blocks
-        if nbytes > bounce.send.nbytes or not info.writable:
+        if not info.writable:
+            return None
+        if nbytes > bounce.send.nbytes:
+            bounce.fallbacks += 1
+            self.over_region("a head-split leg", nbytes, bounce.send.nbytes)
             return None
         res = await self._room(s, nbytes, BOUNCE_ROOM_WAIT_S)
         if res is None:

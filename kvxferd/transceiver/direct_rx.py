@@ -26,6 +26,7 @@ from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staging import (
     BOUNCE_ROOM_WAIT_S,
     NO_BOUNCE_ROOM,
+    OverRegion,
     RoomLine,
     offer_legs,
     reserve_all,
@@ -96,6 +97,7 @@ class DirectReceive:
         self.pipelined = pipelined
         # Copy-only receives waiting for room, served in the order they began to wait.
         self.room = RoomLine()
+        self.over_region = OverRegion()
 
     def reservations_exposed(self) -> bool:
         return True  # one-sided: the peer writes into the bounce reservation itself
@@ -157,10 +159,12 @@ class DirectReceive:
         assert self.bounce is not None
         region = self.bounce.recv
         got = None
-        if sum(sizes) <= region.nbytes:  # else no room will ever do
+        if sum(sizes) <= region.nbytes:
             wait_until = min(deadline, time.monotonic() + BOUNCE_ROOM_WAIT_S)
             got, waited = await self.room.take(lambda: reserve_all(region, sizes), wait_until)
             self.bounce.room_waits += waited
+        else:  # no room will ever do
+            self.over_region("a head-merge's legs together", sum(sizes), region.nbytes)
         if got is None:
             self.bounce.fallbacks += len(legs)
             return

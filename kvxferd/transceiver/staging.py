@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import mmap
 import time
@@ -35,12 +36,15 @@ from kvxferd.memory.hugepages import (
 )
 from kvxferd.memory.mapping import unmap_unless_viewed
 from kvxferd.memory.memfd import MemfdError, MemfdRegion
+from kvxferd.service.logs import LogLimiter
 from kvxferd.transceiver.bounce import BounceRegion, Reservation, reserved_bytes
 
 if TYPE_CHECKING:
     from kvxferd.backends.twosided import TwoSidedTransport
     from kvxferd.transceiver.bounce import BounceBuffers
     from kvxferd.transceiver.legs import RxLeg
+
+log = logging.getLogger("kvxferd.bounce")
 
 DEFAULT_STAGING_TOKENS = 8192
 
@@ -55,6 +59,29 @@ NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce 
 # a second here). Only a region held for longer, as by writes to a stalled peer, lets the
 # leg fall back (docs/benchmarks.md, issue 16, "a leg waits for bounce room").
 BOUNCE_ROOM_WAIT_S = 1.0
+
+
+class OverRegion:
+    """Says, at most once a minute per daemon side, that a tensor-parallel leg can never
+    fit the bounce region and so goes per block: about ten times slower, and otherwise
+    visible only as the `fallbacks` counter."""
+
+    def __init__(self) -> None:
+        self._limiter = LogLimiter(interval_s=60.0, burst=1)
+
+    def __call__(self, what: str, nbytes: int, region_bytes: int) -> None:
+        self._limiter.log(
+            log,
+            logging.WARNING,
+            what,
+            "%s of %.1f MiB can never fit this daemon's %.1f MiB bounce region: it moves per "
+            "block, about ten times slower. Raise kv_cache_bounce_size_mb above it, or use "
+            "transceiver_runtime CPP, which moves rounds",
+            what,
+            nbytes / (1 << 20),
+            region_bytes / (1 << 20),
+        )
+
 
 _R = TypeVar("_R")
 

@@ -5,6 +5,7 @@ line of waiters costs one poll, not one per waiter (staging.RoomLine)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -198,3 +199,41 @@ def test_a_split_leg_that_ends_while_it_waits_gives_its_room_back() -> None:
         assert bounce.send.in_use_bytes == 0 and bounce.gathers == 0
 
     _run(go, bounce)
+
+
+def test_a_split_leg_larger_than_the_region_goes_per_block_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bounce = BounceBuffers(LEG_BYTES // 2)  # half a leg: no wait would ever do
+    planner = BouncePlanner(bounce, pipelined=False)
+
+    async def go() -> None:
+        for _ in range(3):
+            s = _split()
+            assert await planner.one_sided(s, s.legs[0], 0, len(BLOCKS)) is None
+        assert (bounce.fallbacks, bounce.room_waits, bounce.gathers) == (3, 0, 0)
+
+    with caplog.at_level(logging.WARNING, logger="kvxferd.bounce"):
+        _run(go, bounce)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvxferd.bounce"]
+    assert len(said) == 1, said  # an operator hears it once, not per request
+    assert said[0].startswith("a head-split leg of 0.0 MiB can never fit this daemon's")
+    assert "Raise kv_cache_bounce_size_mb" in said[0]
+
+
+def test_a_merge_whose_legs_never_fit_together_goes_per_block_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bounce = BounceBuffers(LEG_BYTES)  # one leg fits, both never will
+    rx = DirectReceive(bounce, pipelined=False)
+
+    async def go() -> None:
+        s = _merge()
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30)
+        assert s.terminal is None and all(leg.offer is None for leg in s.legs)
+        assert (bounce.fallbacks, bounce.room_waits, bounce.recv.in_use_bytes) == (2, 0, 0)
+
+    with caplog.at_level(logging.WARNING, logger="kvxferd.bounce"):
+        _run(go, bounce)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvxferd.bounce"]
+    assert len(said) == 1 and said[0].startswith("a head-merge's legs together of"), said
