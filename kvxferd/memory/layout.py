@@ -24,8 +24,9 @@ pool's base. Everything here is vectorised: a transfer of thousands of pieces co
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
@@ -44,6 +45,7 @@ __all__ = [
     "KvLayout",
     "LayoutError",
     "Segments",
+    "block_runs",
     "pair_segments",
     "paired_blocks",
     "run_lengths",
@@ -204,10 +206,6 @@ class KvLayout:
             "token": self.tokens_per_block,
             "head": self.num_kv_heads,
         }
-
-    def sizes(self) -> dict[str, int]:
-        """How many indices each dimension of DIMS has."""
-        return self._sizes()
 
     def strides(self) -> dict[str, int]:
         """Bytes between consecutive indices of each dimension."""
@@ -438,6 +436,32 @@ class KvLayout:
             return _coalesce(starts, starts, self._run_bytes(self.order, merged))[0]
         starts = self.piece_offsets(ids, block_first=False).ravel()
         return _coalesce(starts, starts, self.piece_bytes)[0]
+
+
+# Up to this many ids, block_runs finds its runs in Python: numpy's three calls cost more
+# (one-block requests by the thousand a second in kvxferd bench --small).
+_SMALL_RUNS = 64
+
+
+def block_runs(
+    ids: npt.NDArray[np.int64], cap: int, start: int = 0, end: int | None = None
+) -> Iterator[tuple[int, int, int]]:
+    """(logical start, logical end, first physical id) of each run of consecutive physical
+    ids among the logical blocks [start, end) of `ids` (checked), none longer than `cap`
+    blocks: what a copy or check walks as one slice of the pool."""
+    end = ids.shape[0] if end is None else end
+    if end <= start:
+        return
+    part = ids[start:end]
+    physical = part.tolist()
+    n = len(physical)
+    if n <= _SMALL_RUNS:
+        cuts = [i for i in range(1, n) if physical[i] != physical[i - 1] + 1]
+    else:
+        cuts = (np.flatnonzero(part[1:] != part[:-1] + 1) + 1).tolist()
+    for a, b in itertools.pairwise([0, *cuts, n]):
+        for j in range(a, b, cap):
+            yield start + j, start + min(j + cap, b), physical[j]
 
 
 def run_lengths(starts: npt.NDArray[np.intp], total: int, unit: int) -> npt.NDArray[np.int64]:

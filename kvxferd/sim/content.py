@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -38,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.memory.heads import TpRank
-from kvxferd.memory.layout import BLOCK_MAJOR, BlockIds, KvLayout, LayoutError
+from kvxferd.memory.layout import BLOCK_MAJOR, BlockIds, KvLayout, LayoutError, block_runs
 
 __all__ = [
     "VerifyResult",
@@ -55,9 +54,6 @@ _MIX_REGION: Final = np.uint64(0xAEF17502108EF2D9)
 # Verification works through a scratch buffer of about this many bytes, small enough to stay
 # in the CPU cache so that the pool is the only memory traffic.
 _CHUNK_BYTES: Final = 1 << 20
-# Requests of up to this many blocks find their runs in Python (one-block requests by the
-# thousand a second in kvxferd bench --small).
-_SMALL_RUNS: Final = 64
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -239,17 +235,8 @@ class _Pool:
         """(first logical index, first physical id, blocks) of each run of consecutive
         physical ids, none over about _CHUNK_BYTES (so that scratch arrays stay in cache)."""
         step = max(1, _CHUNK_BYTES // self.layout.block_bytes)
-        n = ids.shape[0]
-        if n == 0:
-            return
-        physical = ids.tolist()
-        if n <= _SMALL_RUNS:  # numpy's three calls cost more than the loop
-            cuts = [i for i in range(1, n) if physical[i] != physical[i - 1] + 1]
-        else:
-            cuts = (np.flatnonzero(ids[1:] != ids[:-1] + 1) + 1).tolist()
-        for a, b in itertools.pairwise([0, *cuts, n]):
-            for j in range(a, b, step):
-                yield j, physical[j], min(step, b - j)
+        for j, k, first in block_runs(ids, step):
+            yield j, first, k - j
 
 
 def _check_seed(seed: int) -> None:

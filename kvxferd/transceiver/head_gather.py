@@ -18,13 +18,12 @@ token, heads), so the receiver and the per-leg path agree byte for byte.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxferd.memory.heads import check_head_slice, slice_block_bytes
-from kvxferd.memory.layout import DIMS, KvLayout
+from kvxferd.memory.layout import KvLayout, LayoutError, block_runs
 from kvxferd.transceiver.copyplan import Heads, check_pool
 
 Bytes = npt.NDArray[np.uint8]
@@ -34,7 +33,7 @@ Bytes = npt.NDArray[np.uint8]
 _CACHED_BYTES = 512 << 10
 
 
-def check_slices(
+def _check_slices(
     layout: KvLayout, blocks: npt.NDArray[np.int64], slices: list[tuple[Heads, Bytes]]
 ) -> list[tuple[int, int]]:
     """Each slice's heads as ints, once every output holds its leg (ValueError naming the
@@ -52,21 +51,6 @@ def check_slices(
     return checked
 
 
-def _runs(
-    ids: npt.NDArray[np.int64], first: int, end: int, cap: int
-) -> Iterator[tuple[int, int, int]]:
-    """(logical start, logical end, first physical id) of each run of consecutive physical
-    ids among logical blocks [first, end), none longer than `cap` blocks."""
-    seq = ids.tolist()
-    i = first
-    while i < end:
-        j = i + 1
-        while j < end and j - i < cap and seq[j] == seq[j - 1] + 1:
-            j += 1
-        yield i, j, seq[i]
-        i = j
-
-
 class SplitGather:
     """The views one gather of `slices` of `blocks` (checked ids) copies between; `copy`
     moves the logical blocks of a share, so that threads can take a share each."""
@@ -79,18 +63,17 @@ class SplitGather:
         slices: list[tuple[Heads, Bytes]],
     ) -> None:
         check_pool(pool, layout)
-        heads = check_slices(layout, blocks, slices)
+        heads = _check_slices(layout, blocks, slices)
         # One element is the widest run of heads that every slice boundary falls on.
         group = math.gcd(layout.num_kv_heads, *(h for pair in heads for h in pair))
         element = np.dtype(f"V{group * layout.head_dim * layout.itemsize}")
-        sizes, strides = layout.sizes(), layout.strides()
-        shape = (*(sizes[d] for d in DIMS[:-1]), sizes["head"] // group)
-        byte_strides = (*(strides[d] for d in DIMS[:-1]), strides["head"] * group)
-        # Every element of this view lies within the pool's bytes: it is the logical view
-        # (KvLayout.logical_view) with `group` heads to an element.
-        self._pool = np.lib.stride_tricks.as_strided(
-            pool[: layout.pool_bytes].view(element), shape=shape, strides=byte_strides
-        )
+        # (block, layer, kv, token, heads): a token's heads lie back to back in every named
+        # order, so they fold into one row of bytes, viewed `group` heads to an element.
+        logical = layout.logical_view(pool)
+        if logical.strides[-2] != logical.shape[-1]:  # else the fold below would copy
+            raise LayoutError(f"a pool of order {layout.major} has no contiguous token rows")
+        self._pool = logical.reshape(*logical.shape[:-2], -1).view(element)
+        shape = self._pool.shape
         n = blocks.shape[0]
         self._legs = [
             (
@@ -109,7 +92,7 @@ class SplitGather:
     def copy(self, share: slice) -> None:
         """Gather logical blocks [share.start, share.stop) into every leg's buffer."""
         pool = self._pool
-        for i, j, a in _runs(self._ids, share.start, share.stop, self._cap):
+        for i, j, a in block_runs(self._ids, self._cap, share.start, share.stop):
             src = pool[a : a + (j - i)]
             for start, end, out in self._legs:
                 out[i:j] = src[..., start:end]

@@ -8,6 +8,7 @@ out on bytes: the requested blocks arrive, every other byte stays as it was.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Any
@@ -26,6 +27,7 @@ from kvxferd.memory.layout import (
     LAYER_MAJOR,
     KvLayout,
     LayoutError,
+    block_runs,
     pair_segments,
     paired_blocks,
     parse_order,
@@ -574,3 +576,28 @@ def test_pair_segments_move_exactly_the_requested_blocks(
 
 def test_dims_are_the_five_dimensions() -> None:
     assert DIMS == ("block", "layer", "kv", "token", "head")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 200), unique=True, max_size=150),
+    cap=st.integers(1, 9),
+    data=st.data(),
+)
+def test_block_runs_cover_every_block_once_in_runs_of_consecutive_ids(
+    ids: list[int], cap: int, data: st.DataObject
+) -> None:
+    # Both ways of finding the runs (Python up to 64 ids, numpy beyond) and any share.
+    start = data.draw(st.integers(0, len(ids)))
+    end = data.draw(st.integers(start, len(ids)))
+    arr = np.array(ids, dtype=np.int64)
+    covered: list[int] = []
+    for i, j, first in block_runs(arr, cap, start, end):
+        assert 0 < j - i <= cap and first == ids[i]
+        assert ids[i:j] == list(range(first, first + j - i))  # one slice of the pool
+        covered.extend(range(i, j))
+    assert covered == list(range(start, end))
+    # A run is cut only where the ids jump or the cap is reached.
+    runs = list(block_runs(arr, 10**6))
+    for (_, j, _), (k, _, _) in itertools.pairwise(runs):
+        assert ids[k] != ids[j - 1] + 1
