@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib.util
 import json
 import math
@@ -28,6 +29,38 @@ from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc, LocalCluster
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator
+
+_SIOCGIFFLAGS, _SIOCGIFADDR, _IFF_UP, _IFF_LOOPBACK = 0x8913, 0x8915, 0x1, 0x8
+
+
+def network_device() -> str | None:
+    """A network device that is up, not loopback, and has an IPv4 address (for UCX over
+    TCP within this host), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            req = name.encode()[:15].ljust(40, b"\0")
+            try:
+                flags = int.from_bytes(fcntl.ioctl(sock, _SIOCGIFFLAGS, req)[16:18], "little")
+                fcntl.ioctl(sock, _SIOCGIFADDR, req)  # OSError: no IPv4 address
+            except OSError:
+                continue
+            if flags & _IFF_UP and not flags & _IFF_LOOPBACK:
+                return name
+    return None
+
+
+def mpi_over_tcp(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Daemons started from now on run MPI over UCX's TCP alone (one connection per peer),
+    on a network device of this host: the configuration that keeps a peer stopped inside a
+    send from holding up other peers' receives (docs/backends-mpi.md). UCX's TCP does not
+    start MPI over loopback here. Returns the transport used ("tcp", or "shm" when this
+    host has no such device)."""
+    device = network_device()
+    if device is None:
+        return "shm"
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", device)
+    return "tcp"
 
 
 def staged_backends() -> list[Any]:

@@ -30,7 +30,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemon_harness import SimEngine, assert_clean, staged_backends, status, wait_for
+from daemon_harness import (
+    SimEngine,
+    assert_clean,
+    mpi_over_tcp,
+    staged_backends,
+    status,
+    wait_for,
+)
 
 from kvxferd.client import CallError, DaemonGoneError, Outcome
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
@@ -278,11 +285,21 @@ def _staged(backend: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", staged_backends())
-def test_staged_writer_stopped_mid_rounds(cluster: LocalCluster, backend: str) -> None:
+def test_staged_writer_stopped_mid_rounds(
+    cluster: LocalCluster, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Staged runtime: the peer writes only into our staging reservation (one-sided
     backends) or only our own posted receive lands bytes (two-sided), so the engine gets
     its blocks back with the outcome; a one-sided reservation stays quarantined until the
-    writer is fenced, and nothing lands in the reused blocks after the writer resumes."""
+    writer is fenced, and nothing lands in the reused blocks after the writer resumes.
+
+    MPI runs over TCP here where the host has a network device: over UCX's shared memory a
+    writer stopped inside a send (after it claimed a slot of the receiver's one receive
+    queue) holds up every other peer's messages until it resumes, so "other peers are
+    served meanwhile" is not promised there (docs/backends-mpi.md; it failed about one
+    run in sixteen, benchmarks/mpi_shm_stall.py stops a writer there on purpose)."""
+    if backend == "MPI":
+        mpi_over_tcp(monkeypatch)
     one_sided = backend in ("NIXL", "MOONCAKE")
     ctx1 = cluster.start_daemon("ctx1", "context", **_staged(backend))
     ctx2 = cluster.start_daemon("ctx2", "context", **_staged(backend))

@@ -13,7 +13,9 @@ a daemon configured for MPI makes one, through registry.py), and MPI itself
 loads and initialises on the transport's first use.
 
 bootstrap  the process's MPI: a process manager of its own for a daemon
-           started without mpiexec, MPICH/UCX defaults, MPI_Init once.
+           started without mpiexec, MPI_Init once.
+ucx_env    the MPICH/UCX defaults set before MPI_Init, and whether UCX's
+           shared-memory receive queue (one per process) is in use.
 link       the links to peers: TCP rendezvous, MPI accept/connect in
            threads, the TCP connection that tells a dead peer.
 wire       what crosses: rendezvous frames, the 24-byte message header,
@@ -42,7 +44,7 @@ MPICH was not made for peers that die: measured with MPICH 5.0.2 here,
 
 So, unless set already, MPIR_CVAR_CH4_NETMOD=ucx and UCX_TLS=^cma (UCX's
 shared memory without CMA on one host, TCP or what else UCX finds between
-hosts, with 1 MiB TCP segments; bootstrap.py sets them), and links are made
+hosts, with 1 MiB TCP segments; ucx_env.py sets them), and links are made
 when a peer is accepted rather than at its first round
 (`MpiTransport.link_ahead`: the daemon connects right after the peer
 handshake), which keeps set-up away from transfers. Measured with
@@ -52,6 +54,11 @@ made ahead, no survivor died in 70 kills mid-transfer (nor in 40 over TCP);
 with links made at the first round, 3 of 40 did (6 of 24 over TCP). A daemon can still
 crash if its peer dies within the milliseconds of set-up; it is meant to run
 under a supervisor that restarts it (the systemd unit does).
+
+A peer stopped or killed inside a shared-memory send blocks the receiver's
+MPI from every peer of that host (UCX's one receive queue per process), until
+it resumes or, killed, until the receiver restarts: the daemon warns at start
+when that applies (ucx_env.shared_memory_hazard); TCP alone avoids it.
 """
 
 from kvxferd.backends.mpi.transport import MpiTransport

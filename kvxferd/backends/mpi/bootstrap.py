@@ -22,7 +22,7 @@ PATH). MPI is never finalised (mpi4py.rc.finalize False): MPI_Finalize would
 wait on peers, and the process is leaving anyway.
 
 Before MPI_Init this also sets MPICH's and UCX's defaults (unless set
-already): see "Surviving a peer's death" in the package docstring. And since
+already, ucx_env.py): see "Surviving a peer's death" in the package docstring. And since
 MPI_Finalize never runs, it unlinks the /dev/shm file MPICH made at MPI_Init.
 """
 
@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvxferd.backends.mpi import ucx_env
 from kvxferd.errors import BackendUnavailableError, StartupError
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -60,21 +61,6 @@ _BOOTSTRAP_TIMEOUT_S = 30.0
 # thread whose peer vanished mid-handshake ends instead of waiting 180 s.
 _CONNECT_TIMEOUT_CVAR = "MPIR_CVAR_CH4_COMM_CONNECT_TIMEOUT"
 _CONNECT_TIMEOUT_DEFAULT = "30"
-# MPICH's network module and UCX's transports, unless set: see "Surviving a
-# peer's death" in the package docstring.
-_NETMOD_CVAR = "MPIR_CVAR_CH4_NETMOD"
-DEFAULT_NETMOD = "ucx"
-UCX_DEFAULTS = {
-    # Every transport but CMA, whose failed read of a dead peer aborts us.
-    "UCX_TLS": "^cma",
-    # Where UCX uses TCP (between hosts), 1 MiB segments: 1.7-2.0 GB/s over
-    # loopback here, against 0.26 with UCX's own.
-    "UCX_TCP_TX_SEG_SIZE": "1M",
-    "UCX_TCP_RX_SEG_SIZE": "1M",
-    # UCX warns about variables meant for other UCX users.
-    "UCX_WARN_UNUSED_ENV_VARS": "n",
-}
-
 # Run by `mpiexec -n 1`: hand the PMI socket and the PMI variables to the
 # process listening on argv[1], then live until it closes the connection.
 _PMI_HELPER = """
@@ -241,9 +227,7 @@ def init_runtime() -> Runtime:
                 mode = "bootstrapped"
         if not already:
             os.environ.setdefault(_CONNECT_TIMEOUT_CVAR, _CONNECT_TIMEOUT_DEFAULT)
-            os.environ.setdefault(_NETMOD_CVAR, DEFAULT_NETMOD)
-            for name, value in UCX_DEFAULTS.items():
-                os.environ.setdefault(name, value)
+            ucx_env.apply_defaults(os.environ)
             mpi4py.rc.initialize = False
             mpi4py.rc.finalize = False
         try:
@@ -283,8 +267,11 @@ def init_runtime() -> Runtime:
             "MPI initialised (%s): %s, netmod %s, UCX_TLS %s, tag upper bound %d",
             mode,
             MPI.Get_library_version().splitlines()[0].strip(),
-            os.environ.get(_NETMOD_CVAR, "MPICH's default"),
+            os.environ.get(ucx_env.NETMOD_CVAR, "MPICH's default"),
             os.environ.get("UCX_TLS", "UCX's default"),
             tag_ub,
         )
+        hazard = ucx_env.shared_memory_hazard(os.environ)
+        if hazard is not None:
+            log.warning(hazard)
         return _process_rt

@@ -1,0 +1,158 @@
+"""A context daemon stopped or killed inside UCX's send: does it hold up the MPI transfers
+of the other context daemons to the same generation daemon?
+
+UCX's shared-memory transports (posix/sysv "mm") give each process one receive queue that
+every sender on the host writes into, in order: a sender claims the next slot, copies its
+message in, then marks the slot written, and the receiver reads slots in order. This stops
+a sender between the two on purpose instead of hoping a random SIGSTOP lands there: gdb
+attaches to ctx1, breaks at UCX's `am_bcopy` send of that transport, steps into the pack
+callback the send was given (the slot is claimed, not yet marked), and leaves ctx1 there
+stopped. Then ctx2 serves a request to the same generation daemon while ctx1 stays stopped
+(or after it was killed), and once more after ctx1 is resumed.
+
+Three daemons on loopback (staged runtime over MPI, 512 KiB staging regions); `--tcp-device`
+also runs the scenario with UCX_TLS=tcp over that network device, where each peer has a
+connection of its own.
+
+Usage: .venv/bin/python benchmarks/mpi_shm_stall.py [--tcp-device eth0] [--modes stop kill]
+Needs gdb. docs/backends-mpi.md, "A peer stopped or killed inside a shared-memory send".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from issue11_fencing import BIG, TPB, Engine, status, until
+
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed
+
+CONFIG = {
+    "transceiver": {
+        "backend": "MPI",
+        "transceiver_runtime": "CPP",
+        "max_tokens_in_buffer": 64,
+        "kv_transfer_timeout_ms": 3000,
+    },
+    "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
+}
+# Where ctx1 is stopped. Shared memory: in the pack callback UCX's am_bcopy send was given
+# (x86-64: its third argument), after the slot was claimed and before it is marked. TCP:
+# at the entry of any of its active-message sends (a message of several segments may be
+# half sent by then); each connection has buffers of its own.
+STOP_AT = {
+    "shm": ["break uct_mm_ep_am_bcopy", "echo ARMED\\n", "continue", "tbreak *$rdx", "delete 1"],
+    "tcp": ["rbreak ^uct_tcp_ep_am_", "echo ARMED\\n"],
+}
+
+
+def stop_inside_send(pid: int, transport: str) -> subprocess.Popen[str]:
+    """gdb on `pid`, armed: stopped inside UCX's next send over `transport` (STOP_AT), then
+    SIGSTOPped and detached (it stays stopped there). Returns once the breakpoint is set."""
+    cmds = [
+        "set pagination off",
+        *STOP_AT[transport],
+        "continue",
+        "bt 4",
+        f"shell kill -STOP {pid}",
+        "detach",
+        "quit",
+    ]
+    args = ["gdb", "-p", str(pid), "-batch", "-nx"] + [a for c in cmds for a in ("-ex", c)]
+    gdb = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert gdb.stdout is not None
+    for line in gdb.stdout:
+        if "ARMED" in line:
+            return gdb
+    raise RuntimeError(f"gdb could not break inside a {transport} send of {pid}")
+
+
+async def transfer(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> str:
+    """One request from `ctx` into `blocks`: its receive's outcome and how long it took."""
+    tokens = len(blocks) * TPB
+    clear_blocks(g.pool, g.layout, blocks)
+    await g.client.recv(rid, "pool0", blocks, ctx.peer_address, tokens)
+    mine = c.alloc.take(len(blocks))
+    fill_blocks(c.pool, c.layout, mine, request_seed(rid))
+    t0 = time.monotonic()
+    await c.client.send(rid, "pool0", mine, tokens)
+    got = await g.client.wait(rid, 30)
+    took = time.monotonic() - t0
+    c.alloc.give(mine)
+    await g.client.release(rid)
+    return f"{got.status}/{got.reason} in {took:.2f} s"
+
+
+async def scenario(workdir: Path, transport: str, mode: str) -> dict[str, Any]:
+    with LocalCluster(workdir) as cluster:
+        ctx1 = cluster.start_daemon("ctx1", "context", **CONFIG)
+        ctx2 = cluster.start_daemon("ctx2", "context", **CONFIG)
+        gen = cluster.start_daemon("gen", "generation", **CONFIG)
+        c1, c2, g = await Engine.open(ctx1), await Engine.open(ctx2), await Engine.open(gen)
+        big, other = g.alloc.take(BIG), g.alloc.take(200)
+        row: dict[str, Any] = {"transport": transport, "mode": mode}
+        row["before"] = await transfer(c2, ctx2, g, "before", other)
+        clear_blocks(g.pool, g.layout, big)
+        await g.client.recv("big", "pool0", big, ctx1.peer_address, BIG * TPB)
+        await until(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1})
+        gdb = await asyncio.to_thread(stop_inside_send, ctx1.proc.pid, transport)
+        src = c1.alloc.take(BIG)
+        fill_blocks(c1.pool, c1.layout, src, request_seed("big"))
+        await c1.client.send("big", "pool0", src, BIG * TPB)
+        out = await asyncio.to_thread(lambda: gdb.communicate(timeout=60)[0])
+        frames = [line.split(" in ", 1)[-1].split(" (")[0] for line in out.splitlines()]
+        ucx = [f for f in frames if f.startswith(("uct_", "ucp_"))]
+        row["stopped_in"] = " <- ".join(f for i, f in enumerate(ucx) if ucx[i - 1 : i] != [f])
+        if mode == "kill":
+            ctx1.kill(signal.SIGKILL)
+        row["big"] = (await g.client.wait("big", 15)).reason
+        await g.client.release("big")
+        row["during"] = await transfer(c2, ctx2, g, "during", other)
+        if mode == "stop":
+            ctx1.kill(signal.SIGCONT)
+        row["after"] = await transfer(c2, ctx2, g, "after", other)
+        row["gen_alive"] = gen.alive()
+        return row
+
+
+WHILE = {"stop": "stopped", "kill": "killed"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["stop", "kill"], choices=["stop", "kill"])
+    ap.add_argument("--tcp-device", help="also run with UCX_TLS=tcp over this device")
+    args = ap.parse_args()
+    runs = [("shm", {})]
+    if args.tcp_device:
+        runs.append(("tcp", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": args.tcp_device}))
+    base = Path(tempfile.mkdtemp(prefix="kvxferd-mpi-stall-"))
+    for transport, env in runs:
+        for mode in args.modes:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the daemons inherit it
+            try:
+                row = asyncio.run(scenario(base / f"{transport}-{mode}", transport, mode))
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            print(
+                f"{transport:4} ctx1 {mode:4} | stopped in {row['stopped_in']} | ctx1's "
+                f"request: {row['big']} | ctx2 before: {row['before']}; with ctx1 "
+                f"{WHILE[mode]}: {row['during']}; after: {row['after']} | gen alive: "
+                f"{row['gen_alive']}",
+                flush=True,
+            )
+    print(f"daemon logs under {base}")
+
+
+if __name__ == "__main__":
+    main()
