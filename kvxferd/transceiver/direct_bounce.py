@@ -30,7 +30,7 @@ from kvxferd.transceiver.sessions import Terminal, TxSession
 from kvxferd.transceiver.staging import (
     BOUNCE_ROOM_WAIT_S,
     NO_BOUNCE_ROOM,
-    OverRegion,
+    RegionWarnings,
     RoomLine,
     reserve_all,
 )
@@ -62,7 +62,7 @@ class BouncePlanner:
         self.pipelined = pipelined
         # Legs waiting for room in the send region, served in the order they began to wait.
         self.room = RoomLine()
-        self.over_region = OverRegion()
+        self.warn = RegionWarnings()
 
     async def copy_only_leg(
         self, s: TxSession, leg: TxLeg, start: int, end: int, first: int
@@ -161,11 +161,12 @@ class BouncePlanner:
             return None
         if nbytes > bounce.send.nbytes:
             bounce.fallbacks += 1
-            self.over_region("a head-split leg", nbytes, bounce.send.nbytes)
+            self.warn.never_fits("a head-split leg", nbytes, bounce.send.nbytes)
             return None
         res = await self._room(s, nbytes, BOUNCE_ROOM_WAIT_S)
         if res is None:
             bounce.fallbacks += 1
+            self.warn.busy("a head-split leg", nbytes, bounce.send.nbytes, BOUNCE_ROOM_WAIT_S)
             return None  # no room in time: the two-sided plan falls back as it always did
         if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
             bounce.send.release(res)
@@ -209,6 +210,10 @@ class BouncePlanner:
         got = await self._rooms(s, sizes, BOUNCE_ROOM_WAIT_S)
         if got is None:
             bounce.fallbacks += len(legs)
+            together = sum(sizes)
+            self.warn.busy(
+                "a head-split's legs together", together, bounce.send.nbytes, BOUNCE_ROOM_WAIT_S
+            )
             return [None] * len(legs)
         if s.terminal is not None:  # ended (cancelled, peer lost) while it waited
             for res in got:

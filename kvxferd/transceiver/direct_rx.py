@@ -26,7 +26,7 @@ from kvxferd.transceiver.sessions import RxSession, Terminal
 from kvxferd.transceiver.staging import (
     BOUNCE_ROOM_WAIT_S,
     NO_BOUNCE_ROOM,
-    OverRegion,
+    RegionWarnings,
     RoomLine,
     offer_legs,
     reserve_all,
@@ -97,7 +97,7 @@ class DirectReceive:
         self.pipelined = pipelined
         # Copy-only receives waiting for room, served in the order they began to wait.
         self.room = RoomLine()
-        self.over_region = OverRegion()
+        self.warn = RegionWarnings()
 
     def reservations_exposed(self) -> bool:
         return True  # one-sided: the peer writes into the bounce reservation itself
@@ -164,9 +164,13 @@ class DirectReceive:
             got, waited = await self.room.take(lambda: reserve_all(region, sizes), wait_until)
             self.bounce.room_waits += waited
         else:  # no room will ever do
-            self.over_region("a head-merge's legs together", sum(sizes), region.nbytes)
+            self.warn.never_fits("a head-merge's legs together", sum(sizes), region.nbytes)
         if got is None:
             self.bounce.fallbacks += len(legs)
+            if sum(sizes) <= region.nbytes:
+                self.warn.busy(
+                    "a head-merge's legs together", sum(sizes), region.nbytes, BOUNCE_ROOM_WAIT_S
+                )
             return
         if s.terminal is not None:  # ended while it waited: nothing was offered
             for res in got:

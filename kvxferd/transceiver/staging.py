@@ -61,25 +61,42 @@ NO_BOUNCE_ROOM = "kv_transfer_timeout_ms elapsed waiting for room in the bounce 
 BOUNCE_ROOM_WAIT_S = 1.0
 
 
-class OverRegion:
-    """Says, at most once a minute per daemon side, that a tensor-parallel leg can never
-    fit the bounce region and so goes per block: about ten times slower, and otherwise
-    visible only as the `fallbacks` counter."""
+class RegionWarnings:
+    """What a tensor-parallel leg's fall back to the per-block path (about ten times slower,
+    otherwise visible only as the `fallbacks` counter) tells the operator: at most once a
+    minute per daemon side and kind, the lines in between counted."""
 
     def __init__(self) -> None:
         self._limiter = LogLimiter(interval_s=60.0, burst=1)
 
-    def __call__(self, what: str, nbytes: int, region_bytes: int) -> None:
+    def never_fits(self, what: str, nbytes: int, region_bytes: int) -> None:
+        """`what` (`nbytes`) is larger than the whole region: no wait would ever do."""
         self._limiter.log(
             log,
             logging.WARNING,
-            what,
+            ("never fits", what),
             "%s of %.1f MiB can never fit this daemon's %.1f MiB bounce region: it moves per "
             "block, about ten times slower. Raise kv_cache_bounce_size_mb above it, or use "
             "transceiver_runtime CPP, which moves rounds",
             what,
             nbytes / (1 << 20),
             region_bytes / (1 << 20),
+        )
+
+    def busy(self, what: str, nbytes: int, region_bytes: int, waited_s: float) -> None:
+        """`what` fits the region but found no room in it within `waited_s` (or its
+        deadline): the requests in flight held it."""
+        self._limiter.log(
+            log,
+            logging.WARNING,
+            ("busy", what),
+            "%s of %.1f MiB found no room in this daemon's %.1f MiB bounce region within "
+            "%g s (the requests in flight held it): it moves per block, about ten times "
+            "slower. Raise kv_cache_bounce_size_mb to hold the requests in flight together",
+            what,
+            nbytes / (1 << 20),
+            region_bytes / (1 << 20),
+            waited_s,
         )
 
 

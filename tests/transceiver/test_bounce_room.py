@@ -95,7 +95,7 @@ def test_a_merge_waits_for_room_for_both_legs_then_offers_both() -> None:
 
 
 def test_a_merge_without_room_in_time_takes_the_per_block_path(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(direct_rx, "BOUNCE_ROOM_WAIT_S", 0.05)
     bounce = BounceBuffers(4 * LEG_BYTES)
@@ -109,8 +109,17 @@ def test_a_merge_without_room_in_time_takes_the_per_block_path(
         assert s.terminal is None and all(leg.offer is None for leg in s.legs)
         assert (bounce.room_waits, bounce.fallbacks) == (1, 2)
         assert bounce.recv.in_use_bytes == 3 * LEG_BYTES and len(rx.room) == 0
+        s = _merge(rx_token=2)  # again: counted, not said again within the minute
+        await rx.make_offer(s, s.legs[0].conn, time.monotonic() + 30)
+        assert (bounce.room_waits, bounce.fallbacks) == (2, 4)
 
-    _run(go, bounce)
+    with caplog.at_level(logging.WARNING, logger="kvxferd.bounce"):
+        _run(go, bounce)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvxferd.bounce"]
+    assert len(said) == 1, said
+    assert said[0].startswith("a head-merge's legs together of 0.0 MiB found no room in this")
+    assert "within 0.05 s" in said[0]
+    assert "the requests in flight held it" in said[0] and "kv_cache_bounce_size_mb" in said[0]
 
 
 def test_a_merge_cancelled_while_it_waits_holds_no_room_and_leaves_the_line() -> None:
@@ -168,7 +177,7 @@ def test_a_split_leg_waits_for_send_room() -> None:
 
 
 def test_a_split_leg_without_room_in_time_takes_the_per_block_path(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(direct_bounce, "BOUNCE_ROOM_WAIT_S", 0.05)
     bounce = BounceBuffers(2 * LEG_BYTES)
@@ -181,7 +190,11 @@ def test_a_split_leg_without_room_in_time_takes_the_per_block_path(
         assert (bounce.room_waits, bounce.fallbacks, bounce.one_sided_legs) == (1, 1, 0)
         assert bounce.send.in_use_bytes == 2 * LEG_BYTES and len(planner.room) == 0
 
-    _run(go, bounce)
+    with caplog.at_level(logging.WARNING, logger="kvxferd.bounce"):
+        _run(go, bounce)
+    said = [r.getMessage() for r in caplog.records if r.name == "kvxferd.bounce"]
+    assert len(said) == 1 and said[0].startswith("a head-split leg of"), said
+    assert "found no room in this daemon's" in said[0]
 
 
 def test_a_split_leg_that_ends_while_it_waits_gives_its_room_back() -> None:
