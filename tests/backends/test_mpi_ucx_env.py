@@ -64,6 +64,6 @@ def test_an_operators_pack_buffer_size_stands() -> None:
 def test_the_hazard_is_named_only_where_it_applies() -> None:
     shared = {"UCX_TLS": "^cma"}
     warning = ucx_env.shared_memory_hazard(shared)
-    assert warning is not None and "'^cma'" in warning and "UCX_TLS=tcp" in warning
+    assert warning is not None and "'^cma'" in warning and "UCX_TLS=^sm" in warning
     assert ucx_env.shared_memory_hazard({"UCX_TLS": "tcp"}) is None
     assert ucx_env.shared_memory_hazard({**shared, ucx_env.NETMOD_CVAR: "ofi"}) is None

@@ -110,7 +110,8 @@ def shared_memory_hazard(env: dict[str, str] | os._Environ[str]) -> str | None:
         "MPI: peers on this host reach us through UCX's shared-memory receive queue "
         f"(UCX_TLS={env.get('UCX_TLS', '')!r}): a peer stopped (SIGSTOP) or killed inside "
         "a send holds up our MPI receives from every peer until it resumes, or until this "
-        "daemon restarts if it was killed. Where peers can stall or die, run MPI over TCP "
-        "(UCX_TLS=tcp and UCX_NET_DEVICES naming a network device) or use another backend "
+        "daemon restarts if it was killed. Where peers can stall or die, run MPI without "
+        "UCX's shared memory (UCX_TLS=^sm and UCX_NET_DEVICES naming a network device: TCP "
+        "on one host, RDMA or TCP between hosts) or use another backend "
         "(docs/backends-mpi.md, 'A peer stopped or killed inside a shared-memory send')"
     )
