@@ -71,6 +71,8 @@ from kvxferd.transceiver.staging import (
     plan_rounds,
     reserve_by,
     round_blocks,
+    rounds_moving,
+    two_sided_round_bytes,
 )
 from kvxferd.transceiver.state import Reason, SessionState, Status
 from kvxferd.transceiver.writes import Writes
@@ -172,7 +174,7 @@ class StagedMover:
                 # next, the move of this one and the receiver's scatter of the one before
                 # overlap. One-sided rounds of a large leg are larger (staging.py).
                 target = (
-                    ROUND_BYTES
+                    min(ROUND_BYTES, two_sided_round_bytes(staging.send.nbytes))
                     if self.crossing.transport is not None
                     else one_sided_round_bytes(
                         (end - first) * leg_bytes,
@@ -214,7 +216,15 @@ class StagedMover:
         # completes only once the receiver took it). One-sided: the next round's write is
         # posted while this one moves (each Result after its write, in order).
         two_sided = self.crossing.transport is not None
-        depth = TWO_SIDED_ROUNDS_AHEAD if two_sided else ONE_SIDED_ROUNDS_AHEAD
+        depth = (
+            rounds_moving(
+                TWO_SIDED_ROUNDS_AHEAD,
+                self.bounce.send.nbytes,
+                max(stop - first for first, stop, _ in rounds) * leg_bytes,
+            )
+            if two_sided
+            else ONE_SIDED_ROUNDS_AHEAD
+        )
         ahead: asyncio.Future[RoundSource | None] | None = self._gather_ahead(
             s, heads, leg_bytes, rounds[0], deadline
         )

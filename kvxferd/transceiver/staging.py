@@ -241,6 +241,26 @@ TWO_SIDED_ROUNDS_AHEAD = 4
 ONE_SIDED_ROUNDS_AHEAD = 2
 
 
+def two_sided_round_bytes(region_bytes: int) -> int:
+    """The largest two-sided round that leaves half the send region free while one leg has
+    TWO_SIDED_ROUNDS_AHEAD rounds moving and the next one gathered. A receiver that stalls
+    (SIGSTOP) completes none of the sends to it, so it keeps those rounds' reservations until
+    it is declared lost; the other half serves the requests to other receivers (measured,
+    benchmarks/stalled_receiver.py: with 512 KiB regions and four 128 KiB rounds moving, a
+    context daemon's request to another generation daemon waited for room until the stalled
+    one was declared lost in 11 of 16 stops over UCX and 5 of 16 over MPI; in none with this
+    sizing). round_blocks keeps every round at least one block."""
+    return (region_bytes // 2) // (TWO_SIDED_ROUNDS_AHEAD + 1)
+
+
+def rounds_moving(depth: int, region_bytes: int, round_bytes: int) -> int:
+    """How many two-sided rounds of `round_bytes` one leg moves at once out of a send region
+    of `region_bytes`: `depth`, fewer where that many moving and the next one gathered would
+    hold more than half the region (blocks too large for two_sided_round_bytes); at least
+    one."""
+    return max(1, min(depth, (region_bytes // 2) // max(1, round_bytes) - 1))
+
+
 def round_blocks(ring_blocks: int, block_bytes: int, target: int = ROUND_BYTES) -> int:
     """Blocks per round in a reservation of `ring_blocks` blocks: about `target` bytes, at
     least one block, at most half the reservation (so one round lands while the one before

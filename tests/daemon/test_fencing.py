@@ -345,6 +345,51 @@ def test_staged_writer_stopped_mid_rounds(
     assert_clean(gen)
 
 
+@pytest.mark.parametrize("backend", staged_backends())
+def test_staged_receiver_stopped_mid_rounds_leaves_send_room_to_other_receivers(
+    cluster: LocalCluster, backend: str
+) -> None:
+    """A generation daemon stopped (SIGSTOP) while a context daemon sends it rounds keeps
+    those rounds, and over UCX and MPI their send reservations, until it is declared lost;
+    the context daemon's requests to another generation daemon must still find send room
+    meanwhile. gen2's deadline is shorter than the stopped request's and the heartbeat
+    timeout longer than both, so a request that waited for that room fails (before, four
+    128 KiB rounds in flight took the whole 512 KiB region: over UCX the request to the
+    other daemon waited in 11 of 16 stops, benchmarks/stalled_receiver.py)."""
+
+    def cfg(timeout_ms: int) -> dict[str, Any]:
+        c = _cfg(timeout_ms, heartbeat_timeout_ms=30000)
+        c["transceiver"].update(backend=backend, transceiver_runtime="CPP", max_tokens_in_buffer=64)
+        return c
+
+    ctx = cluster.start_daemon("ctx", "context", **cfg(8000))
+    gen1 = cluster.start_daemon("gen1", "generation", **cfg(8000))
+    gen2 = cluster.start_daemon("gen2", "generation", **cfg(3000))
+
+    async def scenario() -> None:
+        async with engine(ctx) as c, engine(gen1) as g1, engine(gen2) as g2:
+            blocks = g1.alloc.take(BIG)
+            clear_blocks(g1.pool, g1.layout, blocks)
+            await g1.client.recv("big", g1.pool_id, blocks, ctx.peer_address, BIG * TPB)
+            wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
+            await c.send("big", BIG * TPB)
+            cut = await stop_mid_write(gen1, g1, blocks)
+            try:
+                assert cut, "every round was received before the receiver could be stopped"
+                await serve(c, ctx, g2, "other", g2.alloc.take(200))
+            finally:
+                gen1.kill(signal.SIGCONT)
+            for e in (g1, c):
+                await e.client.wait("big", timeout_s=30)
+                await e.client.release("big")
+            wait_for(lambda: quiescent(ctx), what="the context daemon to settle")
+            wait_for(lambda: status(ctx)["staging"]["send_in_use_bytes"] == 0, what="send room")
+
+    asyncio.run(scenario())
+    assert all(d.alive() for d in (ctx, gen1, gen2))
+    assert_clean(ctx, gen2)
+
+
 async def _held_receive(ctx: DaemonProc, g: SimEngine, rid: str, nblocks: int = 10) -> list[int]:
     """A receive the context daemon knows of, whose daemon is then stopped: it fails at its
     deadline and, unconfirmed, is held."""
