@@ -9,7 +9,9 @@ rounds in flight to gen1 ends only when gen1 is declared lost (~1.5-2 s) or at i
 deadline. Per backend: the other request's outcome and time, over `--stops` stops.
 
 Usage: .venv/bin/python benchmarks/stalled_receiver.py [--backends UCX MPI] [--stops 8]
-(PYTHONPATH=<a worktree> runs that tree's daemons, for a comparison.)
+(Run from another worktree with PYTHONPATH set to it, `cd <tree> && PYTHONPATH=<tree>
+.venv/bin/python <this script>`, it runs that tree's daemons: `python -m` puts the
+working directory first on sys.path, as benchmarks/checkouts.py does.)
 """
 
 from __future__ import annotations
