@@ -100,13 +100,20 @@ async def until(pred: Any, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def serve(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> None:
+async def start(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> list[int]:
+    """`g` asks `ctx` for `rid` into `blocks` (cleared first); `c` sends it from blocks of
+    its own, filled with the request's content: those blocks."""
     tokens = len(blocks) * TPB
     clear_blocks(g.pool, g.layout, blocks)
     await g.client.recv(rid, "pool0", blocks, ctx.peer_address, tokens)
     mine = c.alloc.take(len(blocks))
     fill_blocks(c.pool, c.layout, mine, request_seed(rid))
     await c.client.send(rid, "pool0", mine, tokens)
+    return mine
+
+
+async def serve(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> None:
+    mine = await start(c, ctx, g, rid, blocks)
     got, sent = await g.client.wait(rid, 30), await c.client.wait(rid, 30)
     c.alloc.give(mine)
     if (got.status, sent.status) != ("done", "done"):

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from issue11_fencing import BIG, TPB, Engine, status, until
+from issue11_fencing import BIG, TPB, Engine, start, status, until
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed
@@ -77,13 +77,8 @@ def stop_inside_send(pid: int, transport: str) -> subprocess.Popen[str]:
 
 async def transfer(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> str:
     """One request from `ctx` into `blocks`: its receive's outcome and how long it took."""
-    tokens = len(blocks) * TPB
-    clear_blocks(g.pool, g.layout, blocks)
-    await g.client.recv(rid, "pool0", blocks, ctx.peer_address, tokens)
-    mine = c.alloc.take(len(blocks))
-    fill_blocks(c.pool, c.layout, mine, request_seed(rid))
     t0 = time.monotonic()
-    await c.client.send(rid, "pool0", mine, tokens)
+    mine = await start(c, ctx, g, rid, blocks)
     got = await g.client.wait(rid, 30)
     took = time.monotonic() - t0
     c.alloc.give(mine)

@@ -25,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from issue11_fencing import BIG, TPB, Engine, status, until
+from issue11_fencing import BIG, Engine, start, status, until
 
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
-from kvxferd.sim.content import clear_blocks, fill_blocks, request_seed
 
 
 def config(backend: str) -> dict[str, dict[str, object]]:
@@ -59,17 +58,6 @@ async def stop_when_written(d: DaemonProc, g: Engine, blocks: list[int]) -> None
     await asyncio.to_thread(spin)
 
 
-async def request(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list[int]) -> list[int]:
-    """`g` asks `ctx` for `blocks`; `c` sends them (the context blocks it took)."""
-    tokens = len(blocks) * TPB
-    clear_blocks(g.pool, g.layout, blocks)
-    await g.client.recv(rid, "pool0", blocks, ctx.peer_address, tokens)
-    mine = c.alloc.take(len(blocks))
-    fill_blocks(c.pool, c.layout, mine, request_seed(rid))
-    await c.client.send(rid, "pool0", mine, tokens)
-    return mine
-
-
 async def one_backend(workdir: Path, backend: str, stops: int) -> list[tuple[str, float]]:
     rows: list[tuple[str, float]] = []
     with LocalCluster(workdir) as cluster:
@@ -80,10 +68,10 @@ async def one_backend(workdir: Path, backend: str, stops: int) -> list[tuple[str
         c, g1, g2 = await Engine.open(ctx), await Engine.open(gen1), await Engine.open(gen2)
         big, other = g1.alloc.take(BIG), g2.alloc.take(500)
         for i in range(stops):
-            taken = await request(c, ctx, g1, f"big{i}", big)
+            taken = await start(c, ctx, g1, f"big{i}", big)
             await stop_when_written(gen1, g1, big)
             t0 = time.monotonic()
-            taken += await request(c, ctx, g2, f"other{i}", other)
+            taken += await start(c, ctx, g2, f"other{i}", other)
             try:
                 got = await g2.client.wait(f"other{i}", 30)
                 rows.append((f"{got.status}/{got.reason}", time.monotonic() - t0))

@@ -97,6 +97,20 @@ async def stop_mid_write(writer: DaemonProc, g: SimEngine, blocks: list[int]) ->
     return await asyncio.to_thread(spin)
 
 
+async def big_request_cut(
+    ctx: DaemonProc, c: SimEngine, g: SimEngine, stopped: DaemonProc
+) -> tuple[list[int], bool]:
+    """`g` asks `ctx` for a BIG-block request and `c` sends it; `stopped` (the writer or the
+    receiver) is stopped as its first blocks land: the blocks, and whether that was before
+    the last ones (stop_mid_write)."""
+    blocks = g.alloc.take(BIG)
+    clear_blocks(g.pool, g.layout, blocks)
+    await g.client.recv("big", g.pool_id, blocks, ctx.peer_address, BIG * TPB)
+    wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
+    await c.send("big", BIG * TPB)
+    return blocks, await stop_mid_write(stopped, g, blocks)
+
+
 async def released_or_none(g: SimEngine, rid: str, timeout_s: float) -> Any:
     try:
         return await g.client.wait_released(rid, timeout_s=timeout_s)
@@ -307,12 +321,7 @@ def test_staged_writer_stopped_mid_rounds(
 
     async def scenario() -> None:
         async with engine(ctx1) as c1, engine(ctx2) as c2, engine(gen) as g:
-            blocks = g.alloc.take(BIG)
-            clear_blocks(g.pool, g.layout, blocks)
-            await g.client.recv("big", g.pool_id, blocks, ctx1.peer_address, BIG * TPB)
-            wait_for(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1}, what="request")
-            await c1.send("big", BIG * TPB)
-            cut = await stop_mid_write(ctx1, g, blocks)
+            blocks, cut = await big_request_cut(ctx1, c1, g, ctx1)
             try:
                 assert cut, "every round was written before the writer could be stopped"
                 # A stalled peer keeps its reservation from us (quarantined, or lent to a
@@ -368,12 +377,7 @@ def test_staged_receiver_stopped_mid_rounds_leaves_send_room_to_other_receivers(
 
     async def scenario() -> None:
         async with engine(ctx) as c, engine(gen1) as g1, engine(gen2) as g2:
-            blocks = g1.alloc.take(BIG)
-            clear_blocks(g1.pool, g1.layout, blocks)
-            await g1.client.recv("big", g1.pool_id, blocks, ctx.peer_address, BIG * TPB)
-            wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
-            await c.send("big", BIG * TPB)
-            cut = await stop_mid_write(gen1, g1, blocks)
+            _, cut = await big_request_cut(ctx, c, g1, gen1)
             try:
                 assert cut, "every round was received before the receiver could be stopped"
                 await serve(c, ctx, g2, "other", g2.alloc.take(200))
