@@ -210,9 +210,8 @@ class BouncePlanner:
         got = await self._rooms(s, sizes, BOUNCE_ROOM_WAIT_S)
         if got is None:
             bounce.fallbacks += len(legs)
-            together = sum(sizes)
             self.warn.busy(
-                "a head-split's legs together", together, bounce.send.nbytes, BOUNCE_ROOM_WAIT_S
+                "a head-split's legs together", sum(sizes), bounce.send.nbytes, BOUNCE_ROOM_WAIT_S
             )
             return [None] * len(legs)
         if s.terminal is not None:  # ended (cancelled, peer lost) while it waited

@@ -158,19 +158,17 @@ class DirectReceive:
         BOUNCE_ROOM_WAIT_S; without room by then they take the per-block path."""
         assert self.bounce is not None
         region = self.bounce.recv
-        got = None
-        if sum(sizes) <= region.nbytes:
-            wait_until = min(deadline, time.monotonic() + BOUNCE_ROOM_WAIT_S)
-            got, waited = await self.room.take(lambda: reserve_all(region, sizes), wait_until)
-            self.bounce.room_waits += waited
-        else:  # no room will ever do
-            self.warn.never_fits("a head-merge's legs together", sum(sizes), region.nbytes)
+        what, total = "a head-merge's legs together", sum(sizes)
+        if total > region.nbytes:  # no room will ever do
+            self.bounce.fallbacks += len(legs)
+            self.warn.never_fits(what, total, region.nbytes)
+            return
+        wait_until = min(deadline, time.monotonic() + BOUNCE_ROOM_WAIT_S)
+        got, waited = await self.room.take(lambda: reserve_all(region, sizes), wait_until)
+        self.bounce.room_waits += waited
         if got is None:
             self.bounce.fallbacks += len(legs)
-            if sum(sizes) <= region.nbytes:
-                self.warn.busy(
-                    "a head-merge's legs together", sum(sizes), region.nbytes, BOUNCE_ROOM_WAIT_S
-                )
+            self.warn.busy(what, total, region.nbytes, BOUNCE_ROOM_WAIT_S)
             return
         if s.terminal is not None:  # ended while it waited: nothing was offered
             for res in got:

@@ -71,32 +71,40 @@ class RegionWarnings:
 
     def never_fits(self, what: str, nbytes: int, region_bytes: int) -> None:
         """`what` (`nbytes`) is larger than the whole region: no wait would ever do."""
-        self._limiter.log(
-            log,
-            logging.WARNING,
-            ("never fits", what),
-            "%s of %.1f MiB can never fit this daemon's %.1f MiB bounce region: it moves per "
-            "block, about ten times slower. Raise kv_cache_bounce_size_mb above it, or use "
-            "transceiver_runtime CPP, which moves rounds",
+        self._say(
+            "never fits",
             what,
-            nbytes / (1 << 20),
-            region_bytes / (1 << 20),
+            nbytes,
+            region_bytes,
+            "can never fit this daemon's %.1f MiB bounce region",
+            "above it, or use transceiver_runtime CPP, which moves rounds",
         )
 
     def busy(self, what: str, nbytes: int, region_bytes: int, waited_s: float) -> None:
         """`what` fits the region but found no room in it within `waited_s` (or its
         deadline): the requests in flight held it."""
+        self._say(
+            "busy",
+            what,
+            nbytes,
+            region_bytes,
+            f"found no room in this daemon's %.1f MiB bounce region within {waited_s:g} s "
+            "(the requests in flight held it)",
+            "to hold the requests in flight together",
+        )
+
+    def _say(
+        self, kind: str, what: str, nbytes: int, region_bytes: int, why: str, advice: str
+    ) -> None:
         self._limiter.log(
             log,
             logging.WARNING,
-            ("busy", what),
-            "%s of %.1f MiB found no room in this daemon's %.1f MiB bounce region within "
-            "%g s (the requests in flight held it): it moves per block, about ten times "
-            "slower. Raise kv_cache_bounce_size_mb to hold the requests in flight together",
+            (kind, what),
+            f"%s of %.1f MiB {why}: it moves per block, about ten times slower. Raise "
+            f"kv_cache_bounce_size_mb {advice}",
             what,
             nbytes / (1 << 20),
             region_bytes / (1 << 20),
-            waited_s,
         )
 
 

@@ -20,8 +20,8 @@ killed between the two leaves a slot the receiver waits on before every later on
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Mapping, MutableMapping
 
 NETMOD_CVAR = "MPIR_CVAR_CH4_NETMOD"
 DEFAULT_NETMOD = "ucx"
@@ -78,7 +78,7 @@ def size_bytes(text: str | None) -> int | None:
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 
-def pack_buffer_bytes(env: dict[str, str] | os._Environ[str]) -> int | None:
+def pack_buffer_bytes(env: Mapping[str, str]) -> int | None:
     """MPICH's pack buffer size to set for `env` (UCX's variables already defaulted), or
     None to leave MPICH's own: only where UCX_TLS leaves out shared memory, so that TCP's
     segments carry the active messages (twice the larger segment, at least 2 MiB)."""
@@ -89,7 +89,7 @@ def pack_buffer_bytes(env: dict[str, str] | os._Environ[str]) -> int | None:
     return max(2 << 20, 2 * largest)
 
 
-def apply_defaults(env: dict[str, str] | os._Environ[str]) -> None:
+def apply_defaults(env: MutableMapping[str, str]) -> None:
     """Set the netmod, UCX's defaults and (for TCP alone) the pack buffer size in `env`,
     leaving every variable already set as it is."""
     env.setdefault(NETMOD_CVAR, DEFAULT_NETMOD)
@@ -100,7 +100,7 @@ def apply_defaults(env: dict[str, str] | os._Environ[str]) -> None:
         env[PACK_BUFFER_CVAR] = str(pack)
 
 
-def shared_memory_hazard(env: dict[str, str] | os._Environ[str]) -> str | None:
+def shared_memory_hazard(env: Mapping[str, str]) -> str | None:
     """The warning a daemon gives when its MPI runs over UCX's shared memory, or None."""
     if env.get(NETMOD_CVAR, DEFAULT_NETMOD).lower() != "ucx":
         return None
