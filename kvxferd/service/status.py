@@ -121,6 +121,9 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         # Context side: receives of other daemons waiting for the send to say whose request
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),
+        # Context side: the receivers its requests in flight serve (more than one a request
+        # for a head-split: one per generation rank whose RequestData came).
+        "receivers": sum(len(s.legs) for s in daemon.sender.sessions.values() if not s.finished),
         "handshake_failures": dict(daemon.peers.handshake_failures),
         # Peer addresses whose last dial failed: not dialed again until their backoff ends.
         "dial_backoff": daemon.peers.dial_backoff.status(),
