@@ -14,6 +14,10 @@ Three daemons on loopback (staged runtime over MPI, 512 KiB staging regions); `-
 also runs the scenario with UCX_TLS=tcp over that network device, where each peer has a
 connection of its own.
 
+How the generation daemon reports it (MPI link keepalives, kvxferd/backends/mpi/keepalive.py):
+its readiness (/v1/status "ready", as /readyz) and the peers it names stalled, how long
+after ctx1 was stopped or killed it turned not ready, and after ctx1 resumed.
+
 Usage: .venv/bin/python benchmarks/mpi_shm_stall.py [--tcp-device eth0] [--modes stop kill]
 Needs gdb. docs/backends-mpi.md, "A peer stopped or killed inside a shared-memory send".
 """
@@ -44,13 +48,15 @@ CONFIG = {
     },
     "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
 }
-# Where ctx1 is stopped. Shared memory: in the pack callback UCX's am_bcopy send was given
+# Where ctx1 is stopped: inside a payload's send (a bcopy or zcopy one: the link's
+# keepalives, 24-byte headers, go as am_short and would stop it before the request).
+# Shared memory: in the pack callback UCX's am_bcopy send was given
 # (x86-64: its third argument), after the slot was claimed and before it is marked. TCP:
-# at the entry of any of its active-message sends (a message of several segments may be
+# at the entry of one of its bcopy or zcopy sends (a message of several segments may be
 # half sent by then); each connection has buffers of its own.
 STOP_AT = {
     "shm": ["break uct_mm_ep_am_bcopy", "echo ARMED\\n", "continue", "tbreak *$rdx", "delete 1"],
-    "tcp": ["rbreak ^uct_tcp_ep_am_", "echo ARMED\\n"],
+    "tcp": ["rbreak ^uct_tcp_ep_am_[bz]copy", "echo ARMED\\n"],
 }
 
 
@@ -86,6 +92,23 @@ async def transfer(c: Engine, ctx: DaemonProc, g: Engine, rid: str, blocks: list
     return f"{got.status}/{got.reason} in {took:.2f} s"
 
 
+def readiness(d: DaemonProc) -> str:
+    """The daemon's /readyz word and the peers it reports stalled (keepalive.py)."""
+    doc = status(d)
+    stalled = ", ".join(f"{k.split('/')[0]} {v:.0f} s" for k, v in doc["stalled_peers"].items())
+    word = "ready" if doc["ready"] else "NOT ready"
+    return word + (f" (stalled: {stalled})" if stalled else "")
+
+
+async def watch_readiness(d: DaemonProc, since: float, want_ready: bool, limit_s: float) -> str:
+    """How long after `since` the daemon's readiness became `want_ready`, and what it said."""
+    try:
+        await until(lambda: status(d)["ready"] is want_ready, limit_s)
+    except TimeoutError:
+        return f"{readiness(d)} still, {time.monotonic() - since:.1f} s on"
+    return f"{readiness(d)} {time.monotonic() - since:.1f} s on"
+
+
 async def scenario(workdir: Path, transport: str, mode: str) -> dict[str, Any]:
     with LocalCluster(workdir) as cluster:
         ctx1 = cluster.start_daemon("ctx1", "context", **CONFIG)
@@ -106,14 +129,20 @@ async def scenario(workdir: Path, transport: str, mode: str) -> dict[str, Any]:
         frames = [line.split(" in ", 1)[-1].split(" (")[0] for line in out.splitlines()]
         ucx = [f for f in frames if f.startswith(("uct_", "ucp_"))]
         row["stopped_in"] = " <- ".join(f for i, f in enumerate(ucx) if ucx[i - 1 : i] != [f])
+        wedged = time.monotonic()
         if mode == "kill":
             ctx1.kill(signal.SIGKILL)
         row["big"] = (await g.client.wait("big", 15)).reason
         await g.client.release("big")
         row["during"] = await transfer(c2, ctx2, g, "during", other)
+        row["gen_noticed"] = await watch_readiness(gen, wedged, False, 20)
         if mode == "stop":
+            resumed = time.monotonic()
             ctx1.kill(signal.SIGCONT)
+            row["gen_after"] = await watch_readiness(gen, resumed, True, 20)
         row["after"] = await transfer(c2, ctx2, g, "after", other)
+        if mode == "kill":
+            row["gen_after"] = readiness(gen)
         row["gen_alive"] = gen.alive()
         return row
 
@@ -143,7 +172,9 @@ def main() -> None:
                 f"{transport:4} ctx1 {mode:4} | stopped in {row['stopped_in']} | ctx1's "
                 f"request: {row['big']} | ctx2 before: {row['before']}; with ctx1 "
                 f"{WHILE[mode]}: {row['during']}; after: {row['after']} | gen alive: "
-                f"{row['gen_alive']}",
+                f"{row['gen_alive']} | gen with ctx1 {WHILE[mode]}: {row['gen_noticed']}; "
+                f"{'after ctx1 resumed' if mode == 'stop' else 'at the end'}: "
+                f"{row['gen_after']}",
                 flush=True,
             )
     print(f"daemon logs under {base}")

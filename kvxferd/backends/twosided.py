@@ -41,6 +41,11 @@ class TwoSidedTransport(Protocol):
 
     async def remove_peer(self, peer_key: str) -> None: ...
 
+    def stalled_peers(self) -> dict[str, float]:
+        """Peers alive whose messages have stopped arriving: peer key -> seconds since the
+        last (MPI: kvxferd/backends/mpi/keepalive.py). The daemon is not ready while any is."""
+        ...
+
     async def close(self) -> None: ...
 
 

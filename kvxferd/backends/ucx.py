@@ -407,6 +407,11 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         """Keys of the peers with at least one open endpoint."""
         return [k for k, eps in self._peers.items() if any(not e.closed for e in eps)]
 
+    def stalled_peers(self) -> dict[str, float]:
+        """None: each endpoint is a TCP connection of its own (endpoint error handling
+        rules out UCX's shared-memory receive queue, which MPI's links can stall on)."""
+        return {}
+
     # -- data ----------------------------------------------------------------
 
     def _translate(self, exc: BaseException, peer_key: str, what: str) -> TransferError:

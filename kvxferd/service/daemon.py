@@ -245,7 +245,8 @@ class Daemon:
         self.loop_monitor = LoopMonitor()
         self.last_reload: ReloadReport | None = None
         self.http = HttpServer(self, self.metrics.render) if d.http else None
-        self.ready = False
+        # Up and serving, from start until the drain (`ready` adds the transport's word).
+        self.serving = False
         self.draining = False
         self.started_at = time.monotonic()
 
@@ -351,7 +352,7 @@ class Daemon:
                 "%s over NIXL: UCX_USE_MT_MUTEX=y (set it to choose otherwise)",
                 "staged runtime" if self.settings.runtime == "CPP" else "bounce buffer",
             )
-        self.ready = True
+        self.serving = True
         log.info("ready")
 
     async def _start_transport(self) -> None:
@@ -416,7 +417,7 @@ class Daemon:
         if self.draining:
             return
         self.draining = True
-        self.ready = False
+        self.serving = False
         # Leave discovery first: nobody should pick this daemon for new work while it drains.
         await self.discovery.close()
         deadline = time.monotonic() + self.cfg.daemon.drain_timeout_ms / 1e3
@@ -489,6 +490,17 @@ class Daemon:
 
     def status(self) -> dict[str, object]:
         return daemon_status(self)
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and no live peer's transfers stopped arriving (stalled_peers)."""
+        return self.serving and not self.stalled_peers()
+
+    def stalled_peers(self) -> dict[str, float]:
+        """Peers alive whose transport messages stopped arriving (a two-sided transport's
+        word: MPI's receive queue held up by a process stopped or killed mid-send)."""
+        transport = self.routes.transport
+        return {} if transport is None else transport.stalled_peers()
 
     def readiness_detail(self) -> str:
         return readiness_detail(self)

@@ -75,12 +75,13 @@ async def _read_head(reader: asyncio.StreamReader) -> list[str]:
 
 
 class StatusSource(Protocol):
-    ready: bool
+    @property
+    def ready(self) -> bool: ...
 
     def status(self) -> dict[str, object]: ...
 
     def readiness_detail(self) -> str:
-        """Lines after /readyz's first (discovery's state); '' for none."""
+        """Lines after /readyz's first (stalled peers, discovery's state); '' for none."""
         ...
 
 

@@ -26,6 +26,12 @@ class LiveCollector:
         d = self._d
         yield _gauge("kvxferd_ready", "1 when the daemon serves (see /readyz).", float(d.ready))
         yield _gauge("kvxferd_draining", "1 while the daemon drains for shutdown.", d.draining)
+        yield _gauge(
+            "kvxferd_transport_stalled_peers",
+            "Peers alive whose transport messages stopped arriving (MPI: the receive queue "
+            "held up by a process stopped or killed mid-send); not ready while above 0.",
+            len(d.stalled_peers()),
+        )
         in_flight = GaugeMetricFamily(
             "kvxferd_requests_in_flight",
             "Accepted requests without an outcome yet, by side.",

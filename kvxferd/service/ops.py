@@ -20,7 +20,15 @@ STATUS_REFRESH_S = 10.0
 
 def summary_line(daemon: DaemonView) -> str:
     """What `systemctl status` shows as Status: (kept short)."""
-    state = "draining" if daemon.draining else "ready" if daemon.ready else "starting"
+    state = (
+        "draining"
+        if daemon.draining
+        else "ready"
+        if daemon.ready
+        else "stalled"
+        if daemon.serving
+        else "starting"
+    )
     line = (
         f"{state}: {daemon.role}, {daemon.settings.runtime} over {daemon.settings.backend}; "
         f"{len(daemon.peers.connections)} peer(s), {len(daemon.api.engines)} engine(s), "

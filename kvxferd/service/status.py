@@ -11,6 +11,7 @@ from kvxferd import PROTOCOL_VERSION, __version__
 from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.memory.hugepages import Pages
 from kvxferd.service.cpu_policy import current_policy
+from kvxferd.service.logs import shown
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "pid": os.getpid(),
         "ready": daemon.ready,
         "draining": daemon.draining,
+        # Peers alive whose transport messages stopped arriving: seconds since the last.
+        "stalled_peers": {k: round(v, 1) for k, v in daemon.stalled_peers().items()},
         "uptime_s": round(time.monotonic() - daemon.started_at, 3),
         "settings": daemon.settings.to_json_dict(),
         "fingerprint": daemon.settings.fingerprint(),
@@ -136,15 +139,20 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
 
 
 def readiness_detail(daemon: DaemonView) -> str:
-    """The lines /readyz adds after ready / not ready: discovery's state. An etcd outage
-    does not make the daemon unready (docs/operations.md, "Discovery with etcd")."""
+    """The lines /readyz adds after ready / not ready: the peers whose transfers stopped
+    arriving (which make it unready), and discovery's state. An etcd outage does not make
+    the daemon unready (docs/operations.md, "Discovery with etcd")."""
+    stalled = "".join(
+        f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive\n"
+        for key, seconds in sorted(daemon.stalled_peers().items())
+    )
     state = daemon.discovery.state
     if state.kind == "static":
-        return "discovery: static\n"
+        return stalled + "discovery: static\n"
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.since))
     if state.up:
-        return f"discovery: up since {since}, {state.members} member(s)\n"
-    return f"discovery: down since {since}: {state.last_error or '?'}\n"
+        return stalled + f"discovery: up since {since}, {state.members} member(s)\n"
+    return stalled + f"discovery: down since {since}: {state.last_error or '?'}\n"
 
 
 def _buffers(daemon: DaemonView) -> dict[str, object] | None:

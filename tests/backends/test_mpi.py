@@ -29,6 +29,7 @@ from twosided_harness import (
 )
 from twosided_harness import MpiChild as Child
 
+from kvxferd.backends.mpi.keepalive import STALL_S
 from kvxferd.backends.mpi.transport import DRAIN_S
 
 if (_untestable := Child.untestable()) is not None:
@@ -177,6 +178,50 @@ def test_a_sender_stopped_then_killed_mid_message_gives_the_buffer_back(
     tx.proc.wait()
     wait_until(lambda: not rx.ok("lent", target=recv)["lent"], 15, "the buffer coming back")
     assert rx.ok("info")["requests_in_progress"] == 0
+
+
+def test_a_live_peer_whose_mpi_messages_stop_arriving_is_reported_stalled(
+    pair: tuple[Child, Child],
+) -> None:
+    """keepalive.py: a peer whose TCP keepalives come while nothing comes over its MPI is
+    reported stalled (on a real host: this side's receive queue held up by a process
+    stopped or killed inside a shared-memory send, benchmarks/mpi_shm_stall.py), with one
+    log line saying why and what to do, and is not given up; once its MPI delivers again
+    the report clears and messages cross. A peer that is stopped sends neither keepalive:
+    that is not a stall (its heartbeat, the daemon's, decides about it)."""
+    rx, tx = pair
+    assert rx.ok("info")["stalled"] == {}
+    tx.ok("mute_mpi_keepalives", mute=True)
+    wait_until(lambda: tx.key in rx.ok("info")["stalled"], 30, "rx reporting tx stalled")
+    assert rx.ok("info")["peers"] == [tx.key]  # reported, not given up
+    wait_until(
+        lambda: "has arrived over MPI" in rx.stderr_text(), 10, "the log line naming the stall"
+    )
+    assert "UCX_TLS=^sm" in rx.stderr_text()
+    tx.ok("mute_mpi_keepalives", mute=False)
+    wait_until(lambda: rx.ok("info")["stalled"] == {}, 30, "the stall clearing")
+    wait_until(lambda: "arrive again" in rx.stderr_text(), 10, "the log line of its end")
+    send = tx.submit("send", peer=rx.key, tag=31, size=1000, seed=31)
+    assert rx.ok("recv", peer=tx.key, tag=31, size=1000, deadline=20, seed=31)["verified"]
+    assert tx.wait(send)["ok"]
+    # Stopped: neither keepalive comes, for longer than a stall takes to be reported; nor
+    # is it one once it resumes (its TCP keepalive may be read before its MPI one).
+    tx.proc.send_signal(signal.SIGSTOP)
+    try:
+        watch_until = time.monotonic() + 2 * STALL_S
+        while time.monotonic() < watch_until:
+            assert rx.ok("info")["stalled"] == {}
+            time.sleep(0.2)
+    finally:
+        tx.proc.send_signal(signal.SIGCONT)
+    send = tx.submit("send", peer=rx.key, tag=32, size=1000, seed=32)
+    assert rx.ok("recv", peer=tx.key, tag=32, size=1000, deadline=20, seed=32)["verified"]
+    assert tx.wait(send)["ok"]
+    watch_until = time.monotonic() + 2
+    while time.monotonic() < watch_until:
+        assert rx.ok("info")["stalled"] == {}
+        time.sleep(0.2)
+    assert rx.stderr_text().count("has arrived over MPI") == 1
 
 
 def test_removed_peer_fails_pending_receives_and_tells_the_peer(

@@ -106,6 +106,7 @@ def _mpi_info(transport: Any) -> dict[str, Any]:
         "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
         "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
         "requests_in_progress": transport.requests_in_progress(),
+        "stalled": transport.stalled_peers(),
     }
 
 
@@ -137,6 +138,8 @@ async def child_main(
     running: dict[int, asyncio.Task[None]] = {}
     # Failed calls whose buffer the transport keeps lent, by id: until when.
     lent: dict[int, asyncio.Future[Any]] = {}
+    # What a test swapped out of the transport's modules, to put back.
+    swapped: dict[str, Any] = {}
 
     def answer(msg: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -179,6 +182,27 @@ async def child_main(
             return {}
         if op == "block":  # the event loop stuck (a slow or stopped peer) for a while
             time.sleep(cmd["seconds"])
+            return {}
+        if op == "mute_mpi_keepalives":
+            # What a receiver sees of a sender whose MPI messages stopped reaching it while
+            # the sender runs (its receive queue held by a third process stopped inside a
+            # shared-memory send, which only a debugger stops on purpose): TCP keepalives
+            # only. The real case: benchmarks/mpi_shm_stall.py.
+            from kvxferd.backends.mpi import keepalive, wire
+
+            real = keepalive.send_keepalives
+            if cmd["mute"]:
+
+                def tcp_only(link: Any, MPI: Any, now: float) -> None:
+                    due = now - link.keepalive_sent >= keepalive.KEEPALIVE_S
+                    if link.lost is None and not link.given_up and due:
+                        link.keepalive_sent = now
+                        link.writer.write(wire.ALIVE)
+
+                swapped.setdefault("send_keepalives", real)
+                keepalive.send_keepalives = tcp_only
+            elif "send_keepalives" in swapped:
+                keepalive.send_keepalives = swapped.pop("send_keepalives")
             return {}
         if op == "idle_cpu":
             cpu0, wall0 = time.process_time(), time.monotonic()

@@ -10,8 +10,13 @@ from kvxferd.discovery import DiscoveryState
 from kvxferd.service.status import readiness_detail
 
 
-def _daemon(state: DiscoveryState) -> Any:
-    return cast(Any, SimpleNamespace(discovery=SimpleNamespace(state=state)))
+def _daemon(state: DiscoveryState, stalled: dict[str, float] | None = None) -> Any:
+    return cast(
+        Any,
+        SimpleNamespace(
+            discovery=SimpleNamespace(state=state), stalled_peers=lambda: dict(stalled or {})
+        ),
+    )
 
 
 def test_readiness_detail_says_up_down_or_static() -> None:
@@ -21,6 +26,15 @@ def test_readiness_detail_says_up_down_or_static() -> None:
     assert state.mark(False, "etcd range at 10.0.0.1:2379: UNAVAILABLE")
     text = readiness_detail(_daemon(state))
     assert text.startswith("discovery: down since ") and "UNAVAILABLE" in text
+
+
+def test_readiness_detail_names_stalled_peers_first() -> None:
+    text = readiness_detail(_daemon(DiscoveryState("static"), {"ctx-b/2": 7.4, "ctx-a/1": 12}))
+    assert text.splitlines() == [
+        "transport: nothing from peer 'ctx-a/1' for 12s although it is alive",
+        "transport: nothing from peer 'ctx-b/2' for 7s although it is alive",
+        "discovery: static",
+    ]
 
 
 def test_status_line_names_the_error_only_when_down() -> None:

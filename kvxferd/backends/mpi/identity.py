@@ -39,6 +39,11 @@ def swap_identities(
     while not (sent and received):
         sent = sent or send.Test()
         received = received or recv.Test(status)
+        if received and wire.is_keepalive(buf[: status.Get_count(MPI.BYTE)]):
+            # Sent over an intercommunicator freed before this one had its context
+            # (keepalive.py says how): not the peer's word, wait for its key.
+            received = False
+            recv = comm.Irecv([buf, MPI.BYTE], source=0, tag=wire.HEADER_TAG)
         if time.monotonic() >= end and not (sent and received):
             if not received:
                 recv.Cancel()

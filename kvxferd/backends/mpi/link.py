@@ -35,8 +35,9 @@ Why TCP beside MPI:
   when the peer dies, and its EOF marks the link lost, which fails that
   peer's pending sends and receives with PeerLostError within milliseconds.
 
-After the rendezvous the connection carries one byte and its end:
+After the rendezvous the connection carries keepalives, one byte and its end:
 
+* ALIVE, any number of them first: a keepalive (keepalive.py says why).
 * GAVE_UP: the side that writes it gave the link up (remove_peer, a stalled
   message, a malformed header, the transport closed). The peer marks the link
   lost at once.
@@ -60,11 +61,12 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
-from kvxferd.backends.mpi import wire
+from kvxferd.backends.mpi import keepalive, wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
@@ -455,11 +457,16 @@ class Links:
         extra = 0
         try:
             while data := await reader.read(64):
-                if data[:1] == wire.GAVE_UP and extra == 0:
+                rest = data.lstrip(wire.ALIVE) if extra == 0 else data
+                if len(rest) < len(data):
+                    keepalive.heard_tcp(link, time.monotonic())
+                if not rest:
+                    continue
+                if rest[:1] == wire.GAVE_UP and extra == 0:
                     self._lost(peer, link, "the peer gave the link up")
                 else:
                     self._lost(peer, link, "the peer sent data on the MPI rendezvous connection")
-                extra += len(data)
+                extra += len(rest)
                 if extra > _MAX_AFTER_LINK:
                     # Not a kvxferd peer: what it does with MPI is unknown, so unfinished.
                     link.writer.close()

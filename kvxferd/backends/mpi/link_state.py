@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,16 @@ class Link:
     given_up: bool = False
     eof_sent: bool = False
     finished: bool = False
+    # Keepalives (keepalive.py): when each path of the link last brought something from
+    # the peer, when ours last went, our MPI one in flight, and since when MPI is stalled.
+    mpi_heard: float = field(default_factory=time.monotonic)
+    tcp_heard: float = field(default_factory=time.monotonic)
+    tcp_run_since: float = field(default_factory=time.monotonic)
+    tcp_alive_seen: bool = False  # the peer registered the link too (keepalive.py)
+    keepalive_sent: float = 0.0
+    keepalive_req: Any = None
+    keepalive_buf: bytearray = field(default_factory=wire.keepalive_header)
+    stalled_since: float | None = None
 
     def next_tag(self) -> int:
         self.last_tag = wire.next_data_tag(self.last_tag, self.tag_ub)

@@ -54,7 +54,9 @@ its header yields to the loop for a few tests, then tests once every
 `_POLL_MAX_SLEEP_S`. While a link exists a background tick calls MPI every
 5 ms (reading headers, draining late messages), so that what one side queued
 moves even when neither side waits on it: about 1.5 % of a core per idle
-daemon here.
+daemon here. The tick also sends each link's keepalives and marks a link whose
+MPI went silent while its peer runs (keepalive.py: a receive queue held up by
+another process on the host).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.backends.mpi import wire
+from kvxferd.backends.mpi import keepalive, wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
 from kvxferd.backends.mpi.link import Links
 from kvxferd.backends.mpi.link_state import Link, Peer
@@ -427,6 +429,11 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                 PeerLostError(f"MPI: the peer ended the link mid-message ({link.lost})"),
             )
 
+    def stalled_peers(self) -> dict[str, float]:
+        """Peers alive whose MPI messages have not arrived for a while (keepalive.py): peer
+        key -> seconds since the last."""
+        return keepalive.stalled_peers(self._links.peers)
+
     def requests_in_progress(self) -> int:
         """Payload requests MPI has not ended that the progress thread still tests."""
         return 0 if self._progress is None else self._progress.held
@@ -455,6 +462,9 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                     # The buffer holds the last header read, or nothing: not a
                     # new message (nor a malformed one).
                     break
+                link.mpi_heard = time.monotonic()
+                if wire.is_keepalive(link.header_buf):
+                    continue  # only says that MPI delivers (keepalive.py)
                 header = wire.unpack_header(link.header_buf)
                 if header is None:
                     log.error("MPI: peer %s sent a malformed header; closing the link", peer.key)
@@ -526,6 +536,9 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         live = False
         for peer in list(self._links.peers.values()):
             self._pump(peer, rt)
+            for link in peer.links:
+                keepalive.send_keepalives(link, rt.MPI, now)
+                keepalive.check_stall(peer, link, now)
             live = live or peer.live_link() is not None
         waiting = False  # on a request that may still end
         for z in list(self._zombies):

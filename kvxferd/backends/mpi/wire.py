@@ -22,7 +22,8 @@ the link's intercommunicator: a 24-byte header with tag 0 (magic, the 64-bit
 tag, the size, a data tag) and the payload with the data tag, a per-link
 sequence number in 1..MPI_TAG_UB. Receiving a tag means reading headers (in
 arrival order, into a per-peer table) until that tag's header is there, then
-receiving the payload by its data tag (transport.py).
+receiving the payload by its data tag (transport.py). A keepalive is a header of
+another magic and no payload (keepalive.py), read and dropped with the headers.
 """
 
 from __future__ import annotations
@@ -36,19 +37,24 @@ from kvxferd.errors import StartupError, TransferError
 _MAGIC = b"KVXM"
 # 2: after the rendezvous, GAVE_UP and the connection's end mean what link.py says.
 # 3: the IDENTITY exchange over the new intercommunicator, and REFUSED.
-_VERSION = 3
+# 4: keepalives on both paths of a link (ALIVE, keepalive headers; keepalive.py).
+_VERSION = 4
 _FRAME_HEAD = struct.Struct("!4sBBB")  # magic, version, kind, number of fields
 _FIELD_LEN = struct.Struct("!H")
 MAX_FIELD = 4096
 HELLO, ACK, READY, REFUSED = 1, 2, 3, 4
-# After the rendezvous, the one byte a side writes when it gives the link up.
+# After the rendezvous, the one byte a side writes when it gives the link up; before it, any
+# number of ALIVE bytes (keepalive.py).
 GAVE_UP = b"L"
+ALIVE = b"A"
 
 # Per message, tag 0 on the intercommunicator: magic, 64-bit tag, size, data tag.
 _HEADER = struct.Struct("<4sQQI")
 _HEADER_MAGIC = b"KVXH"
 HEADER_SIZE = _HEADER.size
 HEADER_TAG = 0
+# A keepalive (keepalive.py): a header of its own magic, no payload, never a message.
+_KEEPALIVE_MAGIC = b"KVXA"
 
 
 # A side's key over the new intercommunicator, tag 0 (before any message header): magic,
@@ -127,6 +133,15 @@ def unpack_header(buf: bytes | bytearray) -> tuple[int, int, int] | None:
     if magic != _HEADER_MAGIC:
         return None
     return tag, nbytes, data_tag
+
+
+def keepalive_header() -> bytearray:
+    """A keepalive's header (its own buffer: MPI reads it until the send completes)."""
+    return bytearray(_HEADER.pack(_KEEPALIVE_MAGIC, 0, 0, 0))
+
+
+def is_keepalive(buf: bytes | bytearray) -> bool:
+    return len(buf) == HEADER_SIZE and buf[:4] == _KEEPALIVE_MAGIC
 
 
 def next_data_tag(last: int, tag_ub: int) -> int:
