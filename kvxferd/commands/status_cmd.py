@@ -3,7 +3,8 @@
 The daemon is named by its configuration file (its `daemon.http` address) or by
 HOST:PORT. Prints a short human summary, or the JSON document with --json.
 Exits 0 when the daemon answered and is ready, 3 when it answered but is not
-ready (starting or draining), 1 when it cannot be reached.
+ready (starting, draining, or a live peer's transfers stalled), 1 when it cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ def summary(doc: dict[str, Any]) -> str:
         f"  engine API {doc.get('api_socket')} ({doc.get('engines')} engine(s)), "
         f"peers on {doc.get('peer_listen')} ({_security(doc.get('peer_security') or {})})",
     ]
+    for key, seconds in sorted((doc.get("stalled_peers") or {}).items()):
+        lines.append(
+            f"  STALLED: nothing from peer {key} over the transport for {seconds:.0f} s "
+            "although it is alive (docs/backends-mpi.md, 'How the daemon notices')"
+        )
     cpu = doc.get("cpu_policy")
     if cpu:  # a daemon from before daemon.cpu_policy says nothing of it
         lines.append(

@@ -10,6 +10,7 @@ from pathlib import Path
 from cli_harness import kvxferd
 from ops_harness import http_get
 
+from kvxferd.commands.status_cmd import summary
 from kvxferd.sim.cluster import LocalCluster
 from kvxferd.sim.ports import free_port
 
@@ -69,3 +70,13 @@ def test_status_endpoint_and_cli(cluster: LocalCluster, tmp_path: Path) -> None:
     assert gone.returncode == 1
     assert gone.stderr.startswith("kvxferd: error: no kvxferd status at http://127.0.0.1:")
     assert "Traceback" not in gone.stderr
+
+
+def test_the_summary_names_stalled_peers() -> None:
+    """A daemon whose live peer's transport messages stopped arriving (MPI keepalives,
+    docs/backends-mpi.md) says so, and which peer, in its summary."""
+    doc = {"name": "gen", "role": "generation", "ready": False, "stalled_peers": {"ctx2/7": 6.4}}
+    text = summary(doc)
+    assert "gen (generation): not ready" in text
+    assert "STALLED: nothing from peer ctx2/7 over the transport for 6 s" in text
+    assert "STALLED" not in summary({**doc, "ready": True, "stalled_peers": {}})
