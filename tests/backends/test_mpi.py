@@ -224,6 +224,17 @@ def test_a_live_peer_whose_mpi_messages_stop_arriving_is_reported_stalled(
     assert rx.stderr_text().count("has arrived over MPI") == 1
 
 
+def test_a_flood_of_keepalives_gives_the_link_up(pair: tuple[Child, Child]) -> None:
+    """A peer writing keepalive bytes by the thousand is not a kvxferd peer keeping a link
+    alive (one a second): the link is given up as carrying data, and a new one works."""
+    rx, tx = pair
+    assert rx.ok("info")["peers"] == [tx.key]
+    tx.ok("flood_alive", count=100_000)
+    wait_until(lambda: rx.ok("info")["peers"] == [], 20, "rx giving the flooded link up")
+    assert rx.proc.poll() is None
+    link_carries_a_message(tx, rx, rx.address, tag=41)
+
+
 def test_removed_peer_fails_pending_receives_and_tells_the_peer(
     pair: tuple[Child, Child],
 ) -> None:

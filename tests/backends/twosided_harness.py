@@ -204,6 +204,13 @@ async def child_main(
             elif "send_keepalives" in swapped:
                 keepalive.send_keepalives = swapped.pop("send_keepalives")
             return {}
+        if op == "flood_alive":  # a hostile MPI peer: keepalive bytes by the thousand
+            from kvxferd.backends.mpi import wire
+
+            for peer in transport._links.peers.values():
+                for link in peer.links:
+                    link.writer.write(wire.ALIVE * cmd["count"])
+            return {}
         if op == "idle_cpu":
             cpu0, wall0 = time.process_time(), time.monotonic()
             await asyncio.sleep(cmd["seconds"])

@@ -37,6 +37,8 @@ STALL_S = 5.0
 # TCP keepalives count as coming while the last is at most this old (a few missed sends
 # of a busy peer are not its absence).
 TCP_FRESH_S = 3 * KEEPALIVE_S
+# ALIVE bytes a peer may send beyond two a KEEPALIVE_S since the link was made.
+ALIVE_SLACK = 16
 
 
 def send_keepalives(link: Link, MPI: Any, now: float) -> None:
@@ -68,13 +70,19 @@ def send_keepalives(link: Link, MPI: Any, now: float) -> None:
         link.keepalive_req = None
 
 
-def heard_tcp(link: Link, now: float) -> None:
-    """An ALIVE byte came: the peer runs. A gap longer than TCP_FRESH_S (it was stopped)
-    starts a new run of them."""
+def heard_tcp(link: Link, now: float, count: int = 1) -> bool:
+    """`count` ALIVE bytes came: the peer runs. A gap longer than TCP_FRESH_S (it was
+    stopped) starts a new run of them. False, and nothing noted, when the peer has sent
+    more of them than a kvxferd peer could since the link was made (one a KEEPALIVE_S, with
+    room to spare): a flood is not a keepalive."""
+    link.alive_bytes += count
+    if link.alive_bytes > ALIVE_SLACK + 2 * (now - link.made) / KEEPALIVE_S:
+        return False
     if now - link.tcp_heard > TCP_FRESH_S or not link.tcp_alive_seen:
         link.tcp_run_since = now
     link.tcp_heard = now
     link.tcp_alive_seen = True
+    return True
 
 
 def check_stall(peer: Peer, link: Link, now: float) -> None:

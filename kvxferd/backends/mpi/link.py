@@ -458,8 +458,9 @@ class Links:
         try:
             while data := await reader.read(64):
                 rest = data.lstrip(wire.ALIVE) if extra == 0 else data
-                if len(rest) < len(data):
-                    keepalive.heard_tcp(link, time.monotonic())
+                alive = len(data) - len(rest)
+                if alive and not keepalive.heard_tcp(link, time.monotonic(), alive):
+                    rest = data  # more than a kvxferd peer sends: data, not keepalives
                 if not rest:
                     continue
                 if rest[:1] == wire.GAVE_UP and extra == 0:

@@ -43,6 +43,8 @@ class Link:
     tcp_heard: float = field(default_factory=time.monotonic)
     tcp_run_since: float = field(default_factory=time.monotonic)
     tcp_alive_seen: bool = False  # the peer registered the link too (keepalive.py)
+    alive_bytes: int = 0  # ALIVE bytes read, and since when the link is ours
+    made: float = field(default_factory=time.monotonic)
     keepalive_sent: float = 0.0
     keepalive_req: Any = None
     keepalive_buf: bytearray = field(default_factory=wire.keepalive_header)
