@@ -20,17 +20,9 @@ STATUS_REFRESH_S = 10.0
 
 def summary_line(daemon: DaemonView) -> str:
     """What `systemctl status` shows as Status: (kept short)."""
-    state = (
-        "draining"
-        if daemon.draining
-        else "ready"
-        if daemon.ready
-        else "stalled"
-        if daemon.serving
-        else "starting"
-    )
+    settings = daemon.settings
     line = (
-        f"{state}: {daemon.role}, {daemon.settings.runtime} over {daemon.settings.backend}; "
+        f"{_state(daemon)}: {daemon.role}, {settings.runtime} over {settings.backend}; "
         f"{len(daemon.peers.connections)} peer(s), {len(daemon.api.engines)} engine(s), "
         f"{daemon.sender.active_count() + daemon.receiver.active_count()} request(s) in flight"
     )
@@ -38,6 +30,14 @@ def summary_line(daemon: DaemonView) -> str:
     if last is not None and (last.result == "rejected" or last.restart_needed):
         line += f"; last {last.status_line()}"
     return line
+
+
+def _state(daemon: DaemonView) -> str:
+    if daemon.draining:
+        return "draining"
+    if daemon.ready:
+        return "ready"
+    return "stalled" if daemon.serving else "starting"  # serving: a peer's transfers stalled
 
 
 async def refresh_status(daemon: DaemonView) -> None:

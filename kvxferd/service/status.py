@@ -15,6 +15,7 @@ from kvxferd.service.logs import shown
 from kvxferd.transceiver.sessions import RxSession, TxSession
 
 if TYPE_CHECKING:
+    from kvxferd.discovery import DiscoveryState
     from kvxferd.service.view import DaemonView
 
 # Names listed in the status (the count is always exact).
@@ -146,13 +147,16 @@ def readiness_detail(daemon: DaemonView) -> str:
         f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive\n"
         for key, seconds in sorted(daemon.stalled_peers().items())
     )
-    state = daemon.discovery.state
+    return stalled + _discovery_line(daemon.discovery.state)
+
+
+def _discovery_line(state: DiscoveryState) -> str:
     if state.kind == "static":
-        return stalled + "discovery: static\n"
+        return "discovery: static\n"
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.since))
     if state.up:
-        return stalled + f"discovery: up since {since}, {state.members} member(s)\n"
-    return stalled + f"discovery: down since {since}: {state.last_error or '?'}\n"
+        return f"discovery: up since {since}, {state.members} member(s)\n"
+    return f"discovery: down since {since}: {state.last_error or '?'}\n"
 
 
 def _buffers(daemon: DaemonView) -> dict[str, object] | None:

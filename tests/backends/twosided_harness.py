@@ -121,6 +121,13 @@ TRANSPORTS: dict[str, tuple[MakeTransport, Info]] = {
 # ---------------------------------------------------------------------------
 
 
+class _NeverLeaves:
+    """An MPI send request that never completes (mute_mpi_keepalives)."""
+
+    def Test(self) -> bool:  # mpi4py's name
+        return False
+
+
 async def child_main(
     name: str, incarnation: str, make_transport: MakeTransport, info: Info
 ) -> None:
@@ -138,8 +145,6 @@ async def child_main(
     running: dict[int, asyncio.Task[None]] = {}
     # Failed calls whose buffer the transport keeps lent, by id: until when.
     lent: dict[int, asyncio.Future[Any]] = {}
-    # What a test swapped out of the transport's modules, to put back.
-    swapped: dict[str, Any] = {}
 
     def answer(msg: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -186,23 +191,12 @@ async def child_main(
         if op == "mute_mpi_keepalives":
             # What a receiver sees of a sender whose MPI messages stopped reaching it while
             # the sender runs (its receive queue held by a third process stopped inside a
-            # shared-memory send, which only a debugger stops on purpose): TCP keepalives
-            # only. The real case: benchmarks/mpi_shm_stall.py.
-            from kvxferd.backends.mpi import keepalive, wire
-
-            real = keepalive.send_keepalives
-            if cmd["mute"]:
-
-                def tcp_only(link: Any, MPI: Any, now: float) -> None:
-                    due = now - link.keepalive_sent >= keepalive.KEEPALIVE_S
-                    if link.lost is None and not link.given_up and due:
-                        link.keepalive_sent = now
-                        link.writer.write(wire.ALIVE)
-
-                swapped.setdefault("send_keepalives", real)
-                keepalive.send_keepalives = tcp_only
-            elif "send_keepalives" in swapped:
-                keepalive.send_keepalives = swapped.pop("send_keepalives")
+            # shared-memory send, which only a debugger stops on purpose): its MPI
+            # keepalive never leaves, so no next one is sent; TCP keepalives go on. The
+            # real case: benchmarks/mpi_shm_stall.py.
+            for peer in transport._links.peers.values():
+                for link in peer.links:
+                    link.keepalive_req = _NeverLeaves() if cmd["mute"] else None
             return {}
         if op == "flood_alive":  # a hostile MPI peer: keepalive bytes by the thousand
             from kvxferd.backends.mpi import wire

@@ -58,7 +58,7 @@ def send_keepalives(link: Link, MPI: Any, now: float) -> None:
         link.writer.write(wire.ALIVE)
     except Exception:  # its end is gone: the watcher says so
         return
-    if not link.tcp_alive_seen:
+    if not link.peer_registered:
         return
     req = link.keepalive_req
     try:
@@ -75,13 +75,13 @@ def heard_tcp(link: Link, now: float, count: int = 1) -> bool:
     stopped) starts a new run of them. False, and nothing noted, when the peer has sent
     more of them than a kvxferd peer could since the link was made (one a KEEPALIVE_S, with
     room to spare): a flood is not a keepalive."""
+    first = not link.peer_registered
     link.alive_bytes += count
     if link.alive_bytes > ALIVE_SLACK + 2 * (now - link.made) / KEEPALIVE_S:
         return False
-    if now - link.tcp_heard > TCP_FRESH_S or not link.tcp_alive_seen:
+    if first or now - link.tcp_heard > TCP_FRESH_S:
         link.tcp_run_since = now
     link.tcp_heard = now
-    link.tcp_alive_seen = True
     return True
 
 
@@ -94,7 +94,7 @@ def check_stall(peer: Peer, link: Link, now: float) -> None:
         return
     silent = now - link.mpi_heard
     stalled = (
-        link.tcp_alive_seen
+        link.peer_registered
         and silent >= STALL_S
         and now - link.tcp_heard <= TCP_FRESH_S
         and now - link.tcp_run_since >= STALL_S

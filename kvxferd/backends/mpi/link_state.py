@@ -42,13 +42,17 @@ class Link:
     mpi_heard: float = field(default_factory=time.monotonic)
     tcp_heard: float = field(default_factory=time.monotonic)
     tcp_run_since: float = field(default_factory=time.monotonic)
-    tcp_alive_seen: bool = False  # the peer registered the link too (keepalive.py)
     alive_bytes: int = 0  # ALIVE bytes read, and since when the link is ours
     made: float = field(default_factory=time.monotonic)
     keepalive_sent: float = 0.0
     keepalive_req: Any = None
     keepalive_buf: bytearray = field(default_factory=wire.keepalive_header)
     stalled_since: float | None = None
+
+    @property
+    def peer_registered(self) -> bool:
+        """The peer registered the link too: it sends ALIVE bytes only for such a link."""
+        return self.alive_bytes > 0
 
     def next_tag(self) -> int:
         self.last_tag = wire.next_data_tag(self.last_tag, self.tag_ub)
