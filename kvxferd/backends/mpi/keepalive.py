@@ -10,7 +10,7 @@ receive just times out, and the daemon looked healthy.
 
 How: every KEEPALIVE_S each side writes one ALIVE byte on the link's TCP connection and
 sends a header-only MPI message (wire.keepalive_header) on the link's header tag, unless its
-previous one has not left yet. The other side notes when each last came (transport.py
+previous one has not left yet. The other side notes when each last came (housekeeping.py
 reads headers; link.py reads the connection). A link whose TCP keepalives keep coming while
 no MPI message has for STALL_S is *stalled*: its peer runs (a stopped or dead peer sends
 neither), and what it sends over MPI does not reach us. The daemon reports stalled peers in

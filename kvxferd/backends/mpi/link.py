@@ -507,7 +507,7 @@ class Links:
             link.give_up()
             if link.header_req is not None:
                 # Unmatched: cancelled at once. Matched: its header lands in our
-                # own buffer; either way nobody waits for it (transport.py's
+                # own buffer; either way nobody waits for it (housekeeping.py's
                 # pump completes it and reads nothing).
                 link.header_cancelled = True
                 with contextlib.suppress(Exception):

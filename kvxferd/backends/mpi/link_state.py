@@ -22,7 +22,7 @@ class Link:
     writer: asyncio.StreamWriter
     tag_ub: int
     lost: str | None = None
-    # The receive of the next message header (transport.py reads them).
+    # The receive of the next message header (housekeeping.py reads them).
     header_buf: bytearray = field(default_factory=lambda: bytearray(wire.HEADER_SIZE))
     header_req: Any = None
     # drop_links cancelled header_req: what completes it is no header to read.

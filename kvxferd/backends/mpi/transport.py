@@ -51,12 +51,9 @@ ends one whose peer died), and not at all once its peer's end came.
 Headers, rendezvous and late messages stay on the loop (MPI_Comm_accept/
 connect in threads of their own; MPI_THREAD_MULTIPLE): a recv waiting for
 its header yields to the loop for a few tests, then tests once every
-`_POLL_MAX_SLEEP_S`. While a link exists a background tick calls MPI every
-5 ms (reading headers, draining late messages), so that what one side queued
-moves even when neither side waits on it: about 1.5 % of a core per idle
-daemon here. The tick also sends each link's keepalives and marks a link whose
-MPI went silent while its peer runs (keepalive.py: a receive queue held up by
-another process on the host).
+`_POLL_MAX_SLEEP_S`. While a link exists a background tick (housekeeping.py)
+calls MPI every 5 ms: it reads headers, drains late messages, keeps the
+requests given up until MPI ends them, and sends the links' keepalives.
 """
 
 from __future__ import annotations
@@ -65,15 +62,11 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvxferd.backends.mpi import keepalive, wire
 from kvxferd.backends.mpi.bootstrap import Runtime, init_runtime, load_mpi4py, process_runtime
+from kvxferd.backends.mpi.housekeeping import Housekeeping
 from kvxferd.backends.mpi.link import Links
 from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.mpi.progress import Progress
@@ -85,15 +78,11 @@ log = logging.getLogger("kvxferd.backends.mpi")
 # Waiting for a header: the first polls only yield to the loop, later ones sleep this long.
 _POLL_SPINS = 32
 _POLL_MAX_SLEEP_S = 0.001
-# While a link exists, MPI is called this often regardless (see "Progress").
-_TICK_S = 0.005
 # While the progress thread moves a payload, the loop looks this often whether its
 # link was lost, the peer removed or the stall limit passed.
 _CHECK_S = 0.005
 # A payload still arriving when its link is lost gets this long to complete.
 _LOST_GRACE_S = 0.1
-# Receives abandoned for a peer that is gone may never end: look at them rarely.
-_STUCK_PERIOD_S = 0.5
 # After a link's peer closed its end, what it sent before lands within this; receives
 # still pending on the link are then given up (their buffers come back).
 DRAIN_S = 1.0
@@ -117,17 +106,6 @@ def _flat(buf: memoryview, what: str) -> memoryview:
     return buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
 
 
-@dataclass(eq=False)
-class _Zombie:
-    """An abandoned MPI request and the buffer it may still use."""
-
-    req: Any
-    buf: object
-    peer_key: str
-    link: Link
-    since: float = field(default_factory=time.monotonic)
-
-
 class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag): see recv
     """Tagged messages between daemons over MPI (mpi4py + MPICH).
 
@@ -148,8 +126,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         self._links = Links(
             self.key, self._runtime, self._start_ticker, self._link_finished, self._secret
         )
-        self._zombies: list[_Zombie] = []
-        self._ticker: asyncio.Task[None] | None = None
+        self._house = Housekeeping(self._links, self._tags, lambda: self._rt)
         self._progress: Progress | None = None
 
     # -- set-up ------------------------------------------------------------
@@ -228,7 +205,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             reqs.append(link.comm.Isend([header, MPI.BYTE], 0, wire.HEADER_TAG))
             reqs.append(link.comm.Isend([payload, MPI.BYTE], 0, data_tag))
         except Exception as exc:
-            self._park(reqs, [header, payload], peer, link)
+            self._house.park(reqs, [header, payload], peer, link)
             raise self._mpi_error(exc, peer, link, what) from exc
         progress = self._progress_of(rt)
         done = progress.watch(reqs, keep=(header, payload))
@@ -304,7 +281,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         while True:
             if self._links.peers.get(peer.key) is not peer:
                 raise PeerLostError(f"MPI recv of tag {tag} from {peer.key}: peer removed")
-            self._pump(peer, rt)
+            self._house.pump(peer, rt)
             queue = peer.pending.get(tag)
             if queue:
                 break
@@ -315,7 +292,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
                 )
             now = loop.time()
             if now >= deadline:
-                self._abandon(peer.key, tag)
+                self._house.abandon(peer.key, tag)
                 raise TransferTimeoutError(
                     f"MPI recv of tag {tag} from {peer.key}: nothing within {timeout_s:g}s"
                 )
@@ -438,124 +415,8 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         """Payload requests MPI has not ended that the progress thread still tests."""
         return 0 if self._progress is None else self._progress.held
 
-    def _pump(self, peer: Peer, rt: Runtime) -> None:
-        """Read the headers that arrived from the peer into its pending table."""
-        for link in peer.links:
-            while True:
-                try:
-                    if link.header_req is None:
-                        if link.lost is not None:
-                            break
-                        link.header_req = link.comm.Irecv(
-                            [link.header_buf, rt.MPI.BYTE], 0, wire.HEADER_TAG
-                        )
-                    if not link.header_req.Test():
-                        break
-                except Exception as exc:
-                    if link.lost is None:
-                        link.lost = f"MPI error reading a header ({exc})"
-                    link.give_up()
-                    link.header_req = None
-                    break
-                link.header_req = None
-                if link.header_cancelled:
-                    # The buffer holds the last header read, or nothing: not a
-                    # new message (nor a malformed one).
-                    break
-                link.mpi_heard = time.monotonic()
-                if wire.is_keepalive(link.header_buf):
-                    continue  # only says that MPI delivers (keepalive.py)
-                header = wire.unpack_header(link.header_buf)
-                if header is None:
-                    log.error("MPI: peer %s sent a malformed header; closing the link", peer.key)
-                    self._links.drop_links(peer, "malformed message header", link.writer)
-                    break
-                tag, nbytes, data_tag = header
-                if self._tags.take_back((peer.key, tag)):
-                    self._drop_late(peer, link, tag, nbytes, data_tag, rt)
-                else:
-                    peer.pending.setdefault(tag, deque()).append((link, nbytes, data_tag))
-
-    # -- late messages and abandoned requests -------------------------------
-
-    def _park(self, reqs: list[Any], buf: object, peer: Peer, link: Link) -> None:
-        """Keep requests (and their buffer) until MPI is done with them."""
-        for req in reqs:
-            with contextlib.suppress(Exception):
-                req.Cancel()  # takes effect for a receive that has not matched yet
-            self._zombies.append(_Zombie(req, buf, peer.key, link))
-        self._start_ticker()
-
-    def _drop_late(
-        self, peer: Peer, link: Link, tag: int, nbytes: int, data_tag: int, rt: Runtime
-    ) -> None:
-        scratch = np.empty(max(nbytes, 1), dtype=np.uint8)
-        try:
-            req = link.comm.Irecv([scratch, nbytes, rt.MPI.BYTE], 0, data_tag)
-        except Exception as exc:
-            log.debug("MPI: could not drain a late message from %s: %s", peer.key, exc)
-            return
-        self._zombies.append(_Zombie(req, scratch, peer.key, link))
-        self._start_ticker()
-        log.info(
-            "MPI: dropped a late %d-byte message with tag %d from %s (its recv had timed out)",
-            nbytes,
-            tag,
-            peer.key,
-        )
-
-    def _abandon(self, peer_key: str, tag: int) -> None:
-        self._tags.abandon((peer_key, tag), peer_key)
-        self._start_ticker()
-
     def _start_ticker(self) -> None:
-        if not self._links.closed and (self._ticker is None or self._ticker.done()):
-            self._ticker = asyncio.ensure_future(self._tick())
-
-    async def _tick(self) -> None:
-        """Keep MPI moving while links exist (the ofi netmod sends and acknowledges
-        only inside MPI calls), read headers, drain late messages of abandoned
-        tags, and forget requests MPI is done with."""
-        while not self._links.closed:
-            try:
-                pause = self._tick_once()
-            except Exception:
-                # A stopped tick would stall every link without a word: say why, go on.
-                log.exception("MPI progress tick failed; retrying")
-                pause = _STUCK_PERIOD_S
-            if pause is None:
-                return
-            await asyncio.sleep(pause)
-
-    def _tick_once(self) -> float | None:
-        """One pass of the tick; how long to pause before the next, None to stop."""
-        rt = self._rt
-        assert rt is not None
-        now = time.monotonic()
-        self._tags.expire(now)
-        live = False
-        for peer in list(self._links.peers.values()):
-            self._pump(peer, rt)
-            for link in peer.links:
-                keepalive.send_keepalives(link, rt.MPI, now)
-                keepalive.check_stall(peer, link, now)
-            live = live or peer.live_link() is not None
-        waiting = False  # on a request that may still end
-        for z in list(self._zombies):
-            try:
-                finished = z.req.Test()
-            except Exception:
-                finished = True
-            if finished:
-                self._zombies.remove(z)
-            elif z.link.lost is None or now - z.since < 1.0:
-                waiting = True
-        if live or waiting or self._tags.abandoned():
-            return _TICK_S
-        if self._zombies:
-            # Only receives from peers that are gone, which may never end.
-            return _STUCK_PERIOD_S
-        return None
+        self._house.start()
 
     # -- teardown ------------------------------------------------------------
 
@@ -564,10 +425,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         if self._links.closed:
             return
         self._links.close()
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+        await self._house.close()
         self._links.drop_all("transport closed")
         self._tags.clear()
         if self._progress is not None:
