@@ -16,7 +16,10 @@ connection of its own.
 
 How the generation daemon reports it (MPI link keepalives, kvxferd/backends/mpi/keepalive.py):
 its readiness (/v1/status "ready", as /readyz) and the peers it names stalled, how long
-after ctx1 was stopped or killed it turned not ready, and after ctx1 resumed.
+after ctx1 was stopped or killed it turned not ready, and after ctx1 resumed; and its
+health (/healthz): after a kill, how long until it asked for a restart (503, once the
+stall lasted daemon.stall_unhealthy_s, 20 s here), and with ctx1 stopped for less than
+that, still healthy.
 
 Usage: .venv/bin/python benchmarks/mpi_shm_stall.py [--tcp-device eth0] [--modes stop kill]
 Needs gdb. docs/backends-mpi.md, "A peer stopped or killed inside a shared-memory send".
@@ -31,6 +34,8 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +51,9 @@ CONFIG = {
         "max_tokens_in_buffer": 64,
         "kv_transfer_timeout_ms": 3000,
     },
-    "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
+    # A stall this long makes the daemon unhealthy (/healthz 503): shorter than the default
+    # minute, longer than the stop mode's stop (about 11 s), so only a kill reaches it.
+    "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500, "stall_unhealthy_s": 20},
 }
 # Where ctx1 is stopped: inside a payload's send (a bcopy or zcopy one: the link's
 # keepalives, 24-byte headers, go as am_short and would stop it before the request).
@@ -109,6 +116,25 @@ async def watch_readiness(d: DaemonProc, since: float, want_ready: bool, limit_s
     return f"{readiness(d)} {time.monotonic() - since:.1f} s on"
 
 
+def health(d: DaemonProc) -> str:
+    """/healthz's status code and first line of detail."""
+    try:
+        with urllib.request.urlopen(f"http://{d.http_address}/healthz", timeout=10) as resp:
+            return f"{resp.status} {resp.read().decode().strip()}"
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode().splitlines()
+        return f"{exc.code} {body[0]}: {body[1] if len(body) > 1 else ''}"
+
+
+async def watch_health(d: DaemonProc, since: float, limit_s: float) -> str:
+    """How long after `since` /healthz turned 503, and what it said."""
+    try:
+        await until(lambda: health(d).startswith("503"), limit_s)
+    except TimeoutError:
+        return f"{health(d)} still, {time.monotonic() - since:.1f} s on"
+    return f"{health(d)}, {time.monotonic() - since:.1f} s on"
+
+
 async def scenario(workdir: Path, transport: str, mode: str) -> dict[str, Any]:
     with LocalCluster(workdir) as cluster:
         ctx1 = cluster.start_daemon("ctx1", "context", **CONFIG)
@@ -143,6 +169,9 @@ async def scenario(workdir: Path, transport: str, mode: str) -> dict[str, Any]:
         row["after"] = await transfer(c2, ctx2, g, "after", other)
         if mode == "kill":
             row["gen_after"] = readiness(gen)
+            row["gen_health"] = await watch_health(gen, wedged, 40)
+        else:
+            row["gen_health"] = health(gen)
         row["gen_alive"] = gen.alive()
         return row
 
@@ -174,7 +203,7 @@ def main() -> None:
                 f"{WHILE[mode]}: {row['during']}; after: {row['after']} | gen alive: "
                 f"{row['gen_alive']} | gen with ctx1 {WHILE[mode]}: {row['gen_noticed']}; "
                 f"{'after ctx1 resumed' if mode == 'stop' else 'at the end'}: "
-                f"{row['gen_after']}",
+                f"{row['gen_after']} | gen's /healthz: {row['gen_health']}",
                 flush=True,
             )
     print(f"daemon logs under {base}")

@@ -148,6 +148,11 @@ def summary(doc: dict[str, Any]) -> str:
             f"  STALLED: nothing from peer {key} over the transport for {seconds:.0f} s "
             "although it is alive (docs/backends-mpi.md, 'How the daemon notices')"
         )
+    if doc.get("health_problem"):
+        lines.append(
+            "  UNHEALTHY (/healthz 503, a restart clears it): "
+            + "; ".join(doc["health_problem"].splitlines())
+        )
     cpu = doc.get("cpu_policy")
     if cpu:  # a daemon from before daemon.cpu_policy says nothing of it
         lines.append(

@@ -270,6 +270,17 @@ class DaemonSection(BaseModel):
         "was started with, whatever it is. The log and `kvxferd status` say which applies.",
     )
 
+    stall_unhealthy_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a live peer's transport messages may stop arriving (a stalled "
+        "peer: MPI's receive queue held up by a process on the host stopped or killed inside "
+        "a shared-memory send) before /healthz answers 503 and the systemd watchdog pings "
+        "stop, so that the supervisor restarts the daemon. A stall makes the daemon unready "
+        "at once; after a kill it never clears without a new process. 0: never unhealthy "
+        "for a stall. Applied on reload (SIGHUP).",
+    )
+
     @field_validator("huge_pages", mode="before")
     @classmethod
     def _huge_pages_off(cls, value: object) -> object:

@@ -40,7 +40,7 @@ from kvxferd.service.peer_routes import PeerRoutes
 from kvxferd.service.pools import PoolRegistry
 from kvxferd.service.reload import ConfigLoader, ReloadReport, serve_reloads
 from kvxferd.service.sdnotify import Notifier
-from kvxferd.service.status import daemon_status, readiness_detail
+from kvxferd.service.status import daemon_status, readiness_detail, stall_health_problem
 from kvxferd.service.timeouts import timeouts_of
 from kvxferd.transceiver.admission import AdmissionWindow
 from kvxferd.transceiver.bounce import BounceBuffers
@@ -247,6 +247,7 @@ class Daemon:
         self.http = HttpServer(self, self.metrics.render) if d.http else None
         # Up and serving, from start until the drain (`ready` adds the transport's word).
         self.serving = False
+        self._unhealthy = False  # health_problem's last answer, to log each change once
         self.draining = False
         self.started_at = time.monotonic()
 
@@ -395,7 +396,9 @@ class Daemon:
         """
         background = TaskScope("operations")
         background.start(self.loop_monitor.run(), "loop-monitor")
-        background.start(self.notifier.watchdog_loop(), "sd-watchdog")
+        background.start(
+            self.notifier.watchdog_loop(lambda: self.health_problem() is None), "sd-watchdog"
+        )
         try:
             self.notifier.status("starting")
             await self.start()
@@ -504,3 +507,17 @@ class Daemon:
 
     def readiness_detail(self) -> str:
         return readiness_detail(self)
+
+    def health_problem(self) -> str | None:
+        """Why a supervisor should restart the daemon (one line per peer), or None: a live
+        peer stalled for daemon.stall_unhealthy_s (over MPI a receive queue held up by a
+        process killed mid-send stays held until this process ends). Said in the log once
+        each time it turns unhealthy."""
+        problem = stall_health_problem(self.stalled_peers(), self.cfg.daemon.stall_unhealthy_s)
+        if (problem is not None) != self._unhealthy:
+            self._unhealthy = problem is not None
+            if problem is not None:
+                log.error("unhealthy (/healthz 503): %s", problem.replace("\n", "; "))
+            else:
+                log.warning("healthy again: the stalled peers' messages arrive")
+        return problem

@@ -1,9 +1,11 @@
 """A small HTTP/1.1 endpoint for health, status and metrics (loopback by default).
 
 /healthz: the process and its event loop answer (served by that loop, so an
-answer is the proof). /readyz: 200 only once the data plane, peer listener and
-engine API are up, and not while draining; its body says discovery's state too, which
-does not change the status code (an etcd outage must not take every pod out at once).
+answer is the proof), and nothing it cannot recover from without a restart holds
+it (503: a transport stall longer than daemon.stall_unhealthy_s). /readyz: 200 only
+once the data plane, peer listener and engine API are up, and not while draining; its
+body says discovery's state too, which does not change the status code (an etcd outage
+must not take every pod out at once).
 /v1/status: JSON status. /metrics: Prometheus text format. Kept dependency-free; each
 response closes the connection.
 """
@@ -84,6 +86,10 @@ class StatusSource(Protocol):
         """Lines after /readyz's first (stalled peers, discovery's state); '' for none."""
         ...
 
+    def health_problem(self) -> str | None:
+        """Why /healthz answers 503 (lines after `unhealthy`), or None for 200."""
+        ...
+
 
 class HttpServer:
     def __init__(self, source: StatusSource, metrics: Callable[[], bytes] | None = None) -> None:
@@ -104,7 +110,10 @@ class HttpServer:
 
     def route(self, path: str) -> tuple[int, str, bytes]:
         if path == "/healthz":
-            return 200, "text/plain", b"ok\n"
+            problem = self._source.health_problem()
+            if problem is None:
+                return 200, "text/plain", b"ok\n"
+            return 503, "text/plain", b"unhealthy\n" + problem.encode() + b"\n"
         if path == "/readyz":
             detail = self._source.readiness_detail().encode()
             if self._source.ready:

@@ -12,7 +12,8 @@ keeps the deadline it was given when it was accepted):
 * cache_transceiver_config.kv_transfer_timeout_ms, kv_transfer_sender_future_timeout_ms,
   kv_transfer_poll_interval_ms, max_tokens_in_buffer (the admission window);
 * daemon.log_level, drain_timeout_ms, heartbeat_interval_ms, heartbeat_timeout_ms,
-  handshake_timeout_ms (for connections made from now on), and the static peers;
+  handshake_timeout_ms (for connections made from now on), stall_unhealthy_s, and the
+  static peers;
 * the mutual-TLS certificate, key and CA (daemon.tls_*): read again on every reload, so a
   rotated certificate under the same path is picked up; peer connections made from then on
   use it, established ones keep theirs. Files that do not load reject the reload.
@@ -64,6 +65,7 @@ LIVE_DAEMON = (
     "heartbeat_timeout_ms",
     "handshake_timeout_ms",
     "peers",
+    "stall_unhealthy_s",  # read from daemon.cfg at each health check
     *tls.FIELDS,
 )
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -12,7 +12,9 @@ systemd. What kvxferd sends, and when:
   reload starts (what Type=notify-reload expects);
 * `STOPPING=1` when the drain starts;
 * `WATCHDOG=1` every half `WATCHDOG_USEC` from an event-loop task, so a
-  stalled loop stops the pings and systemd restarts the service. When
+  stalled loop stops the pings and systemd restarts the service; the pings
+  stop too while the daemon is unhealthy (/healthz 503: a transport stall
+  longer than daemon.stall_unhealthy_s, which only a restart clears). When
   `WATCHDOG_PID` is set and is not this process, no pings are sent.
 """
 
@@ -23,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("kvxferd.sdnotify")
 
@@ -89,14 +91,16 @@ class Notifier:
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
 
-    async def watchdog_loop(self) -> None:
-        """Ping every half watchdog interval for as long as the event loop runs it."""
+    async def watchdog_loop(self, healthy: Callable[[], bool] = lambda: True) -> None:
+        """Ping every half watchdog interval for as long as the event loop runs it and
+        `healthy` says so (a daemon that needs a restart lets systemd restart it)."""
         if self.watchdog_s is None or self.address is None:
             return
         period = self.watchdog_s / 2
         log.info("systemd watchdog: pinging every %.3f s", period)
         while True:
-            self.watchdog()
+            if healthy():
+                self.watchdog()
             await asyncio.sleep(period)
 
     def close(self) -> None:

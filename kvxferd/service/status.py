@@ -34,6 +34,8 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "draining": daemon.draining,
         # Peers alive whose transport messages stopped arriving: seconds since the last.
         "stalled_peers": {k: round(v, 1) for k, v in daemon.stalled_peers().items()},
+        # Why /healthz answers 503 (a supervisor should restart the daemon), or None.
+        "health_problem": daemon.health_problem(),
         "uptime_s": round(time.monotonic() - daemon.started_at, 3),
         "settings": daemon.settings.to_json_dict(),
         "fingerprint": daemon.settings.fingerprint(),
@@ -148,6 +150,19 @@ def readiness_detail(daemon: DaemonView) -> str:
         for key, seconds in sorted(daemon.stalled_peers().items())
     )
     return stalled + _discovery_line(daemon.discovery.state)
+
+
+def stall_health_problem(stalled: dict[str, float], limit_s: float) -> str | None:
+    """/healthz's lines for the peers stalled for `limit_s` or more (0: none ever), or None."""
+    if limit_s <= 0:
+        return None
+    lines = [
+        f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive "
+        f"(daemon.stall_unhealthy_s {limit_s:g}); a restart clears it"
+        for key, seconds in sorted(stalled.items())
+        if seconds >= limit_s
+    ]
+    return "\n".join(lines) if lines else None
 
 
 def _discovery_line(state: DiscoveryState) -> str:

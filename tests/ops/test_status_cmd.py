@@ -80,3 +80,11 @@ def test_the_summary_names_stalled_peers() -> None:
     assert "gen (generation): not ready" in text
     assert "STALLED: nothing from peer ctx2/7 over the transport for 6 s" in text
     assert "STALLED" not in summary({**doc, "ready": True, "stalled_peers": {}})
+
+
+def test_the_summary_says_unhealthy_only_with_a_health_problem() -> None:
+    doc = {"name": "gen", "role": "generation", "ready": False, "stalled_peers": {"ctx2/7": 75}}
+    assert "UNHEALTHY" not in summary({**doc, "health_problem": None})
+    text = summary({**doc, "health_problem": "transport: nothing from peer 'ctx2/7' for 75s"})
+    line = next(line for line in text.splitlines() if "UNHEALTHY" in line)
+    assert "a restart clears it" in line and "'ctx2/7' for 75s" in line
