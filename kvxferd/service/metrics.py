@@ -47,7 +47,7 @@ from kvxferd.errors import (
     TlsError,
 )
 from kvxferd.peers.framing import FrameTooLargeError
-from kvxferd.service.loop_histogram import LoopHistogram
+from kvxferd.service.loop_histogram import LoopCounter, LoopHistogram
 from kvxferd.service.metrics_live import LiveCollector
 from kvxferd.transceiver.state import Outcome, Reason, Status
 
@@ -120,15 +120,18 @@ class DaemonMetrics:
         counter = partial(Counter, registry=r)
         # Fed per request on the event loop and scraped there: no locks (loop_histogram).
         histogram = partial(LoopHistogram, registry=r)
-        self.requests = counter(
+        # The two counters every request feeds, kept like the histograms (loop_histogram).
+        self.requests = LoopCounter(
             "kvxferd_requests",
             "Requests that reached a terminal state, by side, status and reason.",
             ["side", "status", "reason"],
+            registry=r,
         )
-        self.bytes = counter(
+        self.bytes = LoopCounter(
             "kvxferd_transferred_bytes",
             "KV bytes of requests that completed (done), by side.",
             ["side"],
+            registry=r,
         )
         self.request_seconds = histogram(
             "kvxferd_request_duration_seconds",

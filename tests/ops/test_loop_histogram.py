@@ -8,7 +8,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvxferd.service.loop_histogram import LoopHistogram
+from kvxferd.service.loop_histogram import LoopCounter, LoopHistogram
 
 BUCKETS = (0.0, 0.001, 0.01, 0.1, 1.0, 10.0)
 # Below, on and between the bounds, past the last one, and a negative wait.
@@ -47,3 +47,34 @@ def test_misuse_is_named() -> None:
         h.labels(peer="a")
     with pytest.raises(ValueError, match="repeat"):
         LoopHistogram("z", "Doc.", buckets=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("labels", [(), ("side", "status")])
+def test_counters_expose_what_prometheus_client_exposes(labels: tuple[str, ...]) -> None:
+    from prometheus_client import Counter, disable_created_metrics
+
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # as the daemon does
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    c = Counter("x_bytes", "Doc text.", labels, registry=theirs)
+    mine = LoopCounter("x_bytes", "Doc text.", labels, registry=ours)
+    if labels:
+        c.labels(side="recv", status="ok")  # a series made before anything counts: 0
+        mine.labels(side="recv", status="ok")
+    for i, amount in enumerate((1, 2.5, 32768, 0, 1e12)):
+        if labels:
+            c.labels(side=("send", "recv")[i % 2], status="done").inc(amount)
+            mine.labels(side=("send", "recv")[i % 2], status="done").inc(amount)
+        else:
+            c.inc(amount)
+            mine.inc(amount)
+    assert generate_latest(ours) == generate_latest(theirs)
+    assert b"x_bytes_total" in generate_latest(ours)
+
+
+def test_counter_misuse_is_named() -> None:
+    c = LoopCounter("x", "Doc.", ["side"])
+    with pytest.raises(ValueError, match="counter x: labels"):
+        c.labels(peer="a")
+    with pytest.raises(ValueError, match="counter x has labels"):
+        c.inc()
+    assert LoopCounter("y", "Doc.").labels().value == 0.0
