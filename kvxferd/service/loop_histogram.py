@@ -14,11 +14,44 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
+
+C = TypeVar("C")
+
+
+class _Children(Generic[C]):
+    """A metric's children by label values, made by `make` on first use; an unlabelled
+    metric has its one child from the start."""
+
+    def __init__(self, kind: str, name: str, labelnames: Sequence[str], make: Callable[[], C]):
+        self._what = f"{kind} {name}"
+        self.labelnames = tuple(labelnames)
+        self._make = make
+        self.by_key: dict[tuple[str, ...], C] = {} if self.labelnames else {(): make()}
+
+    def labels(self, labels: dict[str, str]) -> C:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self._what}: labels {sorted(labels)} are not "
+                             f"{list(self.labelnames)}")  # fmt: skip
+        key = tuple(str(labels[n]) for n in self.labelnames)
+        child = self.by_key.get(key)
+        if child is None:
+            child = self.by_key[key] = self._make()
+        return child
+
+    @property
+    def single(self) -> C | None:
+        """The one child of a metric without labels; None for one with labels."""
+        return None if self.labelnames else self.by_key[()]
+
+    def unlabelled_use(self, verb: str) -> ValueError:
+        """The error for `verb` asked of a metric with labels, not of one of its children."""
+        return ValueError(f"{self._what} has labels: {verb} through labels()")
 
 
 class LoopHistogramChild:
@@ -58,34 +91,28 @@ class LoopHistogram(Collector):
         self._le = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
         self._name = name
         self._doc = documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], LoopHistogramChild] = {}
-        if not self._labelnames:
-            self._children[()] = LoopHistogramChild(self._bounds)
+        self._children = _Children(
+            "histogram", name, labelnames, lambda: LoopHistogramChild(self._bounds)
+        )
+        self._single = self._children.single  # observed per request: no lookup then
         if registry is not None:
             registry.register(self)
 
     def labels(self, **labels: str) -> LoopHistogramChild:
-        if set(labels) != set(self._labelnames):
-            raise ValueError(f"histogram {self._name}: labels {sorted(labels)} are not "
-                             f"{list(self._labelnames)}")  # fmt: skip
-        key = tuple(str(labels[n]) for n in self._labelnames)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = LoopHistogramChild(self._bounds)
-        return child
+        return self._children.labels(labels)
 
     def observe(self, value: float) -> None:
-        if self._labelnames:
-            raise ValueError(f"histogram {self._name} has labels: observe through labels()")
-        self._children[()].observe(value)
+        single = self._single
+        if single is None:
+            raise self._children.unlabelled_use("observe")
+        single.observe(value)
 
     def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+        return [HistogramMetricFamily(self._name, self._doc, labels=self._children.labelnames)]
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for key, child in self._children.items():
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._children.labelnames)
+        for key, child in self._children.by_key.items():
             total, buckets = 0, []
             for le, count in zip(self._le, child.counts, strict=True):
                 total += count
@@ -121,33 +148,25 @@ class LoopCounter(Collector):
     ) -> None:
         self._name = name
         self._doc = documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], LoopCounterChild] = {}
-        if not self._labelnames:
-            self._children[()] = LoopCounterChild()
+        self._children = _Children("counter", name, labelnames, LoopCounterChild)
+        self._single = self._children.single
         if registry is not None:
             registry.register(self)
 
     def labels(self, **labels: str) -> LoopCounterChild:
-        if set(labels) != set(self._labelnames):
-            raise ValueError(f"counter {self._name}: labels {sorted(labels)} are not "
-                             f"{list(self._labelnames)}")  # fmt: skip
-        key = tuple(str(labels[n]) for n in self._labelnames)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = LoopCounterChild()
-        return child
+        return self._children.labels(labels)
 
     def inc(self, amount: float = 1.0) -> None:
-        if self._labelnames:
-            raise ValueError(f"counter {self._name} has labels: inc through labels()")
-        self._children[()].inc(amount)
+        single = self._single
+        if single is None:
+            raise self._children.unlabelled_use("inc")
+        single.inc(amount)
 
     def describe(self) -> list[CounterMetricFamily]:
-        return [CounterMetricFamily(self._name, self._doc, labels=self._labelnames)]
+        return [CounterMetricFamily(self._name, self._doc, labels=self._children.labelnames)]
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for key, child in self._children.items():
+        family = CounterMetricFamily(self._name, self._doc, labels=self._children.labelnames)
+        for key, child in self._children.by_key.items():
             family.add_metric(list(key), child.value)
         yield family
