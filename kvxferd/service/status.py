@@ -146,8 +146,7 @@ def readiness_detail(daemon: DaemonView) -> str:
     arriving (which make it unready), and discovery's state. An etcd outage does not make
     the daemon unready (docs/operations.md, "Discovery with etcd")."""
     stalled = "".join(
-        f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive\n"
-        for key, seconds in sorted(daemon.stalled_peers().items())
+        _stall_line(key, seconds) + "\n" for key, seconds in sorted(daemon.stalled_peers().items())
     )
     return stalled + _discovery_line(daemon.discovery.state)
 
@@ -157,12 +156,16 @@ def stall_health_problem(stalled: dict[str, float], limit_s: float) -> str | Non
     if limit_s <= 0:
         return None
     lines = [
-        f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive "
-        f"(daemon.stall_unhealthy_s {limit_s:g}); a restart clears it"
+        f"{_stall_line(key, seconds)} (daemon.stall_unhealthy_s {limit_s:g}); a restart clears it"
         for key, seconds in sorted(stalled.items())
         if seconds >= limit_s
     ]
     return "\n".join(lines) if lines else None
+
+
+def _stall_line(key: str, seconds: float) -> str:
+    """A stalled peer, as /readyz and /healthz name it."""
+    return f"transport: nothing from peer {shown(key)} for {seconds:.0f}s although it is alive"
 
 
 def _discovery_line(state: DiscoveryState) -> str:
