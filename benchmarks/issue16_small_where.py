@@ -38,7 +38,8 @@ import tempfile
 import time
 from typing import Any
 
-GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]  # 32 KiB blocks
+from issue16_small import GEOMETRY  # 32 KiB blocks, as the issue's small-request runs
+
 ROLES = {"ctx.yaml": "context daemon", "gen.yaml": "generation daemon",
          "role context": "context engine", "role generation": "generation engine"}  # fmt: skip
 
@@ -211,7 +212,10 @@ def _reporting(name: tuple[str, int, str]) -> bool:
     )
 
 
-def run_calls(stats: pstats.Stats) -> dict[tuple[str, int, str], tuple[int, float]]:
+Calls = dict[tuple[str, int, str], tuple[int, float]]
+
+
+def run_calls(stats: pstats.Stats) -> Calls:
     """(calls, own seconds) of each function in the run, less the calls that the end-of-run
     report made (its own functions, and what they called)."""
     out = {}
@@ -241,17 +245,16 @@ def requests_seen(stats: pstats.Stats, role: str) -> int:
     raise SystemExit(f"{role}: no calls of {func} in its profile (was it turned on?)")
 
 
-def calls_per_request(stats: pstats.Stats, requests: int) -> tuple[float, float]:
+def calls_per_request(calls: Calls, requests: int) -> tuple[float, float]:
     """(calls of Python functions, calls of C functions and methods) per request: a Python
     call costs a frame, a C one (len, dict.get) a small part of that."""
-    calls = run_calls(stats)
     python = sum(c for name, (c, _) in calls.items() if name[0] != "~")
     native = sum(c for name, (c, _) in calls.items() if name[0] == "~")
     return python / requests, native / requests
 
 
-def top_functions(stats: pstats.Stats, requests: int, top: int) -> list[str]:
-    items = run_calls(stats).items()
+def top_functions(calls: Calls, requests: int, top: int) -> list[str]:
+    items = calls.items()
     hot = [(nc / requests, tt / requests * 1e6, short(k)) for k, (nc, tt) in items
            if nc / requests >= 0.5]  # fmt: skip
     by_time = sorted(hot, key=lambda r: -r[1])[:top]
@@ -268,11 +271,12 @@ def calls(seconds: float, top: int, base: str | None) -> None:
         table[name] = {}
         for role in ROLES.values():
             requests = requests_seen(stats[role], role)
-            table[name][role] = calls_per_request(stats[role], requests)
+            calls = run_calls(stats[role])
+            table[name][role] = calls_per_request(calls, requests)
             py, native = table[name][role]
             print(f"{role}: {py:.0f} Python and {native:.0f} C calls a request over "
                   f"{requests} profiled; by own time (cProfile's us a request):")  # fmt: skip
-            print("\n".join(top_functions(stats[role], requests, top)))
+            print("\n".join(top_functions(calls, requests, top)))
         print()
     print("| process | " + " | ".join(f"{n}: Python / C calls a request" for n, _ in runs) + " |")
     print("|---|" + "---|" * len(runs))
