@@ -387,6 +387,22 @@ class ApiServer:
             raise RequestError(exc.code, str(exc)) from exc
         return fd
 
+    async def _malformed(self, engine: EngineConnection, exc: MalformedMessageError) -> None:
+        """A frame whose body does not decode. Its boundary held, so the stream goes on; the
+        call it was fails at once on the caller's side when its id can still be read."""
+        if self.on_malformed is not None:
+            self.on_malformed(exc)
+        self.log_limiter.log(
+            log,
+            logging.WARNING,
+            ("malformed", id(engine)),
+            "engine %r sent a malformed call: %s",
+            engine.name,
+            shown(exc, TEXT_LIMIT),
+        )
+        engine.error(_call_id_of(exc.body), ApiError.BAD_REQUEST, str(exc))
+        await engine.drain()
+
     async def _serve(
         self,
         hello: EngineHello,
@@ -425,28 +441,15 @@ class ApiServer:
                 )
             )
             log.info("engine %r attached", engine.name)
-            while True:
-                try:
-                    msg = await ENGINE_CODEC.read(reader)
-                except MalformedMessageError as exc:
-                    # The frame boundary held, so the stream can go on; the call it was
-                    # fails at once on the caller's side when its id can still be read.
-                    if self.on_malformed is not None:
-                        self.on_malformed(exc)
-                    self.log_limiter.log(
-                        log,
-                        logging.WARNING,
-                        ("malformed", id(engine)),
-                        "engine %r sent a malformed call: %s",
-                        engine.name,
-                        shown(exc, TEXT_LIMIT),
-                    )
-                    engine.error(_call_id_of(exc.body), ApiError.BAD_REQUEST, str(exc))
-                    await engine.drain()
-                    continue
-                if msg is None:
-                    break
-                await self._dispatch(engine, msg)
+            frames = ENGINE_CODEC.frames(reader)
+            while (bodies := await frames.read()) is not None:
+                for body in bodies:
+                    try:
+                        msg = ENGINE_CODEC.decode(body)
+                    except MalformedMessageError as exc:
+                        await self._malformed(engine, exc)
+                        continue
+                    await self._dispatch(engine, msg)
         except ProtocolError as exc:
             if self.on_malformed is not None:
                 self.on_malformed(exc)  # a frame that broke the stream (oversize, cut short)

@@ -113,24 +113,24 @@ class AsyncClient:
         return client
 
     async def _read_loop(self) -> None:
+        frames = DAEMON_CODEC.frames(self._reader)
         try:
-            while True:
-                msg = await DAEMON_CODEC.read(self._reader)
-                if msg is None:
-                    break
-                if isinstance(msg, Reply):
-                    fut = self._pending.pop(msg.call_id, None)
-                    if fut is None:
-                        self.errors.append(f"{msg.error}: {msg.message}")
-                    elif not fut.done():
-                        if msg.ok:
-                            fut.set_result(msg.result)
-                        else:
-                            fut.set_exception(CallError(msg.error, msg.message))
-                elif isinstance(msg, Outcome):
-                    self._on_outcome(msg)
-                elif isinstance(msg, ReleasedMsg):
-                    self._book.on_released(msg)
+            while (bodies := await frames.read()) is not None:
+                for body in bodies:
+                    msg = DAEMON_CODEC.decode(body)
+                    if isinstance(msg, Reply):
+                        fut = self._pending.pop(msg.call_id, None)
+                        if fut is None:
+                            self.errors.append(f"{msg.error}: {msg.message}")
+                        elif not fut.done():
+                            if msg.ok:
+                                fut.set_result(msg.result)
+                            else:
+                                fut.set_exception(CallError(msg.error, msg.message))
+                    elif isinstance(msg, Outcome):
+                        self._on_outcome(msg)
+                    elif isinstance(msg, ReleasedMsg):
+                        self._book.on_released(msg)
             self._closed_reason = "the daemon closed the connection"
         except (ProtocolError, ConnectionError, OSError) as exc:
             self._closed_reason = f"connection to the daemon failed: {exc}"
@@ -157,17 +157,25 @@ class AsyncClient:
         call_id, which is this connection's next) and wait for its Reply's result."""
         return await self._call(call(next(self._ids), *args, **kw))
 
-    async def _call(self, msg: EngineCall) -> str:
-        self._check_connected()
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending[msg.call_id] = fut
+    async def _call(self, msg: EngineCall, took: IdKey | None = None) -> str:
+        """Send `msg` and wait for its Reply's result. `took`: the id that send or recv took
+        (take_id), given back if the call fails. One coroutine, not one per step: each
+        layer that waits costs two Python calls a request (docs/benchmarks.md, issue 16)."""
         try:
-            self._out.write(ENGINE_CODEC.encode(msg))
-            await self._out.drain()
-        except (ConnectionError, OSError) as exc:
-            self._pending.pop(msg.call_id, None)
-            raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
-        return await fut
+            self._check_connected()
+            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self._pending[msg.call_id] = fut
+            try:
+                self._out.write(ENGINE_CODEC.encode(msg))
+                await self._out.drain()
+            except (ConnectionError, OSError) as exc:
+                self._pending.pop(msg.call_id, None)
+                raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
+            return await fut
+        except BaseException:
+            if took is not None:
+                self._book.auto_ids.discard(took)
+            raise
 
     # ------------------------------------------------------------- the calls
 
@@ -392,12 +400,8 @@ class AsyncClient:
         # (No peer at all is the daemon's to refuse, with bad_request.)
         first = peer if isinstance(peer, str) else next(iter(peer), "")
         key = (request_id, "recv", first)
-        self._book.take_id(key, auto_release, f"request {request_id!r} from {first!r}")
-        self._book.new_receive(request_id, first)
-        await self._asked_with(
-            key,
-            auto_release,
-            Recv,
+        recv = Recv(  # first: a bad block id raises before the id is taken
+            next(self._ids),
             request_id=request_id,
             pool_id=pool_id,
             blocks=[int(b) for b in blocks],
@@ -408,6 +412,9 @@ class AsyncClient:
             block_start=block_start,
             auto_release=auto_release,
         )
+        self._book.take_id(key, auto_release, f"request {request_id!r} from {first!r}")
+        self._book.new_receive(request_id, first)
+        await self._call(recv, key if auto_release else None)
 
     async def send(
         self,
@@ -439,12 +446,8 @@ class AsyncClient:
         A daemon older than this option ignores it, and release asks it as before. The
         first chunk's value counts."""
         key = (request_id, "send", "")
-        if token_start == 0:  # a later chunk continues the request that took the id
-            self._book.take_id(key, auto_release, f"request {request_id!r}")
-        await self._asked_with(
-            key,
-            auto_release and token_start == 0,
-            Send,
+        send = Send(  # first: a bad block id raises before the id is taken
+            next(self._ids),
             request_id=request_id,
             pool_id=pool_id,
             blocks=[int(b) for b in blocks],
@@ -455,22 +458,9 @@ class AsyncClient:
             peer=peer or "",
             auto_release=auto_release,
         )
-
-    async def _asked_with(
-        self,
-        key: IdKey,
-        took: bool,
-        call: Callable[Concatenate[int, P], EngineCall],
-        *args: P.args,
-        **kw: P.kwargs,
-    ) -> None:
-        """_ask, giving back the id `take_id` took (`took`) if the call fails."""
-        try:
-            await self._ask(call, *args, **kw)
-        except BaseException:
-            if took:
-                self._book.auto_ids.discard(key)
-            raise
+        if token_start == 0:  # a later chunk continues the request that took the id
+            self._book.take_id(key, auto_release, f"request {request_id!r}")
+        await self._call(send, key if auto_release and token_start == 0 else None)
 
     async def cancel(self, request_id: str, peer: str | None = None) -> str:
         """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished".

@@ -207,24 +207,27 @@ class PeerConnection:
     async def _read_loop(
         self, on_message: Callable[[PeerConnection, PeerMessage], Awaitable[None]]
     ) -> None:
+        frames = PEER_CODEC.frames(self.reader)
         try:
             while True:
-                msg = await PEER_CODEC.read(self.reader)
-                if msg is None:
+                bodies = await frames.read()
+                if bodies is None:
                     self.close("connection closed by peer")
                     return
-                if self.closed.is_set():
-                    # Closed (replaced, abandoned) while this frame waited: a message read
-                    # from a connection we gave up on must not start anything.
-                    return
-                self._last_heard = time.monotonic()
-                self._heard.set()
-                if isinstance(msg, Ping):
-                    await self.send(Pong(seq=msg.seq))
-                elif isinstance(msg, Pong):
-                    self._ponged(msg.seq)
-                else:
-                    await on_message(self, msg)
+                for body in bodies:
+                    msg = PEER_CODEC.decode(body)
+                    if self.closed.is_set():
+                        # Closed (replaced, abandoned) while this frame waited: a message
+                        # read from a connection we gave up on must not start anything.
+                        return
+                    self._last_heard = time.monotonic()
+                    self._heard.set()
+                    if isinstance(msg, Ping):
+                        await self.send(Pong(seq=msg.seq))
+                    elif isinstance(msg, Pong):
+                        self._ponged(msg.seq)
+                    else:
+                        await on_message(self, msg)
         except ProtocolError as exc:
             text = shown(exc, TEXT_LIMIT, quote=False)  # it may quote what the peer sent
             if self.on_protocol_error is not None:

@@ -79,6 +79,12 @@ def test_an_auto_released_id_stays_taken_until_released() -> None:
         with pytest.raises(DaemonGoneError):
             await client.recv("q", "pool0", [1], "ctx1", 16, auto_release=True)
         assert ("q", "recv", "ctx1") not in client._book.auto_ids, "a failed call gives it back"
+        # A block id that is no integer fails before the call: nothing taken either.
+        with pytest.raises(ValueError):
+            await client.recv("s", "pool0", ["x"], "ctx0", 16, auto_release=True)  # type: ignore[list-item]
+        with pytest.raises(ValueError):
+            await client.send("t", "pool0", ["x"], 16, auto_release=True)  # type: ignore[list-item]
+        assert not {("s", "recv", "ctx0"), ("t", "send", "")} & client._book.auto_ids
         with pytest.raises(DaemonGoneError):
             await client.send("r", "pool0", [1, 2], 32, token_start=16)
         # Its outcome arrives, the engine releases it: the id is free.
