@@ -14,7 +14,7 @@ Without the attribute every call goes through the worker thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
@@ -36,16 +36,16 @@ class Memory:
 
     kind: str = "DRAM"  # "DRAM" | "VRAM"
     device: int = 0
+    # Whether it is device memory: a field set once, not a property, because every write
+    # asks it of both sides (a property is a Python call each time).
+    on_device: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("DRAM", "VRAM"):
             raise ValueError(f"memory kind must be DRAM or VRAM, got {self.kind!r}")
         if self.device < 0:
             raise ValueError(f"a CUDA device ordinal is never negative, got {self.device}")
-
-    @property
-    def on_device(self) -> bool:
-        return self.kind == "VRAM"
+        object.__setattr__(self, "on_device", self.kind == "VRAM")
 
 
 #: Host memory: what every pool and region was before device pools, and the default.

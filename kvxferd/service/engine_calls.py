@@ -32,7 +32,7 @@ from kvxferd.api.server import EngineConnection
 from kvxferd.discovery import PeerUnknownError
 from kvxferd.errors import KvxferdError, RequestError
 from kvxferd.memory import device
-from kvxferd.memory.heads import TpRank
+from kvxferd.memory.heads import tp_rank
 from kvxferd.memory.layout import KvLayout, LayoutError
 from kvxferd.peers.compat import RECEIVING_ROLES, SENDING_ROLES
 from kvxferd.service.logs import TEXT_LIMIT, shown
@@ -323,7 +323,8 @@ class EngineCalls:
                 f"{d.cfg.source}",
             )
         try:
-            tp = TpRank(msg.tp_rank, msg.tp_size)
+            # From tp_rank's cache: the very object a peer's equal rank is (compared by `is`).
+            tp = tp_rank(msg.tp_rank, msg.tp_size)
         except LayoutError as exc:
             raise RequestError(ApiError.BAD_REQUEST, f"pool {msg.pool_id!r}: {exc}") from exc
         for other in d.pools.pools.values():

@@ -27,6 +27,7 @@ from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.transceiver.bounce import BounceBuffers
 from kvxferd.transceiver.direct_bounce import BouncePlanner, LegWrite
 from kvxferd.transceiver.leg_targets import (
+    LegTarget,
     check_leg,
     leg_target,
     must_bounce,
@@ -77,11 +78,12 @@ class DirectMover:
         last: bool,
         copy_only: bool,
         one_sided_ok: bool = True,
+        target: LegTarget | None = None,
     ) -> LegWrite | Terminal:
         """One leg's write of blocks [start, end): (local, remote, our send reservation or
         None, whether it goes into the receiver's reservation), or why the request ends.
         Only a whole request (one write) bounces; `one_sided_ok` False: not moved one-sided
-        (the split's legs found no room together)."""
+        (the split's legs found no room together). `target`: the leg's, checked already."""
         first, _ = leg.span(start, end)
         whole = start == 0 and last
         if whole and copy_only:
@@ -90,7 +92,7 @@ class DirectMover:
             one_sided = await self._bouncer.one_sided(s, leg, first, end)
             if one_sided is not None:
                 return one_sided
-        plan = plan_leg(s, leg, start, end, self.pipelined)
+        plan = plan_leg(s, leg, start, end, self.pipelined, target)
         if isinstance(plan, Terminal):
             return plan
         local, remote = plan
@@ -202,7 +204,7 @@ class DirectMover:
                     return
                 copy_only, local_memory, remote_memory = memories
                 planned = prepared or await self._leg_plan(
-                    s, leg, start, end, last, copy_only, one_sided_ok
+                    s, leg, start, end, last, copy_only, one_sided_ok, target
                 )
                 if isinstance(planned, Terminal):
                     s.request_end(planned)

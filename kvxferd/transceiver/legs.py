@@ -15,9 +15,9 @@ and tells legs that a request ended. The sender and the receiver do everything e
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
+from kvxferd.memory.by_identity import by_identity
 from kvxferd.memory.heads import (
     TpRank,
     common_heads,
@@ -231,7 +231,7 @@ def no_common_heads(pool: LocalPool | None, leg: TxLeg) -> str | None:
     )
 
 
-@functools.lru_cache(maxsize=256)
+@by_identity
 def _shares_heads_or_unmappable(
     src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank
 ) -> bool:
@@ -261,7 +261,7 @@ def expected_legs(pool: LocalPool | None, legs: list[TxLeg]) -> int:
     return _ranks_holding_ours(pool.layout, pool.tp, dst_layout, dst)
 
 
-@functools.lru_cache(maxsize=256)
+@by_identity
 def _ranks_holding_ours(src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank) -> int:
     """expected_legs for one pair of pools: asked several times a request (the mapping
     check compares every geometry field), always for the same few pairs."""
@@ -291,7 +291,8 @@ def split_problem(pool: LocalPool, legs: list[TxLeg], dst: TpRank, pipelined: bo
     """Why our pool cannot write into a receiver pool of rank `dst` as one of `legs`: these
     settings cannot move head slices, or the legs do not cover our heads exactly once."""
     problem = tp_support_problem("context", pool.tp, dst, pipelined)
-    if problem is None and (len(legs) > 1 or dst != pool.tp):
+    # `is` first: ranks come from tp_rank's cache, and a dataclass's != is a Python call.
+    if problem is None and (len(legs) > 1 or (dst is not pool.tp and dst != pool.tp)):
         problem = coverage_problem(pool, legs)
     return problem
 

@@ -12,11 +12,10 @@ hold the same heads keep the whole-piece paths above.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.memory.by_identity import by_identity
 from kvxferd.memory.heads import TpRank, pair_head_segments, same_heads
 from kvxferd.memory.layout import BLOCK_MAJOR, KvLayout, LayoutError, pair_segments
 
@@ -27,7 +26,7 @@ _LOOP_MAX_BLOCKS = 512
 _RANK_0_OF_1 = TpRank()
 
 
-@functools.lru_cache(maxsize=256)
+@by_identity
 def _pair_kind(
     src: KvLayout, src_tp: TpRank, dst: KvLayout, dst_tp: TpRank
 ) -> tuple[bool, tuple[str, ...]]:

@@ -237,18 +237,31 @@ class RxSession(_Session):
     def conn(self) -> PeerConnection | None:
         return self.legs[0].conn if self.legs else None
 
+    # `peer`, `key` and `user` are worked out once, when the receive is made: its legs are
+    # given then and never change, and the table, the loans and the outcome ask for them
+    # ~15 times a request. (functools.cached_property cost more than the properties it
+    # would save: on Python 3.11 its first read takes a lock.)
+    _peer: str = field(default="", init=False, repr=False)
+    _key: RxKey = field(default=("", ""), init=False, repr=False)
+    _user: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._peer = self.legs[0].peer_address if self.legs else ""
+        self._key = (self._peer, self.request_id)
+        self._user = f"rx:{self.request_id}@{self._peer}"
+
     @property
     def peer(self) -> str:
         """The context peer as the engine named it (the first of a head-merge's)."""
-        return self.legs[0].peer_address if self.legs else ""
+        return self._peer
 
     @property
     def key(self) -> RxKey:
-        return (self.peer, self.request_id)
+        return self._key
 
     @property
     def user(self) -> str:
-        return f"rx:{self.request_id}@{self.peer}"
+        return self._user
 
     @property
     def peer_address(self) -> str:

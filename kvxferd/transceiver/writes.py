@@ -151,11 +151,12 @@ class Writes:
         try:
             await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
             posted = time.monotonic()
-            inline = (
-                local_memory == HOST
-                and remote_memory == HOST
-                and nbytes_of(local) <= INLINE_POST_MAX_BYTES
+            # `is` first: both are the HOST constant on the host path, and a dataclass's
+            # == is a Python call (two a write, here and in _post_if_wanted).
+            host = (local_memory is HOST or local_memory == HOST) and (
+                remote_memory is HOST or remote_memory == HOST
             )
+            inline = host and nbytes_of(local) <= INLINE_POST_MAX_BYTES
             try:
                 posted_write = await (self._dp.call_cheap if inline else self._dp.call)(
                     self._post_if_wanted,
@@ -216,7 +217,9 @@ class Writes:
         if refused is not None:
             raise PostRefused(refused)
         local_memory, remote_memory = memories
-        if local_memory == HOST and remote_memory == HOST:
+        if (local_memory is HOST or local_memory == HOST) and (
+            remote_memory is HOST or remote_memory == HOST
+        ):  # `is` first: see post_and_wait
             # Host to host: the call every backend took before device memory existed.
             return backend.post_write(local, remote, conn.agent_name, remote_regions=conn.regions)
         return backend.post_write(
