@@ -31,7 +31,9 @@ import json
 import os
 import pstats
 import re
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,10 +175,77 @@ def perf_split(seconds: float, record_s: float) -> None:
     print(f"\nother threads of these processes: {rest:.1f} % of the samples")
 
 
+# -------------------------------------------------------------------------- syscalls
+
+STAT_EVENTS = ["raw_syscalls:sys_enter", "context-switches", "task-clock"]
+
+
+def perf_stat(pid: int, out: str, record_s: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["perf", "stat", "-x", ",", "-e", ",".join(STAT_EVENTS), "-p", str(pid), "-o", out,
+         "--", "sleep", str(record_s)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def stat_run(tree: str | None, seconds: float, record_s: float) -> dict[str, dict[str, float]]:
+    """One bench run with `perf stat` attached to each of its four processes for `record_s`
+    seconds of the kvxferd phase: per role, each event per request (task-clock as CPU
+    microseconds). Requests in the window: the run's rate times the window."""
+    proc = run_bench(seconds, tree, {})
+    pids = under_way(proc)
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = {pid: perf_stat(pid, os.path.join(tmp, f"{pid}.csv"), record_s) for pid in pids}
+        for each in stats.values():
+            each.wait(timeout=record_s + 60)
+        counts: dict[int, dict[str, float]] = {}
+        for pid in pids:
+            with open(os.path.join(tmp, f"{pid}.csv")) as f:
+                rows = [line.split(",") for line in f if line[:1].isdigit()]
+            counts[pid] = {r[2]: float(r[0]) for r in rows}
+    row = bench_result(proc)
+    requests = row["requests_per_s"] * record_s
+    out = {}
+    for pid, role in pids.items():
+        c = counts[pid]
+        out[role] = {
+            "syscalls": c.get("raw_syscalls:sys_enter", 0.0) / requests,
+            "switches": c.get("context-switches", 0.0) / requests,
+            "cpu_us": c.get("task-clock", 0.0) * 1e3 / requests,  # task-clock is in ms
+        }
+    out["run"] = {"req/s": row["requests_per_s"], "bare": row["bare_requests_per_s"]}
+    return out
+
+
+def syscalls(seconds: float, record_s: float, passes: int, base: str | None) -> None:
+    runs = [("this", None)] + ([("base", os.path.abspath(base))] if base else [])
+    got: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name, _ in runs}
+    for i in range(passes):
+        for name, tree in runs if i % 2 == 0 else runs[::-1]:
+            one = stat_run(tree, seconds, record_s)
+            got[name].append(one)
+            print(f"pass {i + 1} {name}: {one['run']['req/s']:.0f} req/s, bare "
+                  f"{one['run']['bare']:.0f}", flush=True)  # fmt: skip
+    print("\nmedians over the passes, per request: syscalls / context switches / CPU us")
+    print("| process | " + " | ".join(name for name, _ in runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for role in ROLES.values():
+        cells = []
+        for name, _ in runs:
+            med = {k: statistics.median(r[role][k] for r in got[name])
+                   for k in ("syscalls", "switches", "cpu_us")}  # fmt: skip
+            cells.append(f"{med['syscalls']:.2f} / {med['switches']:.2f} / {med['cpu_us']:.0f}")
+        print(f"| {role} | " + " | ".join(cells) + " |")
+
+
 # ----------------------------------------------------------------------------- calls
 
 
-def profile_run(tree: str | None, seconds: float) -> tuple[dict[str, Any], dict[str, pstats.Stats]]:
+def profile_run(
+    tree: str | None, seconds: float, keep: str | None = None
+) -> tuple[dict[str, Any], dict[str, pstats.Stats]]:
+    """`keep`: a directory the four profiles are copied into, by role, for a closer look
+    (`python -m pstats DIR/context_daemon.prof`)."""
     with tempfile.TemporaryDirectory() as tmp:
         site, out = os.path.join(tmp, "site"), os.path.join(tmp, "profiles")
         os.makedirs(site)
@@ -190,7 +259,11 @@ def profile_run(tree: str | None, seconds: float) -> tuple[dict[str, Any], dict[
         stats = {}
         for path in glob.glob(os.path.join(out, "*.prof")):
             with open(path[: -len(".prof")] + ".argv") as f:
-                stats[role_of(f.read())] = pstats.Stats(path)
+                role = role_of(f.read())
+            stats[role] = pstats.Stats(path)
+            if keep:
+                os.makedirs(keep, exist_ok=True)
+                shutil.copy(path, os.path.join(keep, role.replace(" ", "_") + ".prof"))
     if len(stats) != 4:
         raise SystemExit(f"expected four profiles, got {sorted(stats)}")
     return row, stats
@@ -261,11 +334,11 @@ def top_functions(calls: Calls, requests: int, top: int) -> list[str]:
     return [f"  {c:6.2f} calls  {t:6.1f} us  {name}" for c, t, name in by_time]
 
 
-def calls(seconds: float, top: int, base: str | None) -> None:
+def calls(seconds: float, top: int, base: str | None, keep: str | None = None) -> None:
     runs = [("this", None)] + ([("base", os.path.abspath(base))] if base else [])
     table: dict[str, dict[str, tuple[float, float]]] = {}
     for name, tree in runs:
-        row, stats = profile_run(tree, seconds)
+        row, stats = profile_run(tree, seconds, keep and os.path.join(keep, name))
         print(f"{name}: {row['requests']} requests, {row['requests_per_s']:.0f} req/s under "
               "cProfile")  # fmt: skip
         table[name] = {}
@@ -290,15 +363,22 @@ def main() -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--perf", action="store_true", help="on-CPU samples by shared object")
     mode.add_argument("--calls", action="store_true", help="Python calls per request")
+    mode.add_argument(
+        "--syscalls", action="store_true", help="syscalls, switches, CPU per request (perf stat)"
+    )
+    p.add_argument("--passes", type=int, default=3, help="--syscalls: alternating passes")
     p.add_argument("--seconds", type=float, default=None, help="the bench's --seconds")
     p.add_argument("--record", type=float, default=8.0, help="--perf: seconds recorded")
     p.add_argument("--top", type=int, default=25, help="--calls: functions listed per process")
-    p.add_argument("--base", help="--calls: another checkout, measured the same way")
+    p.add_argument("--base", help="--calls/--syscalls: another checkout, measured alike")
+    p.add_argument("--keep", help="--calls: a directory to keep the profiles in (this/, base/)")
     a = p.parse_args()
     if a.perf:
         perf_split(a.seconds or 20.0, a.record)
+    elif a.syscalls:
+        syscalls(a.seconds or 12.0, min(a.record, 6.0), a.passes, a.base)
     else:
-        calls(a.seconds or 8.0, a.top, a.base)
+        calls(a.seconds or 8.0, a.top, a.base, a.keep)
     return 0
 
 
