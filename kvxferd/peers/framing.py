@@ -81,8 +81,6 @@ class CorkedWriter:
         """`yield_turns`: loop turns the scheduled flush waits beyond the next one, so that
         what other connections write meanwhile leaves first."""
         self.writer = writer
-        # Kept: StreamWriter.transport is a Python property, and every drain asks it.
-        self._transport = writer.transport
         self.yield_turns = yield_turns
         self._buf: list[bytes] = []
         self._size = 0
@@ -122,7 +120,7 @@ class CorkedWriter:
         """Back-pressure: wait only when the transport itself is over its high-water mark."""
         if self.failed is not None:
             raise ConnectionResetError(f"connection unusable: {self.failed}")
-        transport = self._transport
+        transport = self.writer.transport
         if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
             self.flush()
             await self.writer.drain()
