@@ -15,8 +15,13 @@ request. The call counts are deterministic (the same requests take the same call
 host and any load), so they compare two checkouts without noise; the times are cProfile's,
 inflated by its per-call cost, and only rank the functions.
 
+`--syscalls`: `perf stat` on each of the four processes for a few seconds of the run:
+syscalls, context switches and CPU microseconds a request (requests in the window: the
+run's rate times the window), in alternating passes with `--base`.
+
     .venv/bin/python benchmarks/issue16_small_where.py --perf [--seconds 20]
-    .venv/bin/python benchmarks/issue16_small_where.py --calls [--top 25] [--base DIR]
+    .venv/bin/python benchmarks/issue16_small_where.py --calls [--top 25] [--base DIR] [--keep DIR]
+    .venv/bin/python benchmarks/issue16_small_where.py --syscalls [--passes 3] [--base DIR]
 
 `--base DIR` (with --calls): another checkout (`git worktree add DIR COMMIT`) measured the
 same way, its calls per request beside this tree's.
