@@ -8,25 +8,13 @@ import random
 import struct
 from typing import Any
 
-import msgspec
 import pytest
+from framing_messages import CODEC, Blob, Message, Ping
 
 from kvxferd.errors import ProtocolError
-from kvxferd.peers.framing import MAX_FRAME_BYTES, FrameCodec, FrameReader, FrameTooLargeError
+from kvxferd.peers.framing import MAX_FRAME_BYTES, FrameReader, FrameTooLargeError
 
 DEADLINE_S = 10.0
-
-
-class Ping(msgspec.Struct, tag="ping"):
-    n: int
-
-
-class Blob(msgspec.Struct, tag="blob"):
-    data: bytes
-
-
-Message = Ping | Blob
-CODEC: FrameCodec[Message] = FrameCodec(Message, "test")
 
 
 def run_reader(chunks: list[bytes], eof: bool = True, **kw: Any) -> tuple[list[Any], Any]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import pytest
+from framing_messages import CODEC, Blob, Ping
 
 from kvxferd.errors import MalformedMessageError, ProtocolError
 from kvxferd.peers import framing
@@ -29,18 +30,6 @@ from kvxferd.peers.framing import (
 
 T = TypeVar("T")
 DEADLINE_S = 10.0
-
-
-class Ping(msgspec.Struct, tag="ping"):
-    n: int
-
-
-class Blob(msgspec.Struct, tag="blob"):
-    data: bytes
-
-
-Message = Ping | Blob
-CODEC: FrameCodec[Message] = FrameCodec(Message, "test")
 
 
 class FakeTransport:
