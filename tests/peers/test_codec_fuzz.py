@@ -288,3 +288,90 @@ def test_deep_nesting_anywhere_is_a_malformed_message(
             head = b"\x82" + enc("type") + enc(info.tag)
             for f in info.fields:
                 _decode(codec, union, head + enc(f.encode_name) + nest)
+
+
+def _outcomes_exact(codec: FrameCodec[Any], data: bytes, max_bytes: int) -> list[object]:
+    """What FrameCodec.read makes of `data`: each frame's message or "malformed", then how
+    the stream ended ("end", or the ProtocolError's class and text)."""
+
+    async def run() -> list[object]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        out: list[object] = []
+        while True:
+            try:
+                msg = await asyncio.wait_for(codec.read(reader, max_bytes), 5)
+            except MalformedMessageError:
+                out.append("malformed")
+                continue
+            except ProtocolError as exc:
+                return [*out, (type(exc).__name__, str(exc))]
+            if msg is None:
+                return [*out, "end"]
+            out.append(msg)
+
+    return asyncio.run(run())
+
+
+def _outcomes_bulk(codec: FrameCodec[Any], chunks: list[bytes], max_bytes: int) -> list[object]:
+    """The same through FrameReader, the bytes arriving as `chunks` a loop turn apart."""
+
+    async def run() -> list[object]:
+        reader = asyncio.StreamReader()
+
+        async def feed() -> None:
+            for chunk in chunks:
+                reader.feed_data(chunk)
+                await asyncio.sleep(0)
+            reader.feed_eof()
+
+        feeder = asyncio.ensure_future(feed())
+        frames = codec.frames(reader)
+        out: list[object] = []
+        try:
+            while True:
+                try:
+                    bodies = await asyncio.wait_for(frames.read(max_bytes), 5)
+                except ProtocolError as exc:
+                    return [*out, (type(exc).__name__, str(exc))]
+                if bodies is None:
+                    return [*out, "end"]
+                assert bodies, "a read gives at least one frame"
+                for body in bodies:
+                    try:
+                        out.append(codec.decode(body))
+                    except MalformedMessageError:
+                        out.append("malformed")
+        finally:
+            await feeder
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(("name", "codec", "union"), CODECS, ids=CODEC_IDS)
+@FUZZ
+@given(
+    data=st.lists(
+        st.one_of(
+            st.binary(max_size=64).map(frame),  # well-framed garbage
+            st.binary(max_size=96),  # anything, frame boundaries included
+            st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n)),  # a bare prefix
+        ),
+        max_size=6,
+    ).map(b"".join),
+    cuts=st.lists(st.integers(1, 64), max_size=8),
+    max_bytes=st.sampled_from([64, PREAUTH_MAX_FRAME_BYTES, MAX_FRAME_BYTES]),
+)
+def test_bulk_reads_give_what_exact_reads_give(
+    name: str, codec: FrameCodec[Any], union: object, data: bytes, cuts: list[int], max_bytes: int
+) -> None:
+    """FrameReader (the read loops' way) against FrameCodec.read (the handshake's) on the
+    same hostile stream, however it is cut as it arrives: the same messages, the same
+    malformed frames, the same end (clean, or the same protocol error and words)."""
+    chunks, at = [], 0
+    for n in cuts:
+        chunks.append(data[at : at + n])
+        at += n
+    chunks.append(data[at:])
+    assert _outcomes_bulk(codec, chunks, max_bytes) == _outcomes_exact(codec, data, max_bytes)
