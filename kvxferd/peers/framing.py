@@ -55,6 +55,15 @@ def _too_large(what: str, length: int, limit: int) -> FrameTooLargeError:
     )
 
 
+def _truncated(what: str, partial: bytes) -> ProtocolError:
+    """A stream that ended inside a frame: `partial` is what arrived of it, header first."""
+    if len(partial) < _HEADER.size:
+        return ProtocolError(f"truncated {what} frame header")
+    (length,) = _HEADER.unpack_from(partial)
+    got = len(partial) - _HEADER.size
+    return ProtocolError(f"truncated {what} frame: {got} of {length} bytes")
+
+
 class CorkedWriter:
     """Batches the frames written during one event-loop iteration into one socket write.
 
@@ -186,16 +195,14 @@ class FrameCodec(Generic[T]):
         except asyncio.IncompleteReadError as exc:
             if not exc.partial:
                 return None
-            raise ProtocolError(f"truncated {self._what} frame header") from exc
+            raise _truncated(self._what, exc.partial) from exc
         (length,) = _HEADER.unpack(header)
         if length > max_bytes:
             raise _too_large(self._what, length, max_bytes)
         try:
             body = await reader.readexactly(length)
         except asyncio.IncompleteReadError as exc:
-            raise ProtocolError(
-                f"truncated {self._what} frame: {len(exc.partial)} of {length} bytes"
-            ) from exc
+            raise _truncated(self._what, header + exc.partial) from exc
         return self.decode(body)
 
 
@@ -234,7 +241,7 @@ class FrameReader:
             if not data:
                 if not self._rest:
                     return None
-                raise self._truncated(self._rest)
+                raise _truncated(self._what, self._rest)
             data = self._rest + data if self._rest else data
             bodies, rest = self._split(data, max_bytes)
             if isinstance(rest, ProtocolError):  # a frame over the limit: those before it first
@@ -250,7 +257,7 @@ class FrameReader:
                 try:
                     tail = await self._reader.readexactly(missing)
                 except asyncio.IncompleteReadError as exc:
-                    raise self._truncated(rest + exc.partial) from exc
+                    raise _truncated(self._what, rest + exc.partial) from exc
                 self._rest = b""
                 return [rest[_HEADER.size :] + tail]
             self._rest = rest
@@ -272,13 +279,6 @@ class FrameReader:
             bodies.append(data[at + _HEADER.size : stop])
             at = stop
         return bodies, data[at:] if at else data
-
-    def _truncated(self, partial: bytes) -> ProtocolError:
-        if len(partial) < _HEADER.size:
-            return ProtocolError(f"truncated {self._what} frame header")
-        (length,) = _HEADER.unpack_from(partial)
-        got = len(partial) - _HEADER.size
-        return ProtocolError(f"truncated {self._what} frame: {got} of {length} bytes")
 
 
 async def until_heard(done: Callable[[], bool], heard: asyncio.Event, deadline: float) -> bool:
