@@ -152,7 +152,7 @@ class Writes:
             await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
             posted = time.monotonic()
             # `is` first: both are the HOST constant on the host path, and a dataclass's
-            # == is a Python call (two a write, here and in _post_if_wanted).
+            # == is a Python call. Decided once here; the post is told (None: host to host).
             host = (local_memory is HOST or local_memory == HOST) and (
                 remote_memory is HOST or remote_memory == HOST
             )
@@ -165,7 +165,7 @@ class Writes:
                     local,
                     remote,
                     backend,
-                    (local_memory, remote_memory),
+                    None if host else (local_memory, remote_memory),
                 )
             except PostRefused as exc:
                 s.request_end(exc.terminal)
@@ -207,21 +207,20 @@ class Writes:
         local: np.ndarray,
         remote: np.ndarray,
         backend: Backend,
-        memories: tuple[Memory, Memory] = (HOST, HOST),
+        memories: tuple[Memory, Memory] | None = None,
     ) -> tuple[XferHandle, XferStatus]:
         """Right before the post, on the thread that makes it (the data-plane thread, or the
         loop's own for a small inline one): a queued post may run long after it was queued
         (the daemon was stopped, the thread was busy), so the request is checked again
-        here; only reads, so safe off the event loop."""
+        here; only reads, so safe off the event loop. `memories`: (ours, the receiver's)
+        when either is not host memory; None: host to host."""
         refused = post_refusal(s, conn)
         if refused is not None:
             raise PostRefused(refused)
-        local_memory, remote_memory = memories
-        if (local_memory is HOST or local_memory == HOST) and (
-            remote_memory is HOST or remote_memory == HOST
-        ):  # `is` first: see post_and_wait
+        if memories is None:
             # Host to host: the call every backend took before device memory existed.
             return backend.post_write(local, remote, conn.agent_name, remote_regions=conn.regions)
+        local_memory, remote_memory = memories
         return backend.post_write(
             local,
             remote,
