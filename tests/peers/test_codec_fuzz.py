@@ -51,6 +51,17 @@ FUZZ = settings(
 # Each example of these runs several generated bodies (of up to 150 KB: the deep ones).
 HOSTILE = settings(FUZZ, max_examples=100)
 
+# A stream's bytes: well-framed garbage, anything (frame boundaries included), bare
+# length prefixes, in any order.
+STREAMS = st.lists(
+    st.one_of(
+        st.binary(max_size=64).map(frame),
+        st.binary(max_size=96),
+        st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n)),
+    ),
+    max_size=6,
+).map(b"".join)
+
 
 def _decode(codec: FrameCodec[Any], union: object, body: bytes) -> None:
     """Decode `body`: a message of the union, or MalformedMessageError; anything else fails
@@ -116,14 +127,7 @@ def test_arbitrary_bytes_decode_or_raise_a_protocol_error(
 @pytest.mark.parametrize(("name", "codec", "union"), CODECS, ids=CODEC_IDS)
 @FUZZ
 @given(
-    data=st.lists(
-        st.one_of(
-            st.binary(max_size=64).map(frame),  # well-framed garbage
-            st.binary(max_size=96),  # anything, frame boundaries included
-            st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n)),  # a bare prefix
-        ),
-        max_size=6,
-    ).map(b"".join),
+    data=STREAMS,
     max_bytes=st.sampled_from([64, PREAUTH_MAX_FRAME_BYTES, MAX_FRAME_BYTES]),
 )
 def test_arbitrary_streams_give_messages_or_a_protocol_error_within_the_limit(
@@ -352,14 +356,7 @@ def _outcomes_bulk(codec: FrameCodec[Any], chunks: list[bytes], max_bytes: int) 
 @pytest.mark.parametrize(("name", "codec", "union"), CODECS, ids=CODEC_IDS)
 @FUZZ
 @given(
-    data=st.lists(
-        st.one_of(
-            st.binary(max_size=64).map(frame),  # well-framed garbage
-            st.binary(max_size=96),  # anything, frame boundaries included
-            st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n)),  # a bare prefix
-        ),
-        max_size=6,
-    ).map(b"".join),
+    data=STREAMS,
     cuts=st.lists(st.integers(1, 64), max_size=8),
     max_bytes=st.sampled_from([64, PREAUTH_MAX_FRAME_BYTES, MAX_FRAME_BYTES]),
 )
