@@ -293,11 +293,20 @@ class GenerationSide(_Side):
             self.content.clear(pool, self.layout, blocks)
             self.content.synchronize()  # device pools: zeros first, then the daemon's writes
         rec.t_post_ns = time.monotonic_ns()
-        await self.client.recv(
-            item.request_id, self.pool_id, blocks, self.peer, item.tokens, auto_release=True
+        # Started, not awaited: the context engine hears of the request right away (its
+        # send waits for our daemon's request in any case), and the slot's coroutine steps
+        # once a request. A refused receive fails `done`.
+        done = self.client.start_recv(
+            item.request_id,
+            self.pool_id,
+            blocks,
+            self.peer,
+            item.tokens,
+            auto_release=True,
+            timeout_s=self.wait_s,
         )
         self._notify(f"{item.slot} {item.request_id}")
-        outcome = await self.client.wait(item.request_id, self.wait_s)
+        outcome = await done
         rec.t_done_ns = self.client.arrival(item.request_id)
         rec.status, rec.reason, rec.message = outcome.status, outcome.reason, outcome.message
         rec.nbytes = outcome.nbytes
@@ -369,14 +378,19 @@ class ContextSide(_Side):
                 await reader
             await asyncio.gather(*self._cancels, return_exceptions=True)
 
-    async def _send(self, item: Item, blocks: list[int]) -> None:
+    async def _send(self, item: Item, blocks: list[int]) -> Outcome:
         """One send, or one per chunk of chunk_blocks blocks (a chunked prefill finishing its
-        chunks back to back; only the last has last=True)."""
+        chunks back to back; only the last has last=True); the request's outcome."""
         if not self.chunk_blocks:
-            await self.client.send(
-                item.request_id, self.pool_id, blocks, item.tokens, auto_release=True
+            # Started, not awaited (as the generation side's receive): one step a request.
+            return await self.client.start_send(
+                item.request_id,
+                self.pool_id,
+                blocks,
+                item.tokens,
+                auto_release=True,
+                timeout_s=self.wait_s,
             )
-            return
         tpb = self.layout.tokens_per_block
         step = self.chunk_blocks * tpb
         for start in range(0, item.tokens, step):
@@ -390,6 +404,7 @@ class ContextSide(_Side):
                 last=end == item.tokens,
                 auto_release=True,
             )
+        return await self.client.wait(item.request_id, self.wait_s)
 
     def _fill(self, blocks: list[int], seed: int) -> None:
         """Write a request's KV before its send (a subclass may write it chunk by chunk)."""
@@ -431,8 +446,7 @@ class ContextSide(_Side):
                 self.records.append(rec)
                 self.sending.add(item.request_id)
                 rec.t_send_ns = time.monotonic_ns()
-                await self._send(item, blocks)
-                outcome = await self.client.wait(item.request_id, self.wait_s)
+                outcome = await self._send(item, blocks)
                 rec.t_done_ns = self.client.arrival(item.request_id)
                 self.sending.discard(item.request_id)
                 rec.status, rec.reason, rec.message = (

@@ -36,6 +36,7 @@ from kvxferd.bench.engine import ContextSide
 from kvxferd.bench.plan import SWEEP, Item
 from kvxferd.bench.stats import percentile
 from kvxferd.sim.content import fill_blocks
+from kvxferd.transceiver.state import Outcome
 
 if TYPE_CHECKING:
     from kvxferd.bench.report import Format
@@ -62,7 +63,7 @@ class ComputingContextSide(ContextSide):
         # the first block: requests in flight never share blocks.
         self._seeds[blocks[0]] = seed
 
-    async def _send(self, item: Item, blocks: list[int]) -> None:
+    async def _send(self, item: Item, blocks: list[int]) -> Outcome:
         rec = next(r for r in reversed(self.records) if r.request_id == item.request_id)
         seed = self._seeds.pop(blocks[0])
         tpb = self.layout.tokens_per_block
@@ -79,6 +80,7 @@ class ComputingContextSide(ContextSide):
             await self.client.send(
                 item.request_id, self.pool_id, blocks[:upto], end, token_start=start, last=last
             )
+        return await self.client.wait(item.request_id, self.wait_s)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.client.book import IdKey, Released, RequestBook
 from kvxferd.client.errors import CallError, DaemonGoneError
+from kvxferd.client.started import StartedCalls
 from kvxferd.errors import ProtocolError
 from kvxferd.memory.device import DevicePool
 from kvxferd.memory.hugepages import HugePagesMode
@@ -64,6 +65,7 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[str]] = {}
         self._book = RequestBook()
+        self._started = StartedCalls(self._book)
         self._reader_task: asyncio.Task[None] | None = None
         self._closed_reason = ""
         # Where a pool handoff's second connection goes (set by connect; else the peer name).
@@ -121,7 +123,8 @@ class AsyncClient:
                     if isinstance(msg, Reply):
                         fut = self._pending.pop(msg.call_id, None)
                         if fut is None:
-                            self.errors.append(f"{msg.error}: {msg.message}")
+                            if not self._started.on_reply(msg):
+                                self.errors.append(f"{msg.error}: {msg.message}")
                         elif not fut.done():
                             if msg.ok:
                                 fut.set_result(msg.result)
@@ -148,6 +151,7 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
+        self._started.clear()
         self._book.fail_waiters(err)
 
     async def _ask(
@@ -395,6 +399,24 @@ class AsyncClient:
 
         `auto_release`: as send's.
         """
+        recv, took = self._recv_call(
+            request_id, pool_id, blocks, peer, num_tokens, beam_width, block_start, auto_release
+        )
+        await self._call(recv, took)
+
+    def _recv_call(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        peer: str | Sequence[str],
+        num_tokens: int | None,
+        beam_width: int,
+        block_start: int,
+        auto_release: bool,
+    ) -> tuple[Recv, IdKey | None]:
+        """recv's message, its id taken (returned when auto-released, to give back if the
+        call fails)."""
         single = isinstance(peer, str)
         # A release of an earlier request of this id (from this context peer) is not its.
         # (No peer at all is the daemon's to refuse, with bad_request.)
@@ -414,7 +436,7 @@ class AsyncClient:
         )
         self._book.take_id(key, auto_release, f"request {request_id!r} from {first!r}")
         self._book.new_receive(request_id, first)
-        await self._call(recv, key if auto_release else None)
+        return recv, key if auto_release else None
 
     async def send(
         self,
@@ -445,6 +467,26 @@ class AsyncClient:
         the option: this client refuses a second request under it (`duplicate_request`).
         A daemon older than this option ignores it, and release asks it as before. The
         first chunk's value counts."""
+        send, took = self._send_call(
+            request_id, pool_id, blocks, token_end, token_start, last, beam_width, peer,
+            auto_release,
+        )  # fmt: skip
+        await self._call(send, took)
+
+    def _send_call(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        token_end: int,
+        token_start: int,
+        last: bool,
+        beam_width: int,
+        peer: str | None,
+        auto_release: bool,
+    ) -> tuple[Send, IdKey | None]:
+        """send's message, its id taken by a first chunk (returned when auto-released, to
+        give back if the call fails)."""
         key = (request_id, "send", "")
         send = Send(  # first: a bad block id raises before the id is taken
             next(self._ids),
@@ -460,7 +502,84 @@ class AsyncClient:
         )
         if token_start == 0:  # a later chunk continues the request that took the id
             self._book.take_id(key, auto_release, f"request {request_id!r}")
-        await self._call(send, key if auto_release and token_start == 0 else None)
+        return send, key if auto_release and token_start == 0 else None
+
+    # ------------------------------------------------- started, not waited for
+
+    def start_recv(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        peer: str | Sequence[str],
+        num_tokens: int | None = None,
+        beam_width: int = 1,
+        *,
+        block_start: int = 0,
+        auto_release: bool = False,
+        timeout_s: float | None = None,
+    ) -> asyncio.Future[Outcome]:
+        """recv, and the future of the request's outcome (what `wait(request_id)` returns),
+        without waiting for the daemon's reply: the call is written and the future returned
+        at once. The reply only matters when it is a refusal: the future then fails with
+        the CallError recv would raise (and the id is given back). The connection's end
+        fails it with DaemonGoneError, and `timeout_s` (None: none) with TimeoutError. Not
+        connected, or a bad argument: raises at once, as recv does.
+
+        For engines that keep many requests going on one loop: one coroutine step a
+        request instead of the call's and the wait's (kvxferd bench's engines use it;
+        docs/benchmarks.md, issue 16). A context engine told of the request at once may
+        send before this daemon has the receive: its daemon's send waits for the
+        receiver's request, as it always does."""
+        recv, took = self._recv_call(
+            request_id, pool_id, blocks, peer, num_tokens, beam_width, block_start, auto_release
+        )
+        return self._start(recv, request_id, took, timeout_s)
+
+    def start_send(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        token_end: int,
+        token_start: int = 0,
+        last: bool = True,
+        beam_width: int = 1,
+        peer: str | None = None,
+        *,
+        auto_release: bool = False,
+        timeout_s: float | None = None,
+    ) -> asyncio.Future[Outcome]:
+        """send, and the future of the request's outcome, without waiting for the daemon's
+        reply: as start_recv. A request has one outcome: every chunk's future (`last`
+        False included) gets it, once the last chunk was sent and written."""
+        send, took = self._send_call(
+            request_id, pool_id, blocks, token_end, token_start, last, beam_width, peer,
+            auto_release,
+        )  # fmt: skip
+        return self._start(send, request_id, took, timeout_s)
+
+    def _start(
+        self, msg: Recv | Send, request_id: str, took: IdKey | None, timeout_s: float | None
+    ) -> asyncio.Future[Outcome]:
+        try:
+            self._check_connected()
+        except DaemonGoneError:
+            if took is not None:
+                self._book.auto_ids.discard(took)
+            raise
+        outcome = self._book.outcome_future(request_id, timeout_s)
+        self._started.add(msg.call_id, request_id, outcome, took)
+        try:
+            self._out.write(ENGINE_CODEC.encode(msg))
+        except (ConnectionError, OSError) as exc:
+            self._started.forget(msg.call_id)
+            self._book.drop_waiter(request_id, outcome)
+            outcome.cancel()
+            if took is not None:
+                self._book.auto_ids.discard(took)
+            raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
+        return outcome
 
     async def cancel(self, request_id: str, peer: str | None = None) -> str:
         """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished".

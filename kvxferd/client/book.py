@@ -167,6 +167,32 @@ class RequestBook:
         """Wait for the daemon to push the outcome (check poll first)."""
         return await _wait(self._waiters, request_id, peer, timeout_s)
 
+    def outcome_future(self, request_id: str, timeout_s: float | None) -> asyncio.Future[Outcome]:
+        """The future of `request_id`'s next outcome (from any peer), for a request started
+        without a coroutine waiting on it (AsyncClient.start_send / start_recv). After
+        `timeout_s` it fails with TimeoutError and leaves nothing here; so does a refusal
+        (drop_waiter). Cancelled by the engine, it stays until the request's outcome."""
+        loop = asyncio.get_running_loop()
+        waiter: _Waiter[Outcome] = (None, loop.create_future())
+        self._waiters.setdefault(request_id, []).append(waiter)
+        if timeout_s is not None:
+            timer = loop.call_later(timeout_s, self._expire, request_id, waiter[1])
+            waiter[1].add_done_callback(lambda _: timer.cancel())
+        return waiter[1]
+
+    def _expire(self, request_id: str, fut: asyncio.Future[Outcome]) -> None:
+        _time_out(fut)
+        self.drop_waiter(request_id, fut)
+
+    def drop_waiter(self, request_id: str, fut: asyncio.Future[Outcome]) -> None:
+        """Forget the wait of `fut` (an outcome_future that will not get its outcome)."""
+        pending = self._waiters.get(request_id)
+        if pending is None:
+            return
+        pending[:] = [w for w in pending if w[1] is not fut]
+        if not pending:
+            del self._waiters[request_id]
+
     async def wait_released(
         self, request_id: str, peer: str | None, timeout_s: float | None
     ) -> Released:
