@@ -6,8 +6,9 @@ pool in shared memory, registers it with its daemon through kvxferd.client, runs
 requests and prints one JSON object (its records) on stdout.
 
 Coordination is generation-first, over a pipe the driver creates between the two engines:
-the generation engine zeroes request i's destination blocks and posts `recv` for it, then
-writes "slot request_id" to the pipe; the context engine then fills request i's source
+the generation engine zeroes request i's destination blocks and posts `recv` for it (started,
+not awaited: AsyncClient.start_recv), then writes "slot request_id" to the pipe without
+waiting for its daemon's reply; the context engine then fills request i's source
 blocks (not timed), records t_send just before `send`, and the generation engine
 records t_done when the outcome arrives. Latency = t_done - t_send (time.monotonic_ns is one
 clock for every process of the machine). Every byte is verified after t_done, not timed.
