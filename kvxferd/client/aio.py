@@ -562,24 +562,24 @@ class AsyncClient:
     def _start(
         self, msg: Recv | Send, request_id: str, took: IdKey | None, timeout_s: float | None
     ) -> asyncio.Future[Outcome]:
+        """As _call, but returning the outcome's future: `took` is given back if the call
+        does not go out."""
         try:
             self._check_connected()
-        except DaemonGoneError:
+            outcome = self._book.outcome_future(request_id, timeout_s)
+            self._started.add(msg.call_id, request_id, outcome, took)
+            try:
+                self._out.write(ENGINE_CODEC.encode(msg))
+            except (ConnectionError, OSError) as exc:
+                self._started.forget(msg.call_id)
+                self._book.drop_waiter(request_id, outcome)
+                outcome.cancel()  # never handed out; its done callback stops its timer
+                raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
+            return outcome
+        except BaseException:
             if took is not None:
                 self._book.auto_ids.discard(took)
             raise
-        outcome = self._book.outcome_future(request_id, timeout_s)
-        self._started.add(msg.call_id, request_id, outcome, took)
-        try:
-            self._out.write(ENGINE_CODEC.encode(msg))
-        except (ConnectionError, OSError) as exc:
-            self._started.forget(msg.call_id)
-            self._book.drop_waiter(request_id, outcome)
-            outcome.cancel()
-            if took is not None:
-                self._book.auto_ids.discard(took)
-            raise DaemonGoneError(f"connection to the daemon failed: {exc}") from exc
-        return outcome
 
     async def cancel(self, request_id: str, peer: str | None = None) -> str:
         """ "cancelled" (blocks are free), "busy" (a write is in flight: retry), or "finished".
