@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -149,6 +150,10 @@ class PeerManager:
         self.settle_incarnation: Callable[[PeerIdentity], Awaitable[bool]] | None = None
         # Awaited before a closed connection's agent is evicted (it may wait long).
         self.before_evict: Callable[[PeerConnection], Awaitable[None]] | None = None
+        # Agents whose metadata a handshake in progress loads (by the name its Info
+        # gives): a closed connection's eviction, which may have waited long for a drain,
+        # must not remove the agent a new connection of the same incarnation just loaded.
+        self._loading: Counter[str] = Counter()
 
     # ------------------------------------------------------------- listening
 
@@ -231,6 +236,7 @@ class PeerManager:
             else:
                 writer.close()
         finally:
+            load.done()  # registered, undone, or cancelled: no longer loading
             authenticated()
             if task is not None:
                 self._handshakes.discard(task)
@@ -347,6 +353,9 @@ class PeerManager:
 
         try:
             peer, info = await asyncio.wait_for(handshake(), self.timings.handshake_s)
+        except asyncio.CancelledError:
+            load.done()
+            raise
         except asyncio.TimeoutError as exc:
             writer.close()
             await load.undo()
@@ -366,9 +375,12 @@ class PeerManager:
                 shown(exc, TEXT_LIMIT, quote=False),
             )
             raise
-        conn = await self._established(
-            reader, writer, peer, info, address, load.agent, sent, dialed=True
-        )
+        try:
+            conn = await self._established(
+                reader, writer, peer, info, address, load.agent, sent, dialed=True
+            )
+        finally:
+            load.done()
         self._by_address[address] = conn
         return conn
 
@@ -503,9 +515,17 @@ class PeerManager:
                 # agent: NIXL forgets the handles of an evicted agent while UCX's bytes
                 # stay in our socket, so the eviction waits for them.
                 await self.before_evict(conn)
-            if not any(c.agent_name == conn.agent_name for c in self.connections.values()):
+            if not self._agent_in_use(conn.agent_name):
                 with contextlib.suppress(KvxferdError):
                     await self._dp.call(self._dp.backend.remove_peer, conn.agent_name)
+
+    def _agent_in_use(self, agent: str) -> bool:
+        """Whether a live connection uses `agent`, or a handshake is loading it. Checked on
+        the loop's thread right before the eviction is queued: a load that starts after it
+        queues its own call behind the eviction on the data-plane thread."""
+        return self._loading[agent] > 0 or any(
+            c.agent_name == agent for c in self.connections.values()
+        )
 
     def _count_failure(self, exc: BaseException) -> None:
         kind = type(exc).__name__
@@ -547,6 +567,7 @@ class _AgentLoad:
     def __init__(self, manager: PeerManager) -> None:
         self._m = manager
         self.agent = ""
+        self._marked = ""  # the agent this load counts in the manager's _loading
 
     async def __call__(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
         refusal = self._m._check_info(peer, info)
@@ -555,16 +576,29 @@ class _AgentLoad:
         if refusal is not None:
             return refusal
         dp = self._m._dp
+        self.done()  # (a handshake loads once; this keeps the count right regardless)
+        self._marked = info.agent_name
+        self._m._loading[self._marked] += 1
         try:
             self.agent = await dp.call(dp.backend.add_peer, info.agent_metadata)
         except KvxferdError as exc:
             return "agent_metadata", f"cannot load the agent metadata of {peer.name}: {exc}"
         return None
 
+    def done(self) -> None:
+        """The handshake ended (its connection registered, or failed): the agent's load is
+        no longer in progress."""
+        if self._marked:
+            self._m._loading[self._marked] -= 1
+            if self._m._loading[self._marked] <= 0:
+                del self._m._loading[self._marked]
+            self._marked = ""
+
     async def undo(self) -> None:
         """The handshake failed after the load: evict the agent unless a live connection
         of the same incarnation uses it."""
         agent, self.agent = self.agent, ""
-        if agent and not any(c.agent_name == agent for c in self._m.connections.values()):
+        self.done()
+        if agent and not self._m._agent_in_use(agent):
             with contextlib.suppress(KvxferdError):
                 await self._m._dp.call(self._m._dp.backend.remove_peer, agent)
