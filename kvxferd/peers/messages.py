@@ -108,6 +108,10 @@ class Info(_Msg, tag="info"):
     # The staged runtime's receiver places each round at Result.round_offset in its
     # reservation (absent: at its start), so senders may pipeline rounds into it.
     round_offsets: bool = False
+    # UCX in this daemon may reach peers on this kernel with CMA, so a write from such a
+    # peer is the writer's own copy and ends with its handle (kvxferd/backends/cma.py);
+    # False (or absent: an older daemon) makes a writer here drain rather than cancel.
+    ucx_cma: bool = False
 
 
 class Ready(_Msg, tag="ready"):

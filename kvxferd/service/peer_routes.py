@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvxferd.backends.cma import cma_writes_here
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.errors import KvxferdError
 from kvxferd.peers import process
@@ -171,6 +172,7 @@ class PeerRoutes:
             bounce_device=d.settings.cuda_device if d.settings.kv_memory == "vram" else 0,
             round_offsets=True,  # transceiver/staged_rx.py places rounds where they say
             process=process.me(),
+            ucx_cma=cma_writes_here(self._dp.backend.name),
             wall_ms=int(time.time() * 1e3),
         )
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvxferd import PROTOCOL_VERSION, __version__
+from kvxferd.backends.cma import cma_writes_here
 from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.memory.hugepages import Pages
 from kvxferd.service.cpu_policy import current_policy
@@ -123,7 +124,12 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         # writes posted from NIXL descriptor lists prepared once per region.
         "data_plane": daemon.dataplane.counters(),
         # Writes ended in flight to another host, waited out rather than cancelled.
-        "drains": daemon.sender.writes.drains.status(),
+        "drains": {
+            **daemon.sender.writes.drains.status(),
+            # Whether a write to a peer on this host that supports it too is cancelled at
+            # once (UCX's CMA) or drained like one to another host (kvxferd/backends/cma.py).
+            "ucx_cma": cma_writes_here(daemon.settings.backend),
+        },
         # Context side: receives of other daemons waiting for the send to say whose request
         # it is (Send.peer); the first receive of each request is in `sessions`.
         "contending_receives": sum(len(s.contenders) for s in daemon.sender.sessions.values()),

@@ -17,9 +17,11 @@ source blocks stay lent and their pool registered, and the engine hears `release
 (how "drained") when the drain ends. What waits for it is what must mean "quiescent": an
 AbortAck to that receiver, an Abort we owe it, and settling its old incarnation.
 
-A write to a daemon on this kernel and pid namespace is still cancelled at once
-(cancel_may_leak): UCX moves those bytes through shared memory, where a cancelled write
-leaves nothing to land later (tests/daemon/test_faults.py, a receiver stopped mid-write).
+A write to a daemon on this kernel and pid namespace is still cancelled at once when UCX
+may move it with CMA on both ends (cancel_may_leak): the writer's own process copies the
+bytes, and a cancelled write leaves nothing to land later. Without CMA (UCX_TLS=tcp, or
+Yama's ptrace_scope) it is drained like one to another host: a receiver stopped mid-write
+lands the queued bytes when it resumes (tests/daemon/test_faults.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvxferd.backends.base import XferHandle, XferStatus
+from kvxferd.backends.cma import cma_writes_here
 from kvxferd.errors import TransferError
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.process import comparable
@@ -46,12 +49,14 @@ _POLL_MAX_S = 0.05
 _WARN_EVERY_S = 10.0
 
 
-def cancel_may_leak(conn: PeerConnection) -> bool:
-    """Whether cancelling an in-flight write to `conn`'s daemon may leave bytes that land
-    later: True unless that daemon runs on this kernel in our pid namespace. Across hosts
-    the bytes cross a network transport (UCX over TCP: our kernel's send buffer; RDMA: the
-    NIC's queue), which a cancel does not empty."""
-    return not comparable(conn.info.process)
+def cancel_may_leak(conn: PeerConnection, backend: str) -> bool:
+    """Whether cancelling an in-flight write of `backend` to `conn`'s daemon may leave
+    bytes that land later: True unless that daemon runs on this kernel in our pid
+    namespace and both ends' UCX may write with CMA (kvxferd/backends/cma.py). Across
+    hosts, and on one host without CMA, the bytes travel as messages (UCX over TCP: our
+    kernel's send buffer; its shared-memory queues; RDMA: the NIC's queue) that the
+    receiver lands when it runs, which a cancel does not take back."""
+    return not (comparable(conn.info.process) and conn.info.ucx_cma and cma_writes_here(backend))
 
 
 @dataclass(eq=False)

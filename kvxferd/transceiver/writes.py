@@ -190,7 +190,7 @@ class Writes:
         finally:
             if handle is not None:
                 in_flight = status is XferStatus.IN_PROGRESS and not handle.released
-                if in_flight and cancel_may_leak(conn):
+                if in_flight and cancel_may_leak(conn, backend.name):
                     # Ended while in flight to another host: drained, never cancelled
                     # (tx_drains.py); the request ends now with its blocks held.
                     s.draining.append(self.drains.start(s.request_id, conn, handle, s.pool))

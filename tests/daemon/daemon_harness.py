@@ -49,18 +49,23 @@ def network_device() -> str | None:
     return None
 
 
-def mpi_over_tcp(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Daemons started from now on run MPI over UCX's TCP alone (one connection per peer),
-    on a network device of this host: the configuration that keeps a peer stopped inside a
-    send from holding up other peers' receives (docs/backends-mpi.md). UCX's TCP does not
-    start MPI over loopback here. Returns the transport used ("tcp", or "shm" when this
-    host has no such device)."""
+def ucx_over_tcp(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Daemons started from now on run UCX (under NIXL, UCX or MPI) over its TCP alone, on
+    a network device of this host (UCX's TCP does not start over loopback here). Returns
+    the transport used ("tcp", or "shm" when this host has no such device)."""
     device = network_device()
     if device is None:
         return "shm"
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", device)
     return "tcp"
+
+
+def mpi_over_tcp(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Daemons started from now on run MPI over UCX's TCP alone (one connection per peer):
+    the configuration that keeps a peer stopped inside a send from holding up other peers'
+    receives (docs/backends-mpi.md). Returns the transport used (ucx_over_tcp)."""
+    return ucx_over_tcp(monkeypatch)
 
 
 def staged_backends() -> list[Any]:

@@ -47,6 +47,7 @@ from daemon_harness import (
     start_pair,
     status,
     transfer_one,
+    ucx_over_tcp,
     until,
     wait_all,
 )
@@ -261,43 +262,62 @@ def test_stale_incarnation_replaced_while_the_old_one_hangs(cluster: LocalCluste
     assert_clean(ctx)
 
 
-def test_hung_peer_declared_lost_by_heartbeat(cluster: LocalCluster) -> None:
+def test_hung_peer_declared_lost_by_heartbeat(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer that stops answering (SIGSTOP) with a write in flight: the heartbeat timeout,
-    not the 20 s deadline, ends the request; both sides recover once it runs again."""
+    not the 20 s deadline, ends the request; both sides recover once it runs again.
+
+    Run over UCX's TCP: there a write's completion needs the receiver's acknowledgement,
+    so it stays in flight while the receiver is stopped, on a wired endpoint too (over
+    UCX's shared memory the writer completes it alone with CMA once the endpoint is wired,
+    and NIXL may wire it before the first post: nothing would be in flight). Its bytes
+    wait in the sender's socket, which a cancel does not empty: the context daemon drains
+    the write (its blocks held) and the receiver keeps its blocks until that drain ends,
+    so the bytes the resumed receiver lands reach blocks still on loan."""
+    if ucx_over_tcp(monkeypatch) != "tcp":
+        pytest.skip("no network device for UCX's TCP on this host")
     cfg = _cfg(20000, heartbeat_interval_ms=300, heartbeat_timeout_ms=1500)
     ctx, gen = start_pair(cluster, **cfg)
 
     async def scenario() -> None:
         async with opened(ctx) as c, opened(gen) as g:
+            await transfer_one(ctx, c, g, "wired", 300)
             blocks = await g.recv("hung", 500, ctx.peer_address)
             await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
             gen.kill(signal.SIGSTOP)
             try:
                 await c.send("hung", 500)
-                # Under load the heartbeat may already have declared the peer lost
-                # before the write was posted: the outcome below is the same.
-                await until(
-                    lambda: (
-                        status(ctx)["open_transfer_handles"] == 1
-                        or c.client.poll("hung") is not None
-                    ),
-                    what="the write (or its end)",
-                )
                 o = await c.client.wait("hung", timeout_s=10)
                 assert (o.status, o.reason, o.fault) == ("failed", "peer_lost", "peer"), o
                 assert "heartbeat" in o.message, o
-                assert status(ctx)["open_transfer_handles"] == 0
+                # In flight when the request ended: drained, never cancelled.
+                assert o.blocks_held, o
+                doc = status(ctx)
+                assert doc["open_transfer_handles"] == 1, doc
+                assert doc["drains"]["active"] == 1, doc["drains"]
+                assert c.client.released("hung") is None
                 assert peer_names(ctx) == []
-                clear_blocks(g.pool, g.layout, blocks)
             finally:
                 gen.kill(signal.SIGCONT)
+            # Resumed, the receiver lands the write: the drain ends, the blocks come back.
+            sent_back = await c.client.wait_released("hung", timeout_s=10)
+            assert sent_back.how == "drained", sent_back
             got = await g.client.wait("hung", timeout_s=10)
             assert (got.status, got.fault) == ("failed", "peer"), got
-            assert blocks_untouched(g, blocks), "a write landed after the peer was declared lost"
+            assert got.blocks_held, got
+            await g.client.wait_released("hung", timeout_s=10)
+            # Fenced: nothing of that write can land any more.
+            doc = status(ctx)
+            assert doc["open_transfer_handles"] == 0, doc
+            assert doc["drains"]["active"] == 0, doc["drains"]
+            assert doc["drains"]["ended_total"] == {"DONE": 1}, doc["drains"]
+            clear_blocks(g.pool, g.layout, blocks)
             await g.client.release("hung")
             await c.client.release("hung")
             # The generation daemon dials again and the pair works.
             await transfer_one(ctx, c, g, "after-hang", 300)
+            assert blocks_untouched(g, blocks), "a write landed after its blocks were fenced"
 
     asyncio.run(scenario())
     logged(ctx, "gen", "declaring it lost")

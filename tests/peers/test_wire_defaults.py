@@ -153,6 +153,8 @@ def test_an_old_peers_info_decodes_with_host_memory_everywhere() -> None:
     assert isinstance(new, Info)
     assert (new.bounce_memory, new.bounce_device, new.wall_ms) == ("host", 0, 1234)
     assert new.process == ProcessInfo("boot", "ns", 42, 7)
+    # An old peer never said its UCX may use CMA: a writer here drains rather than cancels.
+    assert new.ucx_cma is False
     (pool,) = new.pools
     assert isinstance(pool, PoolInfo)
     assert (pool.pool_id, pool.base, pool.nbytes) == ("p0", 0x1000, 4096)

@@ -1,0 +1,110 @@
+"""Whether UCX in this process writes to peers on this kernel with CMA, and so whether a
+cancelled write to such a peer is over when its handle is released.
+
+Between two processes of one kernel UCX moves a one-sided put in one of two ways. With
+CMA (cross-memory attach, process_vm_writev) the writer's own process copies into the
+receiver's memory: a write into a stopped receiver completes, and a released handle leaves
+nothing behind. Without CMA (UCX_TLS leaving it out, Yama's ptrace_scope refusing it, or a
+seccomp filter refusing process_vm_writev: UCX checks the last two and turns CMA off) a put
+travels as messages, through UCX's shared-memory queues or its TCP sockets, that the
+receiver's UCX copies into place when it runs: after the sender released the handle, a
+stopped receiver that resumes still lands those bytes (seen over TCP:
+tests/daemon/test_faults.py, a receiver stopped mid-write). Such a write must be drained
+like one to another host (transceiver/tx_drains.py).
+
+Both ends must offer CMA for UCX to use it, so each daemon announces its own
+(Info.ucx_cma) and a sender cancels at once only when both do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from functools import cache
+
+# Backends whose one-sided writes UCX moves (NIXL through its UCX plugin).
+UCX_BACKENDS = frozenset({"NIXL", "UCX"})
+PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+# UCX_TLS names that include CMA: its own, the shared-memory aliases and "all".
+_WITH_CMA = frozenset({"cma", "sm", "shm", "all"})
+_CAP_SYS_PTRACE = 19
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _names(tls: str) -> set[str]:
+    # "tcp:aux" names a transport used only for wire-up; either way it is that transport.
+    return {n.split(":")[0].strip().lower() for n in tls.split(",") if n.strip()}
+
+
+def tls_allows_cma(tls: str | None) -> bool:
+    """Whether UCX_TLS = `tls` (None or empty: UCX's default, every transport) lets UCX use
+    CMA."""
+    if tls is None or not tls.strip():
+        return True
+    value = tls.strip()
+    if value.startswith("^"):
+        return not (_names(value[1:]) & (_WITH_CMA - {"all"}))
+    return bool(_names(value) & _WITH_CMA)
+
+
+def _has_cap_sys_ptrace(status_path: str = "/proc/self/status") -> bool:
+    try:
+        with open(status_path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def ptrace_allows_cma(path: str = PTRACE_SCOPE, status_path: str = "/proc/self/status") -> bool:
+    """Whether Yama lets UCX use CMA, as UCX itself decides: scope 0 yes; 1 yes (UCX
+    declares any process its ptracer); 2 only with CAP_SYS_PTRACE; 3 never."""
+    try:
+        with open(path, encoding="ascii") as f:
+            scope = f.read().strip()
+    except FileNotFoundError:
+        return True  # no Yama: process_vm_writev needs only the same user
+    except OSError:
+        return False  # unknown: say no, which costs only a drain
+    if scope in ("0", "1"):
+        return True
+    return scope == "2" and _has_cap_sys_ptrace(status_path)
+
+
+def writev_works() -> bool:
+    """Whether process_vm_writev works here at all (a seccomp filter may refuse it): UCX
+    tries it on its own process before offering CMA, and so does this."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    src, dst = ctypes.c_uint64(1), ctypes.c_uint64(0)
+    local = _IoVec(ctypes.cast(ctypes.pointer(src), ctypes.c_void_p), 8)
+    remote = _IoVec(ctypes.cast(ctypes.pointer(dst), ctypes.c_void_p), 8)
+    try:
+        fn = libc.process_vm_writev
+    except AttributeError:
+        return False
+    fn.restype = ctypes.c_ssize_t
+    done = fn(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return bool(done == 8 and dst.value == 1)
+
+
+def cma_writes(backend: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `backend`'s writes to and from peers on this kernel may go by CMA here."""
+    env = os.environ if env is None else env
+    return (
+        backend in UCX_BACKENDS
+        and tls_allows_cma(env.get("UCX_TLS"))
+        and ptrace_allows_cma()
+        and writev_works()
+    )
+
+
+@cache
+def cma_writes_here(backend: str) -> bool:
+    """cma_writes for this process's environment (read once: it does not change)."""
+    return cma_writes(backend)

@@ -1,0 +1,122 @@
+"""Whether a write to a peer on this kernel may go by UCX's CMA (kvxferd/backends/cma.py):
+what decides between cancelling an in-flight write at once and draining it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxferd.backends import cma
+from kvxferd.peers.messages import Info
+from kvxferd.peers.process import ProcessInfo, me
+from kvxferd.transceiver import tx_drains
+
+
+@pytest.mark.parametrize(
+    ("tls", "allowed"),
+    [
+        (None, True),
+        ("", True),
+        ("  ", True),
+        ("all", True),
+        ("cma", True),
+        ("tcp,cma", True),
+        ("sm", True),
+        ("shm,tcp", True),
+        ("^mm", True),  # posix and sysv out, CMA kept
+        ("^tcp", True),
+        ("tcp", False),
+        ("tcp,self", False),
+        ("posix,sysv,self", False),
+        ("^cma", False),
+        ("^sm", False),
+        ("^shm,tcp", False),
+        ("^tcp,CMA", False),
+        ("tcp:aux,posix", False),
+    ],
+)
+def test_ucx_tls_decides_whether_cma_may_carry_writes(tls: str | None, allowed: bool) -> None:
+    assert cma.tls_allows_cma(tls) is allowed
+
+
+@pytest.mark.parametrize(
+    ("scope", "cap_eff", "allowed"),
+    [
+        ("0\n", "0000000000000000", True),
+        ("1\n", "0000000000000000", True),  # UCX declares any process its ptracer
+        ("2", "0000000000000000", False),
+        ("2", "0000000000080000", True),  # CAP_SYS_PTRACE (bit 19)
+        ("3", "000001ffffffffff", False),
+    ],
+)
+def test_yamas_ptrace_scope_decides_as_ucx_does(
+    tmp_path: Path, scope: str, cap_eff: str, allowed: bool
+) -> None:
+    path = tmp_path / "ptrace_scope"
+    path.write_text(scope)
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tkvxferd\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
+    assert cma.ptrace_allows_cma(str(path), str(status)) is allowed
+
+
+def test_without_yama_cma_is_allowed_and_an_unreadable_scope_is_not(tmp_path: Path) -> None:
+    assert cma.ptrace_allows_cma(str(tmp_path / "absent")) is True
+    assert cma.ptrace_allows_cma(str(tmp_path)) is False  # a directory: unreadable, say no
+
+
+def test_process_vm_writev_works_on_this_host() -> None:
+    # Real, not faked: the daemons' tests on this host write with CMA.
+    assert cma.writev_works() is True
+
+
+def test_only_ucx_backends_may_write_with_cma(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
+    monkeypatch.setattr(cma, "writev_works", lambda: True)
+    assert cma.cma_writes("NIXL", {}) is True
+    assert cma.cma_writes("UCX", {"UCX_TLS": "^tcp"}) is True
+    assert cma.cma_writes("NIXL", {"UCX_TLS": "tcp"}) is False
+    assert cma.cma_writes("MOONCAKE", {}) is False  # its own TCP
+    assert cma.cma_writes("MPI", {}) is False  # two-sided; never posts one-sided writes
+    monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: False)
+    assert cma.cma_writes("NIXL", {}) is False
+    monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
+    monkeypatch.setattr(cma, "writev_works", lambda: False)  # seccomp refusing it
+    assert cma.cma_writes("NIXL", {}) is False
+
+
+class _Conn:
+    def __init__(self, info: Info) -> None:
+        self.info = info
+
+
+def _conn(*, here: bool, ucx_cma: bool) -> Any:
+    """A connection to a daemon on this kernel (`here`) or not, that said `ucx_cma`."""
+    info = Info(
+        agent_name="gen",
+        agent_metadata=b"",
+        pools=[],
+        fingerprint="",
+        compat={},
+        transceiver={},
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        context_parallel_size=1,
+        process=me() if here else ProcessInfo(),
+        ucx_cma=ucx_cma,
+    )
+    return _Conn(info)
+
+
+def test_a_write_is_cancelled_at_once_only_with_cma_on_both_ends_of_one_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tx_drains, "cma_writes_here", lambda backend: backend == "NIXL")
+    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=True), "NIXL") is False
+    # The receiver's UCX without CMA (or too old to say): its UCX lands queued messages.
+    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=False), "NIXL") is True
+    # Ours without CMA (a backend other than UCX's, or UCX_TLS leaving it out).
+    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=True), "MOONCAKE") is True
+    # Another kernel or pid namespace: a network transport, whatever either end says.
+    assert tx_drains.cancel_may_leak(_conn(here=False, ucx_cma=True), "NIXL") is True
