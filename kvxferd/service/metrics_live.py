@@ -163,10 +163,11 @@ def _dial_backoff_families(backoff: DialBackoff) -> Iterable[Metric]:
 
 
 def _drain_families(drains: Drains) -> Iterable[Metric]:
-    """Writes to another host that ended in flight, waited out (transceiver/tx_drains.py)."""
+    """Writes that ended in flight and could still land, waited out (transceiver/tx_drains.py)."""
     yield _gauge(
         "kvxferd_drained_writes",
-        "Writes that ended in flight to another host, not released until the transport "
+        "Writes that ended in flight to another host (or to one on this host without UCX's "
+        "CMA), not released until the transport "
         "reports them done or failed (their send's blocks stay lent).",
         len(drains.active),
     )

@@ -123,7 +123,7 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         # The small-request fast paths: backend calls made on the event loop's thread, and
         # writes posted from NIXL descriptor lists prepared once per region.
         "data_plane": daemon.dataplane.counters(),
-        # Writes ended in flight to another host, waited out rather than cancelled.
+        # Writes ended in flight that could still land, waited out rather than cancelled.
         "drains": {
             **daemon.sender.writes.drains.status(),
             # Whether a write to a peer on this host that supports it too is cancelled at

@@ -159,7 +159,7 @@ class TxSession(_Session):
     contenders: list[TxLeg] = field(default_factory=list)
     # Receivers the send turned away, to be told (by the session's task) before it works.
     turned_away: list[tuple[TxLeg, str, str]] = field(default_factory=list)
-    # Its write that ended in flight to another host, drained (transceiver/tx_drains.py).
+    # Its write that ended in flight and could still land, drained (transceiver/tx_drains.py).
     draining: list[Drain] = field(default_factory=list)
 
     @property

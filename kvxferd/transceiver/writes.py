@@ -116,7 +116,7 @@ class Writes:
         self.open_handles = 0  # posted writes not yet confirmed quiescent
         # Told (wire seconds from post to done, descriptors) of each completed write.
         self.on_write_done: Callable[[float, int], None] | None = None
-        # Writes ended in flight to another host, waited out rather than cancelled.
+        # Writes ended in flight that could still land, waited out rather than cancelled.
         self.drains = Drains(self._poll, self._release)
 
     @property
@@ -191,7 +191,7 @@ class Writes:
             if handle is not None:
                 in_flight = status is XferStatus.IN_PROGRESS and not handle.released
                 if in_flight and cancel_may_leak(conn, backend.name):
-                    # Ended while in flight to another host: drained, never cancelled
+                    # Ended while in flight where a cancel may leak: drained, never cancelled
                     # (tx_drains.py); the request ends now with its blocks held.
                     s.draining.append(self.drains.start(s.request_id, conn, handle, s.pool))
                 else:

@@ -4,14 +4,10 @@ what decides between cancelling an in-flight write at once and draining it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvxferd.backends import cma
-from kvxferd.peers.messages import Info
-from kvxferd.peers.process import ProcessInfo, me
-from kvxferd.transceiver import tx_drains
 
 
 @pytest.mark.parametrize(
@@ -84,39 +80,3 @@ def test_only_ucx_backends_may_write_with_cma(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
     monkeypatch.setattr(cma, "writev_works", lambda: False)  # seccomp refusing it
     assert cma.cma_writes("NIXL", {}) is False
-
-
-class _Conn:
-    def __init__(self, info: Info) -> None:
-        self.info = info
-
-
-def _conn(*, here: bool, ucx_cma: bool) -> Any:
-    """A connection to a daemon on this kernel (`here`) or not, that said `ucx_cma`."""
-    info = Info(
-        agent_name="gen",
-        agent_metadata=b"",
-        pools=[],
-        fingerprint="",
-        compat={},
-        transceiver={},
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        context_parallel_size=1,
-        process=me() if here else ProcessInfo(),
-        ucx_cma=ucx_cma,
-    )
-    return _Conn(info)
-
-
-def test_a_write_is_cancelled_at_once_only_with_cma_on_both_ends_of_one_kernel(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(tx_drains, "cma_writes_here", lambda backend: backend == "NIXL")
-    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=True), "NIXL") is False
-    # The receiver's UCX without CMA (or too old to say): its UCX lands queued messages.
-    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=False), "NIXL") is True
-    # Ours without CMA (a backend other than UCX's, or UCX_TLS leaving it out).
-    assert tx_drains.cancel_may_leak(_conn(here=True, ucx_cma=True), "MOONCAKE") is True
-    # Another kernel or pid namespace: a network transport, whatever either end says.
-    assert tx_drains.cancel_may_leak(_conn(here=False, ucx_cma=True), "NIXL") is True

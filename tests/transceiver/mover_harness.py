@@ -103,7 +103,10 @@ def peer_conn(
             bounce_device=bounce_device,
             transport_address="",
             round_offsets=False,  # one round per reservation: one post to look at
-            process=me(),  # a daemon of this host: a write in flight is cancelled, not drained
+            # A daemon of this host whose UCX takes CMA writes, as ours does (the backend's
+            # name is NIXL): a write in flight is cancelled, not drained.
+            process=me(),
+            ucx_cma=True,
         ),
         agent_name="gen",
         regions=((info.base, info.nbytes),) if writable else (),

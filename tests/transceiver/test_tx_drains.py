@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from kvxferd.backends.base import XferHandle, XferStatus
 from kvxferd.errors import TransferError
 from kvxferd.peers import process
+from kvxferd.transceiver import tx_drains
 from kvxferd.transceiver.sessions import TxSession
 from kvxferd.transceiver.tx_drains import Drain, Drains, cancel_may_leak
 
@@ -42,9 +45,11 @@ class Backend:
         self.released.append(request_id)
 
 
-def conn(name: str = "gen0", incarnation: str = "i1", proc: Any = None) -> Any:
+def conn(
+    name: str = "gen0", incarnation: str = "i1", proc: Any = None, ucx_cma: bool = True
+) -> Any:
     peer = SimpleNamespace(name=name, incarnation=incarnation)
-    return SimpleNamespace(peer=peer, info=SimpleNamespace(process=proc))
+    return SimpleNamespace(peer=peer, info=SimpleNamespace(process=proc, ucx_cma=ucx_cma))
 
 
 def handle() -> XferHandle:
@@ -133,13 +138,30 @@ def test_shutdown_lets_waiters_go_without_a_release() -> None:
     asyncio.run(run())
 
 
-def test_only_a_peer_on_another_kernel_or_pid_namespace_may_leak() -> None:
+def test_only_a_peer_on_another_kernel_or_pid_namespace_may_leak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With UCX's CMA on both ends (kvxferd/backends/cma.py): the peer's process decides."""
+    monkeypatch.setattr(tx_drains, "cma_writes_here", lambda backend: True)
     me = process.me()
     here = process.ProcessInfo(me.boot_id, me.pid_ns, os.getpid(), 1)
-    assert not cancel_may_leak(conn(proc=here))
-    assert cancel_may_leak(conn(proc=process.ProcessInfo("another-boot", me.pid_ns, 1, 1)))
-    assert cancel_may_leak(conn(proc=process.ProcessInfo(me.boot_id, "pid:[1]", 1, 1)))
-    assert cancel_may_leak(conn(proc=None))  # unknown: assumed remote
+    assert not cancel_may_leak(conn(proc=here), "NIXL")
+    assert cancel_may_leak(conn(proc=process.ProcessInfo("another-boot", me.pid_ns, 1, 1)), "NIXL")
+    assert cancel_may_leak(conn(proc=process.ProcessInfo(me.boot_id, "pid:[1]", 1, 1)), "NIXL")
+    assert cancel_may_leak(conn(proc=None), "NIXL")  # unknown: assumed remote
+
+
+def test_on_one_kernel_a_write_is_cancelled_at_once_only_with_cma_on_both_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    me = process.me()
+    here = process.ProcessInfo(me.boot_id, me.pid_ns, os.getpid(), 1)
+    monkeypatch.setattr(tx_drains, "cma_writes_here", lambda backend: backend == "NIXL")
+    assert not cancel_may_leak(conn(proc=here), "NIXL")
+    # The receiver's UCX without CMA (or too old to say): it lands queued messages later.
+    assert cancel_may_leak(conn(proc=here, ucx_cma=False), "NIXL")
+    # Ours without CMA (Mooncake's own TCP here; or UCX_TLS leaving CMA out).
+    assert cancel_may_leak(conn(proc=here), "MOONCAKE")
 
 
 def test_memory_a_drained_write_reads_goes_back_when_every_drain_ended() -> None:
