@@ -23,10 +23,11 @@ released and wait_released take an optional `peer`. Left out, they mean the only
 request of the id, and raise CallError `ambiguous_request` when there are several.
 """
 
-from kvxferd.client.aio import AsyncClient, host_pool
+from kvxferd.client.aio import AsyncClient
 from kvxferd.client.blocking import Client
 from kvxferd.client.book import Released
 from kvxferd.client.errors import CallError, DaemonGoneError
+from kvxferd.client.pool_calls import host_pool
 from kvxferd.transceiver.state import Outcome
 
 __all__ = [
