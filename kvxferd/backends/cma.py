@@ -35,7 +35,8 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _names(tls: str) -> set[str]:
+def tls_names(tls: str) -> set[str]:
+    """The transport names in a UCX_TLS list (without its leading "^"), lower case."""
     # "tcp:aux" names a transport used only for wire-up; either way it is that transport.
     return {n.split(":")[0].strip().lower() for n in tls.split(",") if n.strip()}
 
@@ -47,8 +48,8 @@ def tls_allows_cma(tls: str | None) -> bool:
         return True
     value = tls.strip()
     if value.startswith("^"):
-        return not (_names(value[1:]) & (_WITH_CMA - {"all"}))
-    return bool(_names(value) & _WITH_CMA)
+        return not (tls_names(value[1:]) & (_WITH_CMA - {"all"}))
+    return bool(tls_names(value) & _WITH_CMA)
 
 
 def _has_cap_sys_ptrace(status_path: str = "/proc/self/status") -> bool:

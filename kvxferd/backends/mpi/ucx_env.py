@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, MutableMapping
 
+from kvxferd.backends.cma import tls_names
+
 NETMOD_CVAR = "MPIR_CVAR_CH4_NETMOD"
 DEFAULT_NETMOD = "ucx"
 PACK_BUFFER_CVAR = "MPIR_CVAR_CH4_PACK_BUFFER_SIZE"
@@ -50,11 +52,6 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 2
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
 
 
-def _names(tls: str) -> set[str]:
-    # "tcp:aux" names a transport used only for wire-up; either way it is that transport.
-    return {n.split(":")[0].strip().lower() for n in tls.split(",") if n.strip()}
-
-
 def shared_memory_tls(tls: str | None) -> bool:
     """Whether UCX_TLS = `tls` (None or empty: UCX's default, every transport) lets UCX carry
     messages between processes of one host through its shared-memory receive queues."""
@@ -62,9 +59,9 @@ def shared_memory_tls(tls: str | None) -> bool:
         return True
     value = tls.strip()
     if value.startswith("^"):
-        excluded = _names(value[1:])
+        excluded = tls_names(value[1:])
         return not (excluded & _SHM_GROUPS or excluded >= _SHM_BUILT)
-    named = _names(value)
+    named = tls_names(value)
     return bool(named & (_SHM_GROUPS | _SHM_TRANSPORTS | {"all"}))
 
 
