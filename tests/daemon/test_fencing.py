@@ -172,7 +172,7 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
                 clear_blocks(g.pool, g.layout, blocks)
                 await g.client.recv(rid, g.pool_id, blocks, ctx1.peer_address, BIG * TPB)
                 wait_for(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1}, what="request")
-                await c1.send(rid, BIG * TPB)
+                sent = await c1.send(rid, BIG * TPB)
                 # Stopped first even when it is to be killed: a write that finished
                 # before the signal landed can then be let finish and tried again.
                 cut = await stop_mid_write(ctx1, g, blocks)
@@ -185,9 +185,11 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
                 if o.blocks_held:
                     await g.client.wait_released(rid, timeout_s=30)
                 await g.client.release(rid)
-                await c1.client.wait(rid, timeout_s=30)
+                if (await c1.client.wait(rid, timeout_s=30)).blocks_held:
+                    await c1.client.wait_released(rid, timeout_s=30)
                 await c1.client.release(rid)
                 g.alloc.give(blocks)
+                c1.alloc.give(sent)  # the next attempt takes as many again
             assert cut, "the writer finished every write before it could be stopped"
             o: Outcome = await g.client.wait(rid, timeout_s=15)
             assert o.status in ("failed", "timed_out"), o
