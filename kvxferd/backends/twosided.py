@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
@@ -76,8 +77,17 @@ def connect_failures(
     except lost as exc:
         raise PeerLostError(
             f"{transport} connect to {peer_key} at {address} failed ({why(exc)}); "
-            "is the peer running?"
+            f"is the peer running?{_devices_hint(os.environ)}"
         ) from exc
+
+
+def _devices_hint(env: Mapping[str, str]) -> str:
+    """A hint for an operator who limited UCX to some devices: an address none of them
+    reaches (loopback with UCX_NET_DEVICES naming a NIC, seen) fails as unreachable."""
+    devices = env.get("UCX_NET_DEVICES", "").strip()
+    if not devices or devices.lower() == "all":
+        return ""
+    return f" (UCX_NET_DEVICES={devices} here: UCX reaches only addresses on those devices)"
 
 
 def lent_until(exc: BaseException) -> asyncio.Future[Any] | None:
