@@ -391,10 +391,18 @@ def test_engine_disconnects_with_requests_in_flight(cluster: LocalCluster) -> No
     asyncio.run(serve_once(ctx, gen, "after-disconnect"))
 
 
-def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
-    """The ctx engine goes away while a write from its pool is in flight (the gen daemon
-    SIGSTOPped before the first write, as in the busy-cancel test): the ctx daemon fails
-    the send, quiesces the write before it lets the pool go, and tells the gen side."""
+def test_context_engine_disconnects_mid_write(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ctx engine goes away while a write from its pool is in flight: the ctx daemon
+    fails the send, keeps the pool until the write is quiescent, and tells the gen side.
+
+    Over UCX's TCP (see test_hung_peer_declared_lost_by_heartbeat), with the generation
+    daemon SIGSTOPped, the write stays in flight and is drained: the pool stays mapped
+    under a held name while the write may still read it, and the gen side's Abort goes
+    out once the drain ended, so its receive ends with nothing held."""
+    if ucx_over_tcp(monkeypatch) != "tcp":
+        pytest.skip("no network device for UCX's TCP on this host")
     cfg = _cfg(10000, heartbeat_timeout_ms=30000)
     ctx, gen = start_pair(cluster, **cfg)
 
@@ -402,6 +410,7 @@ def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
         async with opened(gen) as g:
             c = await SimEngine.open(ctx)
             try:
+                await transfer_one(ctx, c, g, "wired", 300)
                 await g.recv("orphan", 500, ctx.peer_address)
                 await until(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
                 gen.kill(signal.SIGSTOP)
@@ -409,22 +418,31 @@ def test_context_engine_disconnects_mid_write(cluster: LocalCluster) -> None:
                     await c.send("orphan", 500)
                     await until(lambda: status(ctx)["open_transfer_handles"] == 1, what="write")
                     await c.close(deregister=False)
-                    await until(
-                        lambda: (
-                            (doc := status(ctx))["engines"] == 0
-                            and doc["pools"] == []
-                            and doc["open_transfer_handles"] == 0
-                            and doc["sessions"] == {"send": {}, "recv": {}}
-                        ),
-                        timeout_s=5,
-                        what="ctx quiesced and dropped the engine",
-                    )
+                    await until(lambda: status(ctx)["engines"] == 0, what="the engine gone")
+                    # Its send failed; its write still reads the pool: kept, out of reach.
+                    doc = status(ctx)
+                    assert doc["sessions"] == {"send": {}, "recv": {}}, doc["sessions"]
+                    assert doc["open_transfer_handles"] == 1 and doc["drains"]["active"] == 1, doc
+                    (held,) = doc["pools"]
+                    assert held.startswith("pool0@held"), doc["pools"]
                 finally:
                     gen.kill(signal.SIGCONT)
+                await until(
+                    lambda: (
+                        (doc := status(ctx))["pools"] == []
+                        and doc["open_transfer_handles"] == 0
+                        and doc["drains"]["active"] == 0
+                    ),
+                    what="ctx quiesced the write and dropped the pool",
+                )
+                assert status(ctx)["drains"]["ended_total"] == {"DONE": 1}
             finally:
                 with contextlib.suppress(Exception):
                     await c.close(deregister=False)
-            await _ended(g, "orphan", 10, "engine_disconnected", status="failed", fault="peer")
+            got = await g.client.wait("orphan", timeout_s=10)
+            assert (got.status, got.fault) == ("failed", "peer"), got
+            assert "engine_disconnected" in got.message and not got.blocks_held, got
+            await g.client.release("orphan")
 
     asyncio.run(scenario())
     logged(ctx, "orphan", "engine_disconnected")
