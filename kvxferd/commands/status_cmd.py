@@ -213,10 +213,17 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append("  held: none")
     drains = doc.get("drains") or {}
     if drains.get("active"):
-        # Writes to another host that ended in flight: their sends' blocks stay lent.
+        # Writes that ended in flight and could still land: their sends' blocks stay lent.
         lines.append(
             f"  drained writes: {drains['active']} still in flight after their request "
             "ended (their sends' blocks stay lent until the transport ends them)"
+        )
+    if drains.get("ucx_cma") is False and doc.get("role") in ("context", "both"):
+        # An operator who set UCX_TLS=tcp on one host should know what it costs.
+        lines.append(
+            "  writes to peers on this host: drained, not cancelled, when their request ends "
+            "in flight (UCX cannot use CMA here: UCX_TLS, ptrace_scope or seccomp, or the "
+            "backend is not UCX's)"
         )
     bounce = doc.get("bounce")
     if bounce:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from cli_harness import kvxferd
 from ops_harness import http_get
@@ -88,3 +89,15 @@ def test_the_summary_says_unhealthy_only_with_a_health_problem() -> None:
     text = summary({**doc, "health_problem": "transport: nothing from peer 'ctx2/7' for 75s"})
     line = next(line for line in text.splitlines() if "UNHEALTHY" in line)
     assert "a restart clears it" in line and "'ctx2/7' for 75s" in line
+
+
+def test_the_summary_says_when_same_host_writes_are_drained() -> None:
+    """A context daemon whose UCX cannot use CMA (UCX_TLS=tcp, say) drains, rather than
+    cancels, a write to a peer on its host that ends in flight (kvxferd/backends/cma.py)."""
+    doc: dict[str, Any] = {"name": "ctx", "role": "context", "ready": True}
+    needle = "writes to peers on this host: drained, not cancelled"
+    assert needle in summary({**doc, "drains": {"active": 0, "ucx_cma": False}})
+    assert needle not in summary({**doc, "drains": {"active": 0, "ucx_cma": True}})
+    assert needle not in summary({**doc, "drains": {"active": 0}})  # an older daemon
+    gen = {**doc, "role": "generation", "drains": {"active": 0, "ucx_cma": False}}
+    assert needle not in summary(gen)  # it writes into nobody
