@@ -342,7 +342,8 @@ class Receiver:
             assert conn is not None and s.pool is not None
             if s.terminal is not None:
                 return
-            await self._await_sources(s, deadline)
+            if len(s.legs) > 1:  # only a head-merge waits for its sources' pools
+                await self._await_sources(s, deadline)
             problem = source_problem(s.pool, s.legs, False, self.pipelined)
             if problem is not None:
                 s.request_end(Terminal.local(Status.FAILED, Reason.BLOCK_MISMATCH, problem))

@@ -238,7 +238,8 @@ class Sender:
     async def _run(self, s: TxSession) -> None:
         try:
             while s.terminal is None:
-                await self._matching.tell_turned_away(s)
+                if s.turned_away:  # checked here: a coroutine call a request costs ~1 us
+                    await self._matching.tell_turned_away(s)
                 await self._matching.refuse_strangers(s)
                 work = self._next_slice(s)
                 if work is None:
@@ -299,7 +300,8 @@ class Sender:
     async def _finish(self, s: TxSession) -> None:
         term = s.terminal
         assert term is not None
-        await self._matching.tell_turned_away(s)
+        if s.turned_away:
+            await self._matching.tell_turned_away(s)
         # The peers are always told, once the write is quiescent: now, or for a drained
         # write when its drain ends (an Abort says nothing more of it can land).
         if term.status != Status.DONE and s.request and s.conn and not s.peer_told:

@@ -149,7 +149,8 @@ class Writes:
         status = XferStatus.ERROR
         handle: XferHandle | None = None
         try:
-            await conn.fresh()  # post_refusal, on the data-plane thread, judges the answer
+            if conn.stale:  # (fresh() is True at once otherwise: no coroutine for that)
+                await conn.fresh()  # post_refusal, on the data-plane thread, judges it
             posted = time.monotonic()
             # `is` first: both are the HOST constant on the host path, and a dataclass's
             # == is a Python call. Decided once here; the post is told (None: host to host).
@@ -179,7 +180,8 @@ class Writes:
             if on_posted is not None:
                 on_posted()
             device = local_memory.on_device or remote_memory.on_device
-            status = await self._wait(s, handle, status, conn, device)
+            if status is XferStatus.IN_PROGRESS:  # a small post often completes inline
+                status = await self._wait(s, handle, status, conn, device)
             if status is XferStatus.DONE and self.on_write_done is not None:
                 self.on_write_done(time.monotonic() - posted, len(local))
             if status is XferStatus.ERROR and s.terminal is None:
@@ -196,7 +198,10 @@ class Writes:
                     s.draining.append(self.drains.start(s.request_id, conn, handle, s.pool))
                 else:
                     # Until the backend confirms the release, the blocks stay on loan.
-                    await self._release(handle, s.request_id)
+                    if handle.released:  # an inline completion was released in the post
+                        self.open_handles -= 1
+                    else:
+                        await self._release(handle, s.request_id)
                 s.xfers.remove(handle)
             s.posting -= 1
 
