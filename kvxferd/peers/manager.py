@@ -218,6 +218,9 @@ class PeerManager:
         try:
             peer, info = await asyncio.wait_for(handshake(), self.timings.handshake_s)
             await self._established(reader, writer, peer, info, label, load.agent, sent)
+        except asyncio.CancelledError:
+            await load.undo()
+            raise
         except (KvxferdError, OSError, asyncio.TimeoutError) as exc:
             await load.undo()
             self._count_failure(exc)
@@ -354,7 +357,7 @@ class PeerManager:
         try:
             peer, info = await asyncio.wait_for(handshake(), self.timings.handshake_s)
         except asyncio.CancelledError:
-            load.done()
+            await load.undo()
             raise
         except asyncio.TimeoutError as exc:
             writer.close()
@@ -595,10 +598,15 @@ class _AgentLoad:
             self._marked = ""
 
     async def undo(self) -> None:
-        """The handshake failed after the load: evict the agent unless a live connection
-        of the same incarnation uses it."""
-        agent, self.agent = self.agent, ""
+        """The handshake failed after the load began: evict the agent unless a live
+        connection of the same incarnation uses it or another handshake is loading it.
+        Also when the load itself failed or was cut short: a closed connection's eviction
+        may have left that agent to this load (_agent_in_use), and no one else evicts it."""
+        agent = self.agent or self._marked
+        self.agent = ""
         self.done()
         if agent and not self._m._agent_in_use(agent):
-            with contextlib.suppress(KvxferdError):
+            # RuntimeError: the data plane closed (shutdown cancels handshakes): nothing
+            # left to evict from.
+            with contextlib.suppress(KvxferdError, RuntimeError):
                 await self._m._dp.call(self._m._dp.backend.remove_peer, agent)
