@@ -148,6 +148,7 @@ class Writes:
         s.posting += 1
         status = XferStatus.ERROR
         handle: XferHandle | None = None
+        device = local_memory.on_device or remote_memory.on_device
         try:
             if conn.stale:  # (fresh() is True at once otherwise: no coroutine for that)
                 await conn.fresh()  # post_refusal, on the data-plane thread, judges it
@@ -179,7 +180,6 @@ class Writes:
             self.open_handles += 1
             if on_posted is not None:
                 on_posted()
-            device = local_memory.on_device or remote_memory.on_device
             if status is XferStatus.IN_PROGRESS:  # a small post often completes inline
                 status = await self._wait(s, handle, status, conn, device)
             if status is XferStatus.DONE and self.on_write_done is not None:
@@ -192,7 +192,9 @@ class Writes:
         finally:
             if handle is not None:
                 in_flight = status is XferStatus.IN_PROGRESS and not handle.released
-                if in_flight and cancel_may_leak(conn, backend.name):
+                # Device memory on either side: never CMA (host memory only), and a copy
+                # already queued on a GPU stream runs whatever the handle says.
+                if in_flight and (device or cancel_may_leak(conn, backend.name)):
                     # Ended while in flight where a cancel may leak: drained, never cancelled
                     # (tx_drains.py); the request ends now with its blocks held.
                     s.draining.append(self.drains.start(s.request_id, conn, handle, s.pool))

@@ -31,6 +31,8 @@ from kvxferd.backends import cma
         ("^shm,tcp", False),
         ("^tcp,CMA", False),
         ("tcp:aux,posix", False),
+        ("cma:aux,tcp", False),  # aux: wire-up only, not the data
+        ("sm:aux,tcp", False),
     ],
 )
 def test_ucx_tls_decides_whether_cma_may_carry_writes(tls: str | None, allowed: bool) -> None:
@@ -38,23 +40,16 @@ def test_ucx_tls_decides_whether_cma_may_carry_writes(tls: str | None, allowed: 
 
 
 @pytest.mark.parametrize(
-    ("scope", "cap_eff", "allowed"),
-    [
-        ("0\n", "0000000000000000", True),
-        ("1\n", "0000000000000000", True),  # UCX declares any process its ptracer
-        ("2", "0000000000000000", False),
-        ("2", "0000000000080000", True),  # CAP_SYS_PTRACE (bit 19)
-        ("3", "000001ffffffffff", False),
-    ],
+    ("scope", "allowed"), [("0\n", True), ("1\n", True), ("2", False), ("3", False)]
 )
-def test_yamas_ptrace_scope_decides_as_ucx_does(
-    tmp_path: Path, scope: str, cap_eff: str, allowed: bool
+def test_yamas_ptrace_scope_above_1_counts_as_no_cma(
+    tmp_path: Path, scope: str, allowed: bool
 ) -> None:
+    # 1: UCX declares any process its ptracer. 2: UCX decides by a capability test that
+    # differs between its versions and builds: taken as no (only a drain is lost).
     path = tmp_path / "ptrace_scope"
     path.write_text(scope)
-    status = tmp_path / "status"
-    status.write_text(f"Name:\tkvxferd\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
-    assert cma.ptrace_allows_cma(str(path), str(status)) is allowed
+    assert cma.ptrace_allows_cma(str(path)) is allowed
 
 
 def test_without_yama_cma_is_allowed_and_an_unreadable_scope_is_not(tmp_path: Path) -> None:
