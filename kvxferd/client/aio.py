@@ -26,11 +26,14 @@ from kvxferd.api.messages import (
 )
 from kvxferd.client.book import IdKey, Released, RequestBook
 from kvxferd.client.errors import CallError, DaemonGoneError
-from kvxferd.client.pool_calls import PoolCalls
+from kvxferd.client.pool_calls import PoolCalls, host_pool
 from kvxferd.client.started import StartedCalls
 from kvxferd.errors import ProtocolError
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.transceiver.state import Outcome
+
+# host_pool: still importable from here, where it lived before pool_calls.py.
+__all__ = ["AsyncClient", "host_pool"]
 
 P = ParamSpec("P")
 

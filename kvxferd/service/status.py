@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvxferd import PROTOCOL_VERSION, __version__
+from kvxferd.backends import registry
 from kvxferd.backends.cma import cma_writes_here
 from kvxferd.memory.heads import head_range, total_heads
 from kvxferd.memory.hugepages import Pages
@@ -128,7 +129,10 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
             **daemon.sender.writes.drains.status(),
             # Whether a write to a peer on this host that supports it too is cancelled at
             # once (UCX's CMA) or drained like one to another host (kvxferd/backends/cma.py).
-            "ucx_cma": cma_writes_here(daemon.settings.backend),
+            # (None: a two-sided backend, which never posts a write to cancel or drain.)
+            "ucx_cma": None
+            if registry.is_two_sided(daemon.settings.backend)
+            else cma_writes_here(daemon.settings.backend),
         },
         # Context side: receives of other daemons waiting for the send to say whose request
         # it is (Send.peer); the first receive of each request is in `sessions`.

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
+from unittest import mock
 
 import msgspec
 import numpy as np
@@ -21,6 +22,7 @@ from kvxferd.peers.messages import PoolInfo, RequestData, Result
 from kvxferd.peers.process import me
 from kvxferd.service.pools import LocalPool
 from kvxferd.sim.content import fill_blocks
+from kvxferd.transceiver import tx_drains
 from kvxferd.transceiver.dataplane import DataPlane
 from kvxferd.transceiver.legs import TxLeg
 from kvxferd.transceiver.sessions import TxSession
@@ -168,10 +170,14 @@ def acking(conn: Any, s: TxSession) -> None:
 
 @contextlib.asynccontextmanager
 async def writes_over(backend: Any) -> AsyncIterator[Writes]:
-    """Writes over a started data plane on `backend`; closed after."""
+    """Writes over a started data plane on `backend`; closed after. They run as on a host
+    where UCX may use CMA, whatever this one's UCX_TLS or Yama say (that decision is
+    tests/backends/test_cma.py's): with peer_conn's ucx_cma, an ended write to it is
+    cancelled, not drained."""
     dp = DataPlane(lambda: cast(Any, backend))
     await dp.start()
     try:
-        yield Writes(dp, lambda: 1.0)
+        with mock.patch.object(tx_drains, "cma_writes_here", lambda name: True):
+            yield Writes(dp, lambda: 1.0)
     finally:
         await dp.close()
