@@ -42,7 +42,6 @@ from kvxferd.client import AsyncClient
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
-from kvxferd.memory.shm import ShmRegion
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.service.heap_tuning import keep_freed_heap
 from kvxferd.service.runner import run_event_loop
@@ -110,7 +109,7 @@ class _Side:
 
     client: StampingClient
     plan: Plan
-    region: ShmRegion | MemfdRegion | DevicePool
+    region: MemfdRegion | DevicePool
     pool_id: str
     layout: KvLayout = field(init=False)
     error: str = field(default="", init=False)
@@ -120,7 +119,7 @@ class _Side:
 
     def __post_init__(self) -> None:
         self.layout = self.plan.layout()
-        if isinstance(self.region, (ShmRegion, MemfdRegion)):
+        if isinstance(self.region, MemfdRegion):
             self.content = HostContent()
         else:
             from kvxferd.sim.device_content import DeviceContent
@@ -469,7 +468,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"role": args.role, "pool_bytes": layout.pool_bytes, "error": ""}
     client = await StampingClient.connect(args.socket, engine=f"bench-{args.role}")
     assert isinstance(client, StampingClient)
-    region: ShmRegion | MemfdRegion | DevicePool
+    region: MemfdRegion | DevicePool
     huge_pages = pool_huge_pages()
     if args.memory == "vram":
         from kvxferd.memory.device import DevicePool
@@ -477,24 +476,20 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         region = DevicePool.create(
             layout.pool_bytes, args.cuda_device, vmm=args.vram_share == "vmm"
         )
-    elif huge_pages != "off":
-        # kvxferd bench --huge-pages: a sealed memfd on huge pages (hugepages.py), handed over.
+    else:
+        # A sealed memfd, handed over: the way docs/engine-integration.md tells engines to
+        # share a pool (a pool shared by shm name costs the daemon an fstat a request, its
+        # guard against a shrink). Shared memory of normal pages like the raw pair's
+        # /dev/shm buffers; on huge pages with kvxferd bench --huge-pages (hugepages.py).
         region = MemfdRegion.create(
             layout.pool_bytes, f"kvxferd-bench-{args.role}", huge_pages=huge_pages
         )
-        report["pages"] = region.pages.to_status()
-    else:
-        name = f"kvxferd-bench-{args.role}-{os.getpid()}"
-        region = ShmRegion.create(name, layout.pool_bytes)
+        if huge_pages != "off":
+            report["pages"] = region.pages.to_status()
     side: GenerationSide | ContextSide | None = None
     try:
         if isinstance(region, MemfdRegion):
             await client.register_pool(args.pool_id, region, layout)
-        elif isinstance(region, ShmRegion):
-            try:
-                await client.register_pool(args.pool_id, name, layout)
-            finally:
-                region.unlink()  # the mappings stay; a crash leaves nothing in /dev/shm
         else:
             await register_device_pool(client, args.pool_id, region, layout, TpRank())
         if args.role == "generation":
