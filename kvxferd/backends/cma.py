@@ -35,10 +35,16 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def tls_names(tls: str) -> set[str]:
-    """The transport names in a UCX_TLS list (without its leading "^"), lower case."""
-    # "tcp:aux" names a transport used only for wire-up; either way it is that transport.
-    return {n.split(":")[0].strip().lower() for n in tls.split(",") if n.strip()}
+def tls_names(tls: str, *, wireup: bool = True) -> set[str]:
+    """The transport names in a UCX_TLS list (without its leading "^"), lower case.
+    "tcp:aux" names a transport used only for wire-up: counted unless `wireup` is False
+    (asking which transports may carry the data)."""
+    names = set()
+    for entry in tls.split(","):
+        name, _, kind = entry.strip().lower().partition(":")
+        if name and (wireup or kind != "aux"):
+            names.add(name)
+    return names
 
 
 def tls_allows_cma(tls: str | None) -> bool:
@@ -49,9 +55,7 @@ def tls_allows_cma(tls: str | None) -> bool:
     value = tls.strip()
     if value.startswith("^"):
         return not (tls_names(value[1:]) & (_WITH_CMA - {"all"}))
-    # "name:aux" offers that transport for wire-up only, not for the data.
-    data = ",".join(n for n in value.split(",") if not n.strip().lower().endswith(":aux"))
-    return bool(tls_names(data) & _WITH_CMA)
+    return bool(tls_names(value, wireup=False) & _WITH_CMA)
 
 
 def ptrace_allows_cma(path: str = PTRACE_SCOPE) -> bool:

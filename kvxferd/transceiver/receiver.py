@@ -383,9 +383,8 @@ class Receiver:
         none yet (its engine registers its pool after we dialed it) would be taken to hold
         our heads, offered nothing, and written per block, a head slice as one descriptor
         per (block, layer, K/V, token). So wait for it a little (SOURCES_WAIT_S); then go
-        on with what is known, as before."""
-        if len(s.legs) < 2:
-            return
+        on with what is known, as before. Called for a head-merge only (_run checks: one
+        coroutine call less for every other receive)."""
         until = min(deadline, time.monotonic() + SOURCES_WAIT_S)
         for leg in s.legs:
             conn = leg.conn
