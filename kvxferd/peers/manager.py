@@ -518,17 +518,21 @@ class PeerManager:
                 # agent: NIXL forgets the handles of an evicted agent while UCX's bytes
                 # stay in our socket, so the eviction waits for them.
                 await self.before_evict(conn)
-            if not self._agent_in_use(conn.agent_name):
-                with contextlib.suppress(KvxferdError):
-                    await self._dp.call(self._dp.backend.remove_peer, conn.agent_name)
+            await self._evict_unused(conn.agent_name)
 
-    def _agent_in_use(self, agent: str) -> bool:
-        """Whether a live connection uses `agent`, or a handshake is loading it. Checked on
-        the loop's thread right before the eviction is queued: a load that starts after it
-        queues its own call behind the eviction on the data-plane thread."""
-        return self._loading[agent] > 0 or any(
+    async def _evict_unused(self, agent: str) -> None:
+        """Evict `agent` from the backend unless a live connection uses it or a handshake
+        is loading it. Checked on the loop's thread right before the eviction is queued: a
+        load that starts after it queues its own call behind the eviction on the
+        data-plane thread."""
+        if self._loading[agent] > 0 or any(
             c.agent_name == agent for c in self.connections.values()
-        )
+        ):
+            return
+        # RuntimeError: the data plane closed (shutdown cancels handshakes): nothing left
+        # to evict from.
+        with contextlib.suppress(KvxferdError, RuntimeError):
+            await self._dp.call(self._dp.backend.remove_peer, agent)
 
     def _count_failure(self, exc: BaseException) -> None:
         kind = type(exc).__name__
@@ -601,12 +605,9 @@ class _AgentLoad:
         """The handshake failed after the load began: evict the agent unless a live
         connection of the same incarnation uses it or another handshake is loading it.
         Also when the load itself failed or was cut short: a closed connection's eviction
-        may have left that agent to this load (_agent_in_use), and no one else evicts it."""
+        may have left that agent to this load (_evict_unused), and no one else evicts it."""
         agent = self.agent or self._marked
         self.agent = ""
         self.done()
-        if agent and not self._m._agent_in_use(agent):
-            # RuntimeError: the data plane closed (shutdown cancels handshakes): nothing
-            # left to evict from.
-            with contextlib.suppress(KvxferdError, RuntimeError):
-                await self._m._dp.call(self._m._dp.backend.remove_peer, agent)
+        if agent:
+            await self._m._evict_unused(agent)
