@@ -13,16 +13,20 @@ tests/daemon/test_faults.py, a receiver stopped mid-write). Such a write must be
 like one to another host (transceiver/tx_drains.py).
 
 Both ends must offer CMA for UCX to use it, so each daemon announces its own
-(Info.ucx_cma) and a sender cancels at once only when both do. Only the environment's
-UCX_TLS is read: a limit set in a ucx.conf is not seen (set UCX_TLS in the environment).
+(Info.ucx_cma) and a sender cancels at once only when both do. UCX_TLS is read where UCX
+reads it: the environment, else the ucx.conf files UCX would read (backends/ucx_conf.py;
+CMA only if none of them leaves it out).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
+from pathlib import Path
+
+from kvxferd.backends import ucx_conf
 
 # Backends whose one-sided writes UCX moves (NIXL through its UCX plugin).
 UCX_BACKENDS = frozenset({"NIXL", "UCX"})
@@ -54,7 +58,7 @@ def tls_allows_cma(tls: str | None) -> bool:
         return True
     value = tls.strip()
     if value.startswith("^"):
-        return not (tls_names(value[1:]) & (_WITH_CMA - {"all"}))
+        return not (tls_names(value[1:]) & _WITH_CMA)  # "^all" leaves nothing
     return bool(tls_names(value, wireup=False) & _WITH_CMA)
 
 
@@ -92,12 +96,15 @@ def writev_works() -> bool:
     return bool(done == 8 and dst.value == 1)
 
 
-def cma_writes(backend: str, env: Mapping[str, str] | None = None) -> bool:
-    """Whether `backend`'s writes to and from peers on this kernel may go by CMA here."""
+def cma_writes(
+    backend: str, env: Mapping[str, str] | None = None, lib_dirs: Iterable[Path] | None = None
+) -> bool:
+    """Whether `backend`'s writes to and from peers on this kernel may go by CMA here
+    (`lib_dirs`: where UCX's libraries are, for their ucx.conf; None: this process's)."""
     env = os.environ if env is None else env
     return (
         backend in UCX_BACKENDS
-        and tls_allows_cma(env.get("UCX_TLS"))
+        and all(tls_allows_cma(tls) for tls in ucx_conf.tls_values(env, lib_dirs))
         and ptrace_allows_cma()
         and writev_works()
     )
