@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvxferd.client.aio import AsyncClient
@@ -29,6 +29,33 @@ def _blocking(
     functools.update_wrapper(call, method)
     call.__qualname__ = f"Client.{method.__name__}"
     return call
+
+
+def _chained(
+    fut: asyncio.Future[Outcome], loop: asyncio.AbstractEventLoop
+) -> concurrent.futures.Future[Outcome]:
+    """A concurrent future that ends as `fut` does (made and told on `loop`'s thread);
+    cancelling it cancels `fut`, which leaves the request to the daemon."""
+    out: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+
+    def ended(f: asyncio.Future[Outcome]) -> None:
+        try:
+            if f.cancelled():
+                out.cancel()
+            elif (exc := f.exception()) is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(f.result())
+        except concurrent.futures.InvalidStateError:
+            pass  # the engine's thread cancelled it meanwhile
+
+    def cancelled(o: concurrent.futures.Future[Outcome]) -> None:
+        if o.cancelled():
+            loop.call_soon_threadsafe(fut.cancel)
+
+    fut.add_done_callback(ended)
+    out.add_done_callback(cancelled)
+    return out
 
 
 class Client:
@@ -71,6 +98,64 @@ class Client:
     query = _blocking(AsyncClient.query)
     fence_writer = _blocking(AsyncClient.fence_writer)
     wait = _blocking(AsyncClient.wait)
+
+    def start_recv(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        peer: str | Sequence[str],
+        num_tokens: int | None = None,
+        beam_width: int = 1,
+        *,
+        block_start: int = 0,
+        auto_release: bool = False,
+        timeout_s: float | None = None,
+    ) -> concurrent.futures.Future[Outcome]:
+        """AsyncClient.start_recv: the call written without waiting for the daemon's reply,
+        and a concurrent.futures.Future of the request's outcome (a refusal fails it with
+        the CallError recv would raise, the connection's end with DaemonGoneError,
+        `timeout_s` with TimeoutError). Not connected, or a bad argument: raises at once.
+        Cancelling the future stops nothing at the daemon (cancel does)."""
+        start = functools.partial(
+            self._client.start_recv, request_id, pool_id, blocks, peer, num_tokens,
+            beam_width, block_start=block_start, auto_release=auto_release,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+        return self._start(start)
+
+    def start_send(
+        self,
+        request_id: str,
+        pool_id: str,
+        blocks: Sequence[int],
+        token_end: int,
+        token_start: int = 0,
+        last: bool = True,
+        beam_width: int = 1,
+        peer: str | None = None,
+        *,
+        auto_release: bool = False,
+        timeout_s: float | None = None,
+    ) -> concurrent.futures.Future[Outcome]:
+        """AsyncClient.start_send, as start_recv: a future of the request's outcome."""
+        start = functools.partial(
+            self._client.start_send, request_id, pool_id, blocks, token_end, token_start,
+            last, beam_width, peer, auto_release=auto_release, timeout_s=timeout_s,
+        )  # fmt: skip
+        return self._start(start)
+
+    def _start(
+        self, start: Callable[[], asyncio.Future[Outcome]]
+    ) -> concurrent.futures.Future[Outcome]:
+        """Run `start` on the loop thread (its errors raise here) and hand out its future as
+        one this thread can wait on: a hop to the loop thread, not a round trip to the
+        daemon."""
+
+        async def begin() -> concurrent.futures.Future[Outcome]:
+            return _chained(start(), self._loop)
+
+        return self._run(begin())
 
     def poll(
         self, request_id: str, side: str | None = None, peer: str | None = None

@@ -10,13 +10,16 @@ these leaves a wait or a started call behind in the client.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 
 import pytest
 from daemon_harness import SimEngine, assert_clean, opened
 
-from kvxferd.client import AsyncClient, CallError, DaemonGoneError
+from kvxferd.client import AsyncClient, CallError, Client, DaemonGoneError
+from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
-from kvxferd.sim.content import clear_blocks
+from kvxferd.sim.content import clear_blocks, request_seed, verify_blocks
 
 TOKENS = 100
 WAIT_S = 20.0
@@ -144,3 +147,55 @@ def test_a_start_checks_its_arguments_before_taking_the_id() -> None:
         assert not client._book.auto_ids and left_behind(client) == ({}, {})
 
     asyncio.run(calls())
+
+
+def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """Client.start_recv / start_send: concurrent futures of the outcomes, with the same
+    ends as AsyncClient's (the KV arrives; a refusal fails the future with the call's code;
+    a bad argument raises at once); cancelling a future leaves the request to the daemon."""
+    ctx, gen = pair
+
+    async def scenario() -> None:
+        async with opened(ctx) as c, opened(gen) as g:
+            name = f"kvxferd-test-blocking-{os.getpid()}"
+            region = ShmRegion.create(name, g.layout.pool_bytes)
+            client = await asyncio.to_thread(Client, gen.api_socket, "blocking-test")
+            try:
+                try:
+                    client.register_pool("bpool", name, g.layout)
+                finally:
+                    region.unlink()
+                tpb = g.layout.tokens_per_block
+                dst = list(range(-(-TOKENS // tpb)))
+                got = client.start_recv(
+                    "b1", "bpool", dst, ctx.peer_address, TOKENS, auto_release=True,
+                    timeout_s=WAIT_S,
+                )  # fmt: skip
+                assert isinstance(got, concurrent.futures.Future)
+                src = c.fill("b1", TOKENS)
+                await c.client.send("b1", c.pool_id, src, TOKENS, auto_release=True)
+                outcome = await asyncio.wait_for(asyncio.wrap_future(got), WAIT_S)
+                assert outcome.status == "done" and outcome.auto_released, outcome
+                seed = request_seed("b1")
+                assert verify_blocks(region.array, g.layout, dst, seed, TOKENS).ok
+                c.alloc.give(src)
+
+                refused = client.start_send("b2", "bpool", dst, TOKENS)  # a generation daemon
+                with pytest.raises(CallError) as err:
+                    await asyncio.wait_for(asyncio.wrap_future(refused), WAIT_S)
+                assert err.value.code == "wrong_role"
+                with pytest.raises(ValueError):
+                    client.start_recv("b3", "bpool", ["x"], ctx.peer_address, TOKENS)  # type: ignore[list-item]
+
+                lonely = client.start_recv("b4", "bpool", dst, ctx.peer_address, TOKENS)
+                assert lonely.cancel() and lonely.cancelled()
+                assert client.cancel("b4") == "cancelled"  # the receive went on till now
+                assert client.wait("b4", WAIT_S).status == "cancelled"
+                client.release("b4")
+                client.deregister_pool("bpool")
+            finally:
+                client.close()
+                region.close()
+
+    asyncio.run(scenario())
+    assert_clean(ctx, gen)
