@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +25,8 @@ FILE_NAME = "ucx.conf"
 SYSTEM_DIR = "/etc/ucx"
 # What a file that exists but cannot be read stands for: a UCX_TLS naming no transport.
 UNREADABLE = "^all"
+# A ucx.conf is a few lines; one larger than this is not read (UNREADABLE).
+MAX_BYTES = 1 << 20
 # Where the wheels this project installs keep their UCX libraries, by package.
 _LIB_DIRS = {"nixl_cu12": "../nixl_cu12.libs", "libucx": "lib"}
 
@@ -63,13 +66,20 @@ def config_files(env: Mapping[str, str], lib_dirs: Iterable[Path]) -> list[Path]
 
 
 def file_value(path: Path, key: str) -> str | None:
-    """The last value of `key` in one ucx.conf (None: not set there, or no such file)."""
+    """The last value of `key` in one ucx.conf (None: not set there, or no such file). A
+    path that is not a regular file (a FIFO would block the read), or a file over
+    MAX_BYTES, cannot be judged: UNREADABLE for UCX_TLS."""
+    unreadable = UNREADABLE if key == "UCX_TLS" else None
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return unreadable
+        with path.open("rb") as f:
+            text = f.read(MAX_BYTES + 1).decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
     except OSError:
-        return UNREADABLE if key == "UCX_TLS" else None
+        return unreadable
     value = None
     for raw in text.splitlines():
         line = raw.strip()

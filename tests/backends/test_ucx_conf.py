@@ -50,8 +50,15 @@ def test_each_file_ucx_reads_counts(tmp_path: Path) -> None:
     assert not any(cma.tls_allows_cma(v) for v in ["^cma", "tcp,self"])
 
 
-def test_a_file_that_cannot_be_read_allows_no_cma(tmp_path: Path) -> None:
-    (tmp_path / "ucx.conf").mkdir()  # exists, cannot be read as a file
+@pytest.mark.parametrize("kind", ["directory", "fifo", "huge"])
+def test_a_file_that_cannot_be_read_allows_no_cma(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "ucx.conf"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)  # a read would block: not read at all
+    else:
+        path.write_text("UCX_TLS=all\n" + "#" * ucx_conf.MAX_BYTES)
     assert ucx_conf.tls_values({"HOME": str(tmp_path)}, []) == [ucx_conf.UNREADABLE]
     assert not cma.tls_allows_cma(ucx_conf.UNREADABLE)
 
