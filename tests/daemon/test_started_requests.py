@@ -192,10 +192,15 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
                 assert client.cancel("b4") == "cancelled"  # the receive went on till now
                 assert client.wait("b4", WAIT_S).status == "cancelled"
                 client.release("b4")
-                client.deregister_pool("bpool")
+                # Left pending: the daemon ends it when the engine leaves.
+                orphan = client.start_recv("b5", "bpool", dst, ctx.peer_address, TOKENS)
+                assert client.query("b5") in ("waiting_for_peer", "ready", "transferring")
             finally:
                 client.close()
                 region.close()
+            # Closing the client fails what it started, on the engine's side too.
+            with pytest.raises(DaemonGoneError):
+                orphan.result(WAIT_S)
 
     asyncio.run(scenario())
     assert_clean(ctx, gen)
