@@ -13,20 +13,19 @@ tests/daemon/test_faults.py, a receiver stopped mid-write). Such a write must be
 like one to another host (transceiver/tx_drains.py).
 
 Both ends must offer CMA for UCX to use it, so each daemon announces its own
-(Info.ucx_cma) and a sender cancels at once only when both do. UCX_TLS is read where UCX
-reads it: the environment, else the ucx.conf files UCX would read (backends/ucx_conf.py;
-CMA only if none of them leaves it out).
+(Info.ucx_cma) and a sender cancels at once only when both do. Whether UCX leaves CMA out
+(UCX_TLS, UCX_SHM_DEVICES, UCX_MODULES, from the environment or a ucx.conf) is asked of
+the backend's own UCX copy (backends/ucx_config.py); one that cannot say counts as no.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
 from functools import cache
-from pathlib import Path
 
-from kvxferd.backends import ucx_conf
+from kvxferd.backends import ucx_config
 
 # Backends whose one-sided writes UCX moves (NIXL through its UCX plugin).
 UCX_BACKENDS = frozenset({"NIXL", "UCX"})
@@ -96,18 +95,42 @@ def writev_works() -> bool:
     return bool(done == 8 and dst.value == 1)
 
 
-def cma_writes(
-    backend: str, env: Mapping[str, str] | None = None, lib_dirs: Iterable[Path] | None = None
-) -> bool:
-    """Whether `backend`'s writes to and from peers on this kernel may go by CMA here
-    (`lib_dirs`: where UCX's libraries are, for their ucx.conf; None: this process's)."""
-    env = os.environ if env is None else env
+def devices_allow_cma(devices: str) -> bool:
+    """Whether UCX_SHM_DEVICES = `devices` keeps CMA's device ("memory")."""
+    value = devices.strip().lower()
+    if value.startswith("^"):
+        return not (tls_names(value[1:]) & {"memory", "all"})
+    return bool(tls_names(value) & {"memory", "all"})
+
+
+def modules_allow_cma(modules: str) -> bool:
+    """Whether UCX_MODULES = `modules` loads UCX's cma module."""
+    value = modules.strip().lower()
+    if value.startswith("^"):
+        return not (tls_names(value[1:]) & {"cma", "all"})
+    return bool(tls_names(value) & {"cma", "all"})
+
+
+def settings_allow_cma(settings: ucx_config.Settings | None) -> bool:
+    """Whether a UCX copy with these settings (None: it could not say) may use CMA."""
     return (
-        backend in UCX_BACKENDS
-        and all(tls_allows_cma(tls) for tls in ucx_conf.tls_values(env, lib_dirs))
-        and ptrace_allows_cma()
-        and writev_works()
+        settings is not None
+        and tls_allows_cma(settings["TLS"])
+        and devices_allow_cma(settings["SHM_DEVICES"])
+        and modules_allow_cma(settings["MODULES"])
     )
+
+
+def cma_writes(
+    backend: str,
+    settings: Callable[[str], list[ucx_config.Settings | None]] = ucx_config.backend_settings,
+) -> bool:
+    """Whether `backend`'s writes to and from peers on this kernel may go by CMA here:
+    every UCX copy it may load keeps CMA (`settings`: theirs, asked of UCX by default)."""
+    if backend not in UCX_BACKENDS or not ptrace_allows_cma() or not writev_works():
+        return False
+    copies = settings(backend)
+    return bool(copies) and all(settings_allow_cma(each) for each in copies)
 
 
 @cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -11,6 +12,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvxferd.client.aio import AsyncClient
 from kvxferd.client.book import Released
+from kvxferd.client.errors import DaemonGoneError
 from kvxferd.transceiver.state import Outcome
 
 T = TypeVar("T")
@@ -51,7 +53,8 @@ def _chained(
 
     def cancelled(o: concurrent.futures.Future[Outcome]) -> None:
         if o.cancelled():
-            loop.call_soon_threadsafe(fut.cancel)
+            with contextlib.suppress(RuntimeError):  # the client closed: nothing to stop
+                loop.call_soon_threadsafe(fut.cancel)
 
     fut.add_done_callback(ended)
     out.add_done_callback(cancelled)
@@ -67,6 +70,8 @@ class Client:
             target=self._loop.run_forever, name="kvxferd-client", daemon=True
         )
         self._thread.start()
+        # Futures start_recv/start_send handed out that have not ended (failed at close).
+        self._started: set[concurrent.futures.Future[Outcome]] = set()
         try:
             self._client = self._run(AsyncClient.connect(socket_path, engine, timeout_s))
         except BaseException:
@@ -77,6 +82,15 @@ class Client:
         self.tokens_per_block = self._client.tokens_per_block
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            # It would wait for the thread it blocks: a done callback of a started
+            # request's future runs there.
+            raise RuntimeError(
+                "a blocking kvxferd Client call made on the client's own loop thread (from "
+                "a done callback of a start_send/start_recv future?) would wait forever; "
+                "call it from another thread"
+            )
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout_s)
@@ -116,7 +130,9 @@ class Client:
         and a concurrent.futures.Future of the request's outcome (a refusal fails it with
         the CallError recv would raise, the connection's end with DaemonGoneError,
         `timeout_s` with TimeoutError). Not connected, or a bad argument: raises at once.
-        Cancelling the future stops nothing at the daemon (cancel does)."""
+        Cancelling the future stops nothing at the daemon (cancel does). Its done
+        callbacks run on the client's loop thread: a blocking call of this client made
+        there raises RuntimeError (it would wait for that thread)."""
         start = functools.partial(
             self._client.start_recv, request_id, pool_id, blocks, peer, num_tokens,
             beam_width, block_start=block_start, auto_release=auto_release,
@@ -153,7 +169,10 @@ class Client:
         daemon."""
 
         async def begin() -> concurrent.futures.Future[Outcome]:
-            return _chained(start(), self._loop)
+            out = _chained(start(), self._loop)
+            self._started.add(out)
+            out.add_done_callback(self._started.discard)
+            return out
 
         return self._run(begin())
 
@@ -180,6 +199,10 @@ class Client:
             self._run(self._client.close(), 5.0)
         finally:
             self._stop_loop()
+            # Ended by the connection's end as it closed, unless the close timed out.
+            for out in list(self._started):
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    out.set_exception(DaemonGoneError("client closed"))
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -65,13 +65,14 @@ def test_process_vm_writev_works_on_this_host() -> None:
 def test_only_ucx_backends_may_write_with_cma(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
     monkeypatch.setattr(cma, "writev_works", lambda: True)
-    assert cma.cma_writes("NIXL", {}) is True
-    assert cma.cma_writes("UCX", {"UCX_TLS": "^tcp"}) is True
-    assert cma.cma_writes("NIXL", {"UCX_TLS": "tcp"}) is False
-    assert cma.cma_writes("MOONCAKE", {}) is False  # its own TCP
-    assert cma.cma_writes("MPI", {}) is False  # two-sided; never posts one-sided writes
+    keeps = {"TLS": "^tcp", "SHM_DEVICES": "all", "MODULES": "all"}
+    assert cma.cma_writes("NIXL", lambda b: [keeps]) is True
+    assert cma.cma_writes("UCX", lambda b: [keeps]) is True
+    assert cma.cma_writes("NIXL", lambda b: [{**keeps, "TLS": "tcp"}]) is False
+    assert cma.cma_writes("MOONCAKE", lambda b: [keeps]) is False  # its own TCP
+    assert cma.cma_writes("MPI", lambda b: [keeps]) is False  # two-sided; no one-sided writes
     monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: False)
-    assert cma.cma_writes("NIXL", {}) is False
+    assert cma.cma_writes("NIXL", lambda b: [keeps]) is False
     monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
     monkeypatch.setattr(cma, "writev_works", lambda: False)  # seccomp refusing it
-    assert cma.cma_writes("NIXL", {}) is False
+    assert cma.cma_writes("NIXL", lambda b: [keeps]) is False

@@ -149,6 +149,14 @@ def test_a_start_checks_its_arguments_before_taking_the_id() -> None:
     asyncio.run(calls())
 
 
+def _refusal(client: Client) -> BaseException:
+    try:
+        client.query("b4")
+    except BaseException as exc:
+        return exc
+    raise AssertionError("a blocking call on the loop thread went through")
+
+
 def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonProc]) -> None:
     """Client.start_recv / start_send: concurrent futures of the outcomes, with the same
     ends as AsyncClient's (the KV arrives; a refusal fails the future with the call's code;
@@ -189,6 +197,15 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
 
                 lonely = client.start_recv("b4", "bpool", dst, ctx.peer_address, TOKENS)
                 assert lonely.cancel() and lonely.cancelled()
+                client._run(asyncio.sleep(0.05))  # the loop thread takes the cancel
+                ((_, waiting),) = client._client._book._waiters["b4"]
+                assert waiting.cancelled(), "the asyncio future was cancelled too"
+                # A future's done callback may run on the loop thread: a blocking call
+                # made there refuses instead of waiting for that thread forever.
+                refusals: list[BaseException] = []
+                client._loop.call_soon_threadsafe(lambda: refusals.append(_refusal(client)))
+                client._run(asyncio.sleep(0))  # after that callback
+                assert len(refusals) == 1 and isinstance(refusals[0], RuntimeError), refusals
                 assert client.cancel("b4") == "cancelled"  # the receive went on till now
                 assert client.wait("b4", WAIT_S).status == "cancelled"
                 client.release("b4")
