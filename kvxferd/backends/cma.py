@@ -21,11 +21,14 @@ the backend's own UCX copy (backends/ucx_config.py); one that cannot say counts 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Callable
 from functools import cache
 
 from kvxferd.backends import ucx_config
+
+log = logging.getLogger("kvxferd.backends")
 
 # Backends whose one-sided writes UCX moves (NIXL through its UCX plugin).
 UCX_BACKENDS = frozenset({"NIXL", "UCX"})
@@ -130,7 +133,14 @@ def cma_writes(
     if backend not in UCX_BACKENDS or not ptrace_allows_cma() or not writev_works():
         return False
     copies = settings(backend)
-    return bool(copies) and all(settings_allow_cma(each) for each in copies)
+    if not copies:
+        log.warning(
+            "found no UCX library of the %s backend to ask whether it uses CMA; writes to "
+            "peers on this host that end in flight are drained, not cancelled",
+            backend,
+        )
+        return False
+    return all(settings_allow_cma(each) for each in copies)
 
 
 @cache

@@ -35,8 +35,26 @@ _PRINT_CONFIG = 1  # UCS_CONFIG_PRINT_CONFIG
 Settings = dict[str, str]
 
 
+def loaded_libraries(maps: str = "/proc/self/maps") -> list[tuple[Path, Path]]:
+    """(libucp, libucs) of each UCX copy this process has mapped (one directory each):
+    a backend built against a UCX of the system rather than a wheel's."""
+    by_dir: dict[Path, dict[str, Path]] = {}
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                _, slash, rest = line.rstrip("\n").partition("/")
+                path = Path(slash + rest.removesuffix(" (deleted)"))
+                for kind in ("libucp", "libucs"):
+                    if slash and path.name.startswith(kind) and "signal" not in path.name:
+                        by_dir.setdefault(path.parent, {}).setdefault(kind, path)
+    except OSError:
+        return []
+    return [(d["libucp"], d["libucs"]) for d in by_dir.values() if len(d) == 2]
+
+
 def libraries(backend: str) -> list[tuple[Path, Path]]:
-    """(libucp, libucs) of each UCX copy `backend` may load, from the installed wheels."""
+    """(libucp, libucs) of each UCX copy `backend` may load, from the installed wheels;
+    when no wheel has one, the copies this process has mapped."""
     found = []
     for package, rel, ucp_glob, ucs_glob in _LIBS.get(backend, []):
         try:
@@ -51,6 +69,8 @@ def libraries(backend: str) -> list[tuple[Path, Path]]:
             ucs = sorted(p for p in libdir.glob(ucs_glob) if "signal" not in p.name)
             if ucp and ucs:
                 found.append((ucp[0].resolve(), ucs[0].resolve()))
+    if not found and backend in _LIBS:
+        found = loaded_libraries()
     return found
 
 

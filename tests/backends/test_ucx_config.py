@@ -109,3 +109,32 @@ def test_the_decision_matches_what_nixls_ucx_does(
     assert decision == uses, (case, decision, uses)
     if case in ("default", "env tcp and sm"):
         assert uses, "this host's UCX uses CMA by default"  # else the cases prove little
+
+
+def test_a_system_ucx_is_found_where_the_process_mapped_it(tmp_path: Path) -> None:
+    """A backend built against the system's UCX (no wheel copy): the mapped libraries."""
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 11 /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0\n"
+        "7f01-7f02 r-xp 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libucs_signal.so.0\n"
+        "7f02-7f03 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/libucs.so.0.0.0\n"
+        "7f03-7f04 r-xp 00000000 08:01 14 /opt/half/libucp.so.0 (deleted)\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 [heap]\n"
+    )
+    assert ucx_config.loaded_libraries(str(maps)) == [
+        (
+            Path("/usr/lib/x86_64-linux-gnu/libucp.so.0.0.0"),
+            Path("/usr/lib/x86_64-linux-gnu/libucs.so.0.0.0"),
+        )
+    ]
+    assert ucx_config.loaded_libraries(str(tmp_path / "absent")) == []
+
+
+def test_no_ucx_to_ask_is_said_and_counts_as_no_cma(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cma, "ptrace_allows_cma", lambda: True)
+    monkeypatch.setattr(cma, "writev_works", lambda: True)
+    with caplog.at_level("WARNING", logger="kvxferd.backends"):
+        assert cma.cma_writes("UCX", lambda b: []) is False
+    assert "found no UCX library of the UCX backend" in caplog.text
