@@ -6,8 +6,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvxferd.client.aio import AsyncClient
@@ -59,6 +60,35 @@ def _chained(
     fut.add_done_callback(ended)
     out.add_done_callback(cancelled)
     return out
+
+
+def _started(
+    method: Callable[Concatenate[AsyncClient, P], asyncio.Future[Outcome]],
+) -> Callable[Concatenate[Client, P], concurrent.futures.Future[Outcome]]:
+    """The Client method for AsyncClient's start_recv / start_send: the same parameters;
+    it makes the call on the loop thread (errors raise here) and returns a
+    concurrent.futures.Future of the outcome."""
+
+    def call(
+        self: Client, /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[Outcome]:
+        return self._start(functools.partial(method, self._client, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    call.__qualname__ = f"Client.{method.__name__}"
+    # What help() and IDEs show: AsyncClient's parameters, this future.
+    call.__signature__ = inspect.signature(method).replace(  # type: ignore[attr-defined]
+        return_annotation="concurrent.futures.Future[Outcome]"
+    )
+    call.__doc__ = f"""{method.__doc__}
+
+        Client: the future is a concurrent.futures.Future (`.result(timeout)`, or
+        asyncio.wrap_future on another loop), handed out after a hop to the client's loop
+        thread, not a round trip to the daemon. Cancelling it cancels the request's wait,
+        not the request (cancel does). Its done callbacks may run on the client's loop
+        thread: a blocking call of this client made there raises RuntimeError (it would
+        wait for that thread)."""
+    return call
 
 
 class Client:
@@ -113,53 +143,9 @@ class Client:
     fence_writer = _blocking(AsyncClient.fence_writer)
     wait = _blocking(AsyncClient.wait)
 
-    def start_recv(
-        self,
-        request_id: str,
-        pool_id: str,
-        blocks: Sequence[int],
-        peer: str | Sequence[str],
-        num_tokens: int | None = None,
-        beam_width: int = 1,
-        *,
-        block_start: int = 0,
-        auto_release: bool = False,
-        timeout_s: float | None = None,
-    ) -> concurrent.futures.Future[Outcome]:
-        """AsyncClient.start_recv: the call written without waiting for the daemon's reply,
-        and a concurrent.futures.Future of the request's outcome (a refusal fails it with
-        the CallError recv would raise, the connection's end with DaemonGoneError,
-        `timeout_s` with TimeoutError). Not connected, or a bad argument: raises at once.
-        Cancelling the future stops nothing at the daemon (cancel does). Its done
-        callbacks run on the client's loop thread: a blocking call of this client made
-        there raises RuntimeError (it would wait for that thread)."""
-        start = functools.partial(
-            self._client.start_recv, request_id, pool_id, blocks, peer, num_tokens,
-            beam_width, block_start=block_start, auto_release=auto_release,
-            timeout_s=timeout_s,
-        )  # fmt: skip
-        return self._start(start)
-
-    def start_send(
-        self,
-        request_id: str,
-        pool_id: str,
-        blocks: Sequence[int],
-        token_end: int,
-        token_start: int = 0,
-        last: bool = True,
-        beam_width: int = 1,
-        peer: str | None = None,
-        *,
-        auto_release: bool = False,
-        timeout_s: float | None = None,
-    ) -> concurrent.futures.Future[Outcome]:
-        """AsyncClient.start_send, as start_recv: a future of the request's outcome."""
-        start = functools.partial(
-            self._client.start_send, request_id, pool_id, blocks, token_end, token_start,
-            last, beam_width, peer, auto_release=auto_release, timeout_s=timeout_s,
-        )  # fmt: skip
-        return self._start(start)
+    # Started, not waited for: AsyncClient's, handing out a concurrent future (_started).
+    start_recv = _started(AsyncClient.start_recv)
+    start_send = _started(AsyncClient.start_send)
 
     def _start(
         self, start: Callable[[], asyncio.Future[Outcome]]
