@@ -33,8 +33,8 @@ log = logging.getLogger("kvxferd.backends")
 # Backends whose one-sided writes UCX moves (NIXL through its UCX plugin).
 UCX_BACKENDS = frozenset({"NIXL", "UCX"})
 PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
-# UCX_TLS names that include CMA: its own, the shared-memory aliases and "all".
-_WITH_CMA = frozenset({"cma", "sm", "shm", "all"})
+# UCX_TLS names that include CMA: its own and the shared-memory aliases (and "all").
+_WITH_CMA = frozenset({"cma", "sm", "shm"})
 
 
 class _IoVec(ctypes.Structure):
@@ -53,15 +53,21 @@ def tls_names(tls: str, *, wireup: bool = True) -> set[str]:
     return names
 
 
+def _keeps(value: str, wanted: frozenset[str] | set[str], *, wireup: bool = True) -> bool:
+    """Whether a UCX list setting (names, or "^" and the names it leaves out) keeps one of
+    `wanted` ("all" keeps, or leaves out, everything). `wireup`: as tls_names'."""
+    value = value.strip().lower()
+    if value.startswith("^"):
+        return not (tls_names(value[1:]) & (wanted | {"all"}))
+    return bool(tls_names(value, wireup=wireup) & (wanted | {"all"}))
+
+
 def tls_allows_cma(tls: str | None) -> bool:
     """Whether UCX_TLS = `tls` (None or empty: UCX's default, every transport) lets UCX use
     CMA."""
     if tls is None or not tls.strip():
         return True
-    value = tls.strip()
-    if value.startswith("^"):
-        return not (tls_names(value[1:]) & _WITH_CMA)  # "^all" leaves nothing
-    return bool(tls_names(value, wireup=False) & _WITH_CMA)
+    return _keeps(tls, _WITH_CMA, wireup=False)
 
 
 def ptrace_allows_cma(path: str = PTRACE_SCOPE) -> bool:
@@ -100,18 +106,12 @@ def writev_works() -> bool:
 
 def devices_allow_cma(devices: str) -> bool:
     """Whether UCX_SHM_DEVICES = `devices` keeps CMA's device ("memory")."""
-    value = devices.strip().lower()
-    if value.startswith("^"):
-        return not (tls_names(value[1:]) & {"memory", "all"})
-    return bool(tls_names(value) & {"memory", "all"})
+    return _keeps(devices, {"memory"})
 
 
 def modules_allow_cma(modules: str) -> bool:
     """Whether UCX_MODULES = `modules` loads UCX's cma module."""
-    value = modules.strip().lower()
-    if value.startswith("^"):
-        return not (tls_names(value[1:]) & {"cma", "all"})
-    return bool(tls_names(value) & {"cma", "all"})
+    return _keeps(modules, {"cma"})
 
 
 def settings_allow_cma(settings: ucx_config.Settings | None) -> bool:

@@ -222,8 +222,9 @@ def summary(doc: dict[str, Any]) -> str:
         # An operator who set UCX_TLS=tcp on one host should know what it costs.
         lines.append(
             "  writes to peers on this host: drained, not cancelled, when their request ends "
-            "in flight (UCX cannot use CMA here: UCX_TLS, ptrace_scope or seccomp, or the "
-            "backend is not UCX's)"
+            "in flight (UCX cannot use CMA here: its UCX_TLS, UCX_SHM_DEVICES or UCX_MODULES, "
+            "in the environment or a ucx.conf, ptrace_scope or seccomp, or the backend is "
+            "not UCX's)"
         )
     bounce = doc.get("bounce")
     if bounce:
