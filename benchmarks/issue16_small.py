@@ -79,13 +79,19 @@ def main() -> int:
         help="the engines' content discipline(s) of this tree (kvxferd bench --verify); several "
         "are measured in the same passes, as trees of their own (the base runs its default)",
     )
+    p.add_argument(
+        "--base-verify",
+        choices=["each", "slot"],
+        help="the base's content discipline (default: its own default; a checkout from "
+        "before kvxferd bench --verify knows only each)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     trees: list[tuple[str, str | None, str | None]] = (
         [(f"this/{v}", None, v) for v in args.verify] if args.verify else [("this", None, None)]
     )
     if args.base:
-        trees.append((args.base_name, os.path.abspath(args.base), None))
+        trees.append((args.base_name, os.path.abspath(args.base), args.base_verify))
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for k in range(args.passes):
         order = in_pass(trees, k)

@@ -27,7 +27,13 @@ _DIR = os.environ.get("KVXFERD_TRACE_DIR", "")
 
 # module -> "Class.method" or "function" names to trace.
 TARGETS: dict[str, tuple[str, ...]] = {
-    "kvxferd.client": ("AsyncClient.send", "AsyncClient.recv"),
+    "kvxferd.client": (
+        "AsyncClient.send",
+        "AsyncClient.recv",
+        "AsyncClient.start_send",
+        "AsyncClient.start_recv",
+    ),
+    "kvxferd.peers.framing": ("CorkedWriter.flush",),
     "kvxferd.bench.engine": ("StampingClient._on_outcome",),
     "kvxferd.service.engine_calls": ("EngineCalls._send", "EngineCalls._recv"),
     "kvxferd.api.server": ("EngineConnection.deliver",),
@@ -40,8 +46,13 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "kvxferd.backends.nixl": ("NixlBackend.post_write", "NixlBackend.poll"),
     "kvxferd.transceiver.direct": ("DirectMover.write_slice", "DirectMover._leg_plan"),
     "kvxferd.transceiver.direct_rx": ("scatter_round",),
-    "kvxferd.transceiver.receiver": ("Receiver._leg_delivered", "Receiver._finish"),
-    "kvxferd.transceiver.sender": ("Sender.on_request_data", "Sender._finish"),
+    "kvxferd.transceiver.receiver": (
+        "Receiver.recv",
+        "Receiver.on_result",
+        "Receiver._leg_delivered",
+        "Receiver._finish",
+    ),
+    "kvxferd.transceiver.sender": ("Sender.send", "Sender.on_request_data", "Sender._finish"),
     "kvxferd.transceiver.staged_round": ("RoundCrossing.cross",),
     "kvxferd.transceiver.staged_rx": ("StagedReceive.take_round",),
 }
