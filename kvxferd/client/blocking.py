@@ -35,11 +35,12 @@ def _blocking(
 
 
 def _chained(
-    fut: asyncio.Future[Outcome], loop: asyncio.AbstractEventLoop
-) -> concurrent.futures.Future[Outcome]:
-    """A concurrent future that ends as `fut` does (made and told on `loop`'s thread);
-    cancelling it cancels `fut`, which leaves the request to the daemon."""
-    out: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+    fut: asyncio.Future[Outcome],
+    loop: asyncio.AbstractEventLoop,
+    out: concurrent.futures.Future[Outcome],
+) -> None:
+    """`out` ends as `fut` does (told on `loop`'s thread); cancelling `out` (before or
+    after) cancels `fut`, which leaves the request to the daemon."""
 
     def ended(f: asyncio.Future[Outcome]) -> None:
         try:
@@ -59,15 +60,14 @@ def _chained(
 
     fut.add_done_callback(ended)
     out.add_done_callback(cancelled)
-    return out
 
 
 def _started(
     method: Callable[Concatenate[AsyncClient, P], asyncio.Future[Outcome]],
 ) -> Callable[Concatenate[Client, P], concurrent.futures.Future[Outcome]]:
     """The Client method for AsyncClient's start_recv / start_send: the same parameters;
-    it makes the call on the loop thread (errors raise here) and returns a
-    concurrent.futures.Future of the outcome."""
+    it hands the call to the loop thread and returns a concurrent.futures.Future of the
+    outcome at once (the call's own errors fail the future)."""
 
     def call(
         self: Client, /, *args: P.args, **kwargs: P.kwargs
@@ -83,11 +83,16 @@ def _started(
     call.__doc__ = f"""{method.__doc__}
 
         Client: the future is a concurrent.futures.Future (`.result(timeout)`, or
-        asyncio.wrap_future on another loop), handed out after a hop to the client's loop
-        thread, not a round trip to the daemon. Cancelling it cancels the request's wait,
-        not the request (cancel does). Its done callbacks may run on the client's loop
-        thread: a blocking call of this client made there raises RuntimeError (it would
-        wait for that thread)."""
+        asyncio.wrap_future on another loop), handed out at once: the call is queued for
+        the client's loop thread, which makes it in order with this thread's other calls,
+        and nothing here waits for that thread or the daemon (an engine starts a step's
+        requests without a round trip each). Everything that stops the call fails the
+        future: a bad argument (ValueError), a refusal here or by the daemon
+        (CallError), the connection's end or a closed client (DaemonGoneError).
+        Cancelling it cancels the request's wait, not the request (cancel does). Its
+        done callbacks may run on the client's loop thread: a blocking call of this
+        client made there raises RuntimeError (it would wait for that thread); a start
+        may be made there."""
     return call
 
 
@@ -150,17 +155,28 @@ class Client:
     def _start(
         self, start: Callable[[], asyncio.Future[Outcome]]
     ) -> concurrent.futures.Future[Outcome]:
-        """Run `start` on the loop thread (its errors raise here) and hand out its future as
-        one this thread can wait on: a hop to the loop thread, not a round trip to the
-        daemon."""
+        """Queue `start` for the loop thread and hand out, at once, a future this thread can
+        wait on: it ends as `start`'s does, or with what `start` raised. Queued calls run in
+        the order they were made (call_soon_threadsafe, as `_run` queues the blocking
+        calls), so a cancel or wait made after a start finds it."""
+        out: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+        self._started.add(out)
+        out.add_done_callback(self._started.discard)
 
-        async def begin() -> concurrent.futures.Future[Outcome]:
-            out = _chained(start(), self._loop)
-            self._started.add(out)
-            out.add_done_callback(self._started.discard)
-            return out
+        def begin() -> None:
+            try:
+                fut = start()
+            except Exception as exc:  # the caller sees it through the future
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    out.set_exception(exc)
+                return
+            _chained(fut, self._loop, out)
 
-        return self._run(begin())
+        try:
+            self._loop.call_soon_threadsafe(begin)
+        except RuntimeError:  # the loop is closed: so is the client
+            out.set_exception(DaemonGoneError("client closed"))
+        return out
 
     def poll(
         self, request_id: str, side: str | None = None, peer: str | None = None

@@ -16,7 +16,7 @@ import os
 import pytest
 from daemon_harness import SimEngine, assert_clean, opened
 
-from kvxferd.client import AsyncClient, CallError, Client, DaemonGoneError
+from kvxferd.client import AsyncClient, CallError, Client, DaemonGoneError, Outcome
 from kvxferd.memory.shm import ShmRegion
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import clear_blocks, request_seed, verify_blocks
@@ -160,7 +160,9 @@ def _refusal(client: Client) -> BaseException:
 def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonProc]) -> None:
     """Client.start_recv / start_send: concurrent futures of the outcomes, with the same
     ends as AsyncClient's (the KV arrives; a refusal fails the future with the call's code;
-    a bad argument raises at once); cancelling a future leaves the request to the daemon."""
+    a bad argument fails it too: nothing waits at the call); cancelling a future leaves the
+    request to the daemon; a start made on the client's loop thread (a done callback) is
+    queued like any other, and one made after close fails its future."""
     ctx, gen = pair
 
     async def scenario() -> None:
@@ -192,8 +194,10 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
                 with pytest.raises(CallError) as err:
                     await asyncio.wait_for(asyncio.wrap_future(refused), WAIT_S)
                 assert err.value.code == "wrong_role"
+                # Nothing raises at the call: a bad argument fails the future too.
+                bad = client.start_recv("b3", "bpool", ["x"], ctx.peer_address, TOKENS)  # type: ignore[list-item]
                 with pytest.raises(ValueError):
-                    client.start_recv("b3", "bpool", ["x"], ctx.peer_address, TOKENS)  # type: ignore[list-item]
+                    bad.result(WAIT_S)
 
                 lonely = client.start_recv("b4", "bpool", dst, ctx.peer_address, TOKENS)
                 assert lonely.cancel() and lonely.cancelled()
@@ -206,6 +210,16 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
                 client._loop.call_soon_threadsafe(lambda: refusals.append(_refusal(client)))
                 client._run(asyncio.sleep(0))  # after that callback
                 assert len(refusals) == 1 and isinstance(refusals[0], RuntimeError), refusals
+                # A start is queued, not waited for: one made on the loop thread goes out.
+                from_loop: list[concurrent.futures.Future[Outcome]] = []
+                client._loop.call_soon_threadsafe(
+                    lambda: from_loop.append(
+                        client.start_recv("b6", "bpool", ["y"], ctx.peer_address, TOKENS)  # type: ignore[list-item]
+                    )
+                )
+                client._run(asyncio.sleep(0))
+                with pytest.raises(ValueError):
+                    from_loop[0].result(WAIT_S)
                 assert client.cancel("b4") == "cancelled"  # the receive went on till now
                 assert client.wait("b4", WAIT_S).status == "cancelled"
                 client.release("b4")
@@ -218,6 +232,9 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
             # Closing the client fails what it started, on the engine's side too.
             with pytest.raises(DaemonGoneError):
                 orphan.result(WAIT_S)
+            late = client.start_recv("b7", "bpool", dst, ctx.peer_address, TOKENS)
+            with pytest.raises(DaemonGoneError):
+                late.result(WAIT_S)
 
     asyncio.run(scenario())
     assert_clean(ctx, gen)
