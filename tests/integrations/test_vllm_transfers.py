@@ -400,13 +400,18 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
     # A pool id the daemon never registered, on both sides.
     d_lost = workers(daemons.gen, "decode-nopool", pool_id="not-registered")
     p_lost = workers(daemons.ctx, "prefill-nopool", pool_id="not-registered")
-    got = d_lost.step(plan_recv("d-np", "t-np", peer, 32, [1, 2]))
-    assert got.recving == {"d-np"} and got.failed == {"d-np"}
+    # The call is started, not waited for: its refusal fails it in this step or a later one.
+    d_lost.step(plan_recv("d-np", "t-np", peer, 32, [1, 2]))
+    run_until("the refused receive", lambda: d_lost.count("recving", "d-np") > 0, d_lost)
+    (at,) = [r for r in d_lost.steps if "d-np" in r.recving]
+    assert at.failed == {"d-np"}, at  # in failed_recving in the same step
     assert d_lost.records[0]["status"] == "not_posted"
     # A refused send is still a send: reported once, and not before vLLM finished it.
     assert not p_lost.step(plan_send("p-np", "t-np", 32, [1, 2])).sending
     for _ in range(3):
         assert not p_lost.step().sending
+    run_until("the refusal of the send", lambda: p_lost.transfers._entries["p-np"].failed, p_lost)
+    assert not p_lost.reported("sending")  # white-box above: failed, held until finished
     got = p_lost.step(finished={"p-np"})
     assert got.sending == {"p-np"}
 
@@ -417,8 +422,11 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
     d.clear([1, 2, 3])  # [4, 5, 6], the refused receive's, keep their SENTINEL
     first = plan_recv("d-a", "t-dup", peer, 40, [1, 2, 3])
     second = plan_recv("d-b", "t-dup", peer, 40, [4, 5, 6])
-    got = d.step(StepPlan(recvs=first.recvs + second.recvs))
-    assert got.recving == {"d-b"} and got.failed == {"d-b"}
+    d.step(StepPlan(recvs=first.recvs + second.recvs))
+    # Refused by the client itself (the id is taken), in this step or a later one.
+    run_until("the refused duplicate", lambda: d.count("recving", "d-b") > 0, d)
+    (at,) = [r for r in d.steps if "d-b" in r.recving]
+    assert at.failed == {"d-b"}, at
     sends = plan_send("p-a", "t-dup", 40, [10, 11, 12]).sends
     sends += plan_send("p-b", "t-dup", 40, [13, 14, 15]).sends
     p.step(StepPlan(sends=sends), finished={"p-a", "p-b"})
@@ -432,6 +440,35 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
         assert np.array_equal(d.block(db), p.block(pb))
     d.untouched([1, 2, 3])  # the refused receive's blocks too
     assert {r["status"] for r in p.records} == {"done", "not_posted"}
+    no_sessions(daemons.gen)
+    no_sessions(daemons.ctx)
+
+
+def test_a_stopped_daemon_does_not_hold_the_step_back(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    """post (vLLM's start_load_kv, before the forward pass) starts its calls and does not
+    wait for the daemon's answers: with the generation daemon stopped (SIGSTOP) the step
+    returns with the receive pending, not failed by the client's timeout; once the daemon
+    runs again the transfer completes as usual."""
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    p.fill([50, 51], seed=5)
+    d.clear([20, 21])
+    daemons.gen.kill(signal.SIGSTOP)
+    try:
+        got = d.step(plan_recv("d-s", "t-s", daemons.ctx.peer_address, 20, [20, 21]))
+        assert got == Results(set(), set(), set()), got
+        assert d.transfers.pending == 1 and not d.records
+        assert not d.dialed[-1].gone
+    finally:
+        daemons.gen.kill(signal.SIGCONT)
+    p.step(plan_send("p-s", "t-s", 20, [50, 51]), finished={"p-s"})
+    both_reported("the transfer after SIGCONT", d, "d-s", p, "p-s", then_steps=3)
+    assert not d.reported("failed") and len(d.dialed) == 1
+    for db, pb in zip([20, 21], [50, 51], strict=True):
+        assert np.array_equal(d.block(db), p.block(pb))
+    d.untouched([20, 21])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
 

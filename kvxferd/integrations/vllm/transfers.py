@@ -15,10 +15,16 @@ every planned transfer is an entry here until it is reported once:
 
 A daemon that went away fails every entry at once (its process, and with it every write it
 brokered, is gone) and is dialed again, at most once a second, when there is work for it.
+
+Calls are started, not waited for (Client.start_recv / start_send): `post` runs in vLLM's
+start_load_kv, before the step's forward pass, and a round trip to the daemon for each of
+the step's transfers would hold the pass back by as many round trips. A call the daemon
+refuses fails its entry in a later step's `collect`, as a failed transfer does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -43,6 +49,8 @@ class _Entry:
     aborted: bool = False  # vLLM finished the request while its receive was posted
     seen_finished: bool = False  # the request was in a finished_req_ids (sends)
     released: bool = False  # the daemon forgot the request (Client.release)
+    # The started call's outcome (start_recv / start_send): fails with the daemon's refusal.
+    started: concurrent.futures.Future[Outcome] | None = None
 
 
 @dataclass
@@ -120,7 +128,7 @@ class Transfers:
             self._start(
                 recv.req_id,
                 _Entry(recv.transfer_id, "recv"),
-                lambda c, r=recv: c.recv(  # type: ignore[misc]
+                lambda c, r=recv: c.start_recv(  # type: ignore[misc]
                     r.transfer_id,
                     self.pool_id,
                     r.blocks,
@@ -134,7 +142,7 @@ class Transfers:
             self._start(
                 send.req_id,
                 _Entry(send.transfer_id, "send"),
-                lambda c, s=send: c.send(  # type: ignore[misc]
+                lambda c, s=send: c.start_send(  # type: ignore[misc]
                     s.transfer_id,
                     self.pool_id,
                     s.blocks,
@@ -144,22 +152,27 @@ class Transfers:
                 ),
             )
 
-    def _start(self, req_id: str, entry: _Entry, call: Callable[[Client], None]) -> None:
-        """Enter a planned transfer (reported once from now on) and make its call."""
+    def _start(
+        self,
+        req_id: str,
+        entry: _Entry,
+        call: Callable[[Client], concurrent.futures.Future[Outcome]],
+    ) -> None:
+        """Enter a planned transfer (reported once from now on) and start its call."""
         self._entries[req_id] = entry
         client = self._client_or_dial()
         if client is None:
             log.warning("request %s: no kvxferd daemon to %s with", req_id, entry.side)
             self._finish(req_id, entry, failed=True)
             return
-        try:
-            call(client)
-        except CallError as exc:
-            log.warning("request %s: the daemon refused the %s: %s", req_id, entry.side, exc)
-            entry.released = True  # never accepted: nothing to forget
-            self._finish(req_id, entry, failed=True)
-        except (DaemonGoneError, OSError, TimeoutError) as exc:
-            self._lost(exc)
+        # Whatever stops the call (a refusal, the connection's end) fails this future, and
+        # _advance takes it from there: nothing raises here.
+        entry.started = call(client)
+
+    def _refused(self, req_id: str, entry: _Entry, exc: BaseException) -> None:
+        log.warning("request %s: the daemon refused the %s: %s", req_id, entry.side, exc)
+        entry.released = True  # never accepted: nothing to forget
+        self._finish(req_id, entry, failed=True)
 
     # -------------------------------------------------------------- collecting
 
@@ -185,14 +198,15 @@ class Transfers:
 
     def _wait_a_little(self) -> None:
         """A step with nothing to compute comes right back (vLLM loops while transfers are
-        pending, ~600 steps/s): wait briefly for an outcome instead of spinning the CPU
-        the daemons need to move the bytes."""
-        client = self._client
-        waiting = [e for e in self._entries.values() if e.outcome is None and not e.failed]
-        if client is None or not waiting:
-            return
-        with contextlib.suppress(TimeoutError):  # the usual case: nothing yet
-            client.wait(waiting[0].transfer_id, self._idle_wait_s)
+        pending, ~600 steps/s): wait briefly for an outcome (or a refusal) instead of
+        spinning the CPU the daemons need to move the bytes."""
+        waiting = [
+            e.started
+            for e in self._entries.values()
+            if e.outcome is None and not e.failed and e.started is not None
+        ]
+        if self._client is not None and waiting:
+            concurrent.futures.wait(waiting, self._idle_wait_s, concurrent.futures.FIRST_COMPLETED)
 
     def _advance(self, req_id: str, entry: _Entry) -> None:
         if entry.failed:  # a send that failed without an outcome, held back (see _finish)
@@ -202,7 +216,18 @@ class Transfers:
         client = self._client
         if client is None:
             return
-        if entry.outcome is None:
+        started = entry.started
+        if entry.outcome is None and started is not None and started.done():
+            if started.cancelled():  # not by us; the outcome is still the book's to poll
+                entry.started = started = None
+            elif isinstance(exc := started.exception(), (DaemonGoneError, OSError, TimeoutError)):
+                raise exc  # the connection's end: collect fails every entry (_lost)
+            elif exc is not None:  # refused (CallError), or a bad argument: this one fails
+                self._refused(req_id, entry, exc)
+                return
+            else:
+                entry.outcome = started.result()
+        if entry.outcome is None and started is None:
             entry.outcome = client.poll(entry.transfer_id, entry.side)
         if entry.outcome is None:
             if entry.aborted:
