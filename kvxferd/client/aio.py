@@ -393,6 +393,11 @@ class AsyncClient(PoolCalls):
         await self._ask(Release, request_id=request_id, peer=peer or "")
         self._book.released_by_daemon(request_id, peer)
 
+    def flush(self) -> None:
+        """Hand the calls written so far (start_recv / start_send) to the socket now, not at
+        the loop's next turn."""
+        self._out.flush()
+
     def forget(self, request_id: str, peer: str | None = None) -> bool:
         """Drop the outcome kept here of a request the daemon auto-released (sent or
         received with auto_release), without a call to the daemon; True if it did.

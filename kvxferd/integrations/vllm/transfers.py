@@ -38,6 +38,9 @@ from kvxferd.service.logs import TEXT_LIMIT, shown
 log = logging.getLogger("kvxferd.vllm")
 
 _REDIAL_EVERY_S = 1.0
+# The client's loop thread makes the step's started calls; it answers in well under a
+# millisecond unless the process is starved.
+_FLUSH_S = 10.0
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Transfers:
         self._record = record  # each reported transfer's outcome (kv_connector_extra_config)
         self._entries: dict[str, _Entry] = {}  # by vLLM request id
         self._ready: Results = Results(set(), set(), set())
+        self._calls_made = False  # in this post
 
     @property
     def pending(self) -> int:
@@ -120,6 +124,17 @@ class Transfers:
             self._finish(req_id, entry, failed=True)
 
     def post(self, plan: StepPlan) -> None:
+        self._calls_made = False
+        self._post(plan)
+        if self._client is not None and self._calls_made:
+            # The started calls leave now, before vLLM's forward pass takes the GIL (one hop
+            # to the client's loop thread for the step, not a round trip per call).
+            try:
+                self._client.flush(_FLUSH_S)
+            except (DaemonGoneError, OSError, TimeoutError) as exc:
+                self._lost(exc)
+
+    def _post(self, plan: StepPlan) -> None:
         for refusal in plan.refusals:
             log.warning("request %s: remote KV load refused: %s", refusal.req_id, refusal.reason)
             self._ready.recving.add(refusal.req_id)
@@ -168,6 +183,7 @@ class Transfers:
         # Whatever stops the call (a refusal, the connection's end) fails this future, and
         # _advance takes it from there: nothing raises here.
         entry.started = call(client)
+        self._calls_made = True
 
     def _refused(self, req_id: str, entry: _Entry, exc: BaseException) -> None:
         log.warning("request %s: the daemon refused the %s: %s", req_id, entry.side, exc)
