@@ -178,6 +178,15 @@ class Client:
             out.set_exception(DaemonGoneError("client closed"))
         return out
 
+    def start_cancel(
+        self, request_id: str, peer: str | None = None
+    ) -> concurrent.futures.Future[str]:
+        """cancel, queued like start_recv and not waited for: the future of its answer
+        ("cancelled", "busy" or "finished"), failing as cancel raises. For an engine
+        whose loop must not stop while its daemon is stopped (SIGSTOP) or busy: the
+        daemon answers when it runs again."""
+        return asyncio.run_coroutine_threadsafe(self._client.cancel(request_id, peer), self._loop)
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the calls started before it (start_recv / start_send) were made and
         handed to the socket: one hop to the loop thread for all of them. An engine that

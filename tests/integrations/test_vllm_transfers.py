@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -469,6 +470,52 @@ def test_a_stopped_daemon_does_not_hold_the_step_back(
     for db, pb in zip([20, 21], [50, 51], strict=True):
         assert np.array_equal(d.block(db), p.block(pb))
     d.untouched([20, 21])
+    no_sessions(daemons.gen)
+    no_sessions(daemons.ctx)
+
+
+def test_an_abort_while_the_daemon_is_stopped_neither_blocks_nor_reports_early(
+    daemons: Daemons, workers: Callable[..., Worker]
+) -> None:
+    """vLLM aborts a posted receive while the generation daemon is stopped (SIGSTOP): the
+    step asks for the cancel without waiting for the answer (a blocking cancel would stop
+    vLLM's loop until SIGCONT), and reports nothing meanwhile: the context daemon, which
+    knows the receive, still writes into its blocks. After SIGCONT it is reported once."""
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    p.fill([40, 41], seed=6)
+    d.clear([10, 11])
+    d.step(plan_recv("d-c", "t-c", daemons.ctx.peer_address, 20, [10, 11]))
+    wait_for(
+        "the context daemon to know the receive",
+        lambda: status(daemons.ctx)["sessions"]["send"] == {"ready": 1},
+    )
+    daemons.gen.kill(signal.SIGSTOP)
+    stepping = threading.Thread(target=lambda: d.step(finished={"d-c"}), daemon=True)
+    try:
+        stepping.start()
+        stepping.join(TIMEOUT_S)
+        assert not stepping.is_alive(), "the step waited for the stopped daemon's answer"
+        # The writer goes on while the generation daemon is stopped: the bytes land.
+        p.step(plan_send("p-c", "t-c", 20, [40, 41]), finished={"p-c"})
+        run_until("the send's report", lambda: p.count("sending", "p-c") > 0, p)
+        for _ in range(5):
+            assert d.step() == Results(set(), set(), set())
+        assert d.transfers.pending == 1 and not d.records
+    finally:
+        daemons.gen.kill(signal.SIGCONT)
+        stepping.join(TIMEOUT_S)
+    run_until("the aborted receive's report", lambda: d.count("recving", "d-c") > 0, d)
+    for _ in range(5):
+        d.step()
+    assert d.reported("recving") == {"d-c": 1}
+    (rec,) = d.records
+    assert rec["aborted"] is True and rec["status"] in ("done", "cancelled"), rec
+    if rec["status"] == "done":
+        assert not d.reported("failed")
+        for db, pb in zip([10, 11], [40, 41], strict=True):
+            assert np.array_equal(d.block(db), p.block(pb))
+    d.untouched([10, 11])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
 

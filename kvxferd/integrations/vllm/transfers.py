@@ -54,6 +54,9 @@ class _Entry:
     released: bool = False  # the daemon forgot the request (Client.release)
     # The started call's outcome (start_recv / start_send): fails with the daemon's refusal.
     started: concurrent.futures.Future[Outcome] | None = None
+    # The cancel asked of an aborted receive, until its answer ("busy": asked again).
+    cancel: concurrent.futures.Future[str] | None = None
+    cancel_answered: bool = False  # an outcome is on its way, or the cancel was refused
 
 
 @dataclass
@@ -247,12 +250,7 @@ class Transfers:
             entry.outcome = client.poll(entry.transfer_id, entry.side)
         if entry.outcome is None:
             if entry.aborted:
-                # "cancelled" and "finished" both mean an outcome is on its way; "busy" means
-                # a write is in flight: ask again next step.
-                try:
-                    client.cancel(entry.transfer_id)
-                except CallError as exc:
-                    log.warning("request %s: cancel refused: %s", req_id, exc)
+                self._cancel(req_id, entry, client)
             return
         outcome = entry.outcome
         failed = outcome.status != "done"
@@ -278,6 +276,26 @@ class Transfers:
         if entry.side == "send" and not entry.seen_finished:
             return  # vLLM's rule: a send is reported only after its request finished
         self._finish(req_id, entry, failed=failed)
+
+    def _cancel(self, req_id: str, entry: _Entry, client: Client) -> None:
+        """Ask the daemon to cancel an aborted receive, without waiting for its answer: a
+        daemon that is stopped (SIGSTOP) or busy must not stop vLLM's loop, and until it
+        answers nothing is reported (it, or its context daemon, may still write into the
+        blocks). "cancelled" and "finished" both mean an outcome is on its way; "busy"
+        means a write is in flight: asked again at the next step."""
+        asked = entry.cancel
+        if entry.cancel_answered or (asked is not None and not asked.done()):
+            return
+        if asked is not None:
+            exc = asked.exception()
+            if isinstance(exc, (DaemonGoneError, OSError)):
+                raise exc  # the connection's end: collect fails every entry (_lost)
+            if exc is not None or asked.result() != "busy":
+                entry.cancel_answered = True
+                if exc is not None:  # the receive itself was refused, most likely
+                    log.warning("request %s: cancel refused: %s", req_id, exc)
+                return
+        entry.cancel = client.start_cancel(entry.transfer_id)
 
     def _finish(self, req_id: str, entry: _Entry, *, failed: bool) -> None:
         if entry.side == "send" and not entry.seen_finished:
