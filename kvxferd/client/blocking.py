@@ -187,6 +187,14 @@ class Client:
         daemon answers when it runs again."""
         return asyncio.run_coroutine_threadsafe(self._client.cancel(request_id, peer), self._loop)
 
+    def start_release(
+        self, request_id: str, peer: str | None = None
+    ) -> concurrent.futures.Future[None]:
+        """release, queued like start_cancel and not waited for: the future of its end,
+        failing as release raises. A request the daemon auto-released only drops its
+        outcome here; the others ask the daemon. Calls made after it see it done."""
+        return asyncio.run_coroutine_threadsafe(self._client.release(request_id, peer), self._loop)
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the calls started before it (start_recv / start_send) were made and
         handed to the socket: one hop to the loop thread for all of them. An engine that

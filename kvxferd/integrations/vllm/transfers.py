@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
 from kvxferd.integrations.vllm.plan import StepPlan
@@ -64,6 +65,13 @@ class Results:
     sending: set[str]
     recving: set[str]
     failed: set[str]
+
+
+def _release_ended(req_id: str, done: concurrent.futures.Future[None]) -> None:
+    """A release's end (on the client's loop thread): a refusal only means the daemon
+    forgot the request already, and nothing leaks."""
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.debug("request %s: release: %s", req_id, exc)
 
 
 class Transfers:
@@ -256,10 +264,11 @@ class Transfers:
         failed = outcome.status != "done"
         if not entry.released:
             entry.released = True
-            try:
-                client.release(entry.transfer_id)
-            except CallError as exc:  # the daemon forgot it already: nothing leaks
-                log.debug("request %s: release: %s", req_id, exc)
+            # Not waited for (a hop to the client's loop thread each, in a step that may
+            # report dozens): auto-released, it only drops the outcome the client kept.
+            client.start_release(entry.transfer_id).add_done_callback(
+                partial(_release_ended, req_id)
+            )
             if failed and not entry.aborted:
                 log.warning(
                     "request %s: KV %s of transfer %s %s: %s %s",
