@@ -105,8 +105,8 @@ class Client:
             target=self._loop.run_forever, name="kvxferd-client", daemon=True
         )
         self._thread.start()
-        # Futures start_recv/start_send handed out that have not ended (failed at close).
-        self._started: set[concurrent.futures.Future[Outcome]] = set()
+        # Futures the start_* calls handed out that have not ended (failed at close).
+        self._started: set[concurrent.futures.Future[Any]] = set()
         try:
             self._client = self._run(AsyncClient.connect(socket_path, engine, timeout_s))
         except BaseException:
@@ -185,7 +185,7 @@ class Client:
         ("cancelled", "busy" or "finished"), failing as cancel raises. For an engine
         whose loop must not stop while its daemon is stopped (SIGSTOP) or busy: the
         daemon answers when it runs again."""
-        return asyncio.run_coroutine_threadsafe(self._client.cancel(request_id, peer), self._loop)
+        return self._queued(self._client.cancel(request_id, peer))
 
     def start_release(
         self, request_id: str, peer: str | None = None
@@ -193,7 +193,21 @@ class Client:
         """release, queued like start_cancel and not waited for: the future of its end,
         failing as release raises. A request the daemon auto-released only drops its
         outcome here; the others ask the daemon. Calls made after it see it done."""
-        return asyncio.run_coroutine_threadsafe(self._client.release(request_id, peer), self._loop)
+        return self._queued(self._client.release(request_id, peer))
+
+    def _queued(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coro` on the loop thread, queued, and hand out its future at once; close
+        fails it if it has not ended by then."""
+        try:
+            out = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed: so is the client
+            coro.close()
+            out = concurrent.futures.Future()
+            out.set_exception(DaemonGoneError("client closed"))
+            return out
+        self._started.add(out)
+        out.add_done_callback(self._started.discard)
+        return out
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the calls started before it (start_recv / start_send) were made and

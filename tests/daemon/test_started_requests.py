@@ -220,9 +220,10 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
                 client._run(asyncio.sleep(0))
                 with pytest.raises(ValueError):
                     from_loop[0].result(WAIT_S)
-                assert client.cancel("b4") == "cancelled"  # the receive went on till now
+                # The receive went on till now; a cancel and a release may be queued too.
+                assert client.start_cancel("b4").result(WAIT_S) == "cancelled"
                 assert client.wait("b4", WAIT_S).status == "cancelled"
-                client.release("b4")
+                assert client.start_release("b4").result(WAIT_S) is None
                 # Left pending: the daemon ends it when the engine leaves.
                 orphan = client.start_recv("b5", "bpool", dst, ctx.peer_address, TOKENS)
                 assert client.query("b5") in ("waiting_for_peer", "ready", "transferring")
@@ -235,6 +236,8 @@ def test_the_blocking_clients_started_requests(pair: tuple[DaemonProc, DaemonPro
             late = client.start_recv("b7", "bpool", dst, ctx.peer_address, TOKENS)
             with pytest.raises(DaemonGoneError):
                 late.result(WAIT_S)
+            with pytest.raises(DaemonGoneError):
+                client.start_cancel("b5").result(WAIT_S)
 
     asyncio.run(scenario())
     assert_clean(ctx, gen)
