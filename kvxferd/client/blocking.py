@@ -159,9 +159,7 @@ class Client:
         wait on: it ends as `start`'s does, or with what `start` raised. Queued calls run in
         the order they were made (call_soon_threadsafe, as `_run` queues the blocking
         calls), so a cancel or wait made after a start finds it."""
-        out: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
-        self._started.add(out)
-        out.add_done_callback(self._started.discard)
+        out: concurrent.futures.Future[Outcome] = self._handed_out(concurrent.futures.Future())
 
         def begin() -> None:
             try:
@@ -176,6 +174,12 @@ class Client:
             self._loop.call_soon_threadsafe(begin)
         except RuntimeError:  # the loop is closed: so is the client
             out.set_exception(DaemonGoneError("client closed"))
+        return out
+
+    def _handed_out(self, out: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+        """`out`, kept until it ends: close fails it if it has not ended by then."""
+        self._started.add(out)
+        out.add_done_callback(self._started.discard)
         return out
 
     def start_cancel(
@@ -199,15 +203,12 @@ class Client:
         """Run `coro` on the loop thread, queued, and hand out its future at once; close
         fails it if it has not ended by then."""
         try:
-            out = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            return self._handed_out(asyncio.run_coroutine_threadsafe(coro, self._loop))
         except RuntimeError:  # the loop is closed: so is the client
             coro.close()
-            out = concurrent.futures.Future()
-            out.set_exception(DaemonGoneError("client closed"))
-            return out
-        self._started.add(out)
-        out.add_done_callback(self._started.discard)
-        return out
+            closed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            closed.set_exception(DaemonGoneError("client closed"))
+            return closed
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the calls started before it (start_recv / start_send) were made and

@@ -94,7 +94,6 @@ class Transfers:
         self._record = record  # each reported transfer's outcome (kv_connector_extra_config)
         self._entries: dict[str, _Entry] = {}  # by vLLM request id
         self._ready: Results = Results(set(), set(), set())
-        self._calls_made = False  # in this post
 
     @property
     def pending(self) -> int:
@@ -135,9 +134,7 @@ class Transfers:
             self._finish(req_id, entry, failed=True)
 
     def post(self, plan: StepPlan) -> None:
-        self._calls_made = False
-        self._post(plan)
-        if self._client is not None and self._calls_made:
+        if self._post(plan) and self._client is not None:
             # The started calls leave now, before vLLM's forward pass takes the GIL (one hop
             # to the client's loop thread for the step, not a round trip per call).
             try:
@@ -145,13 +142,15 @@ class Transfers:
             except (DaemonGoneError, OSError, TimeoutError) as exc:
                 self._lost(exc)
 
-    def _post(self, plan: StepPlan) -> None:
+    def _post(self, plan: StepPlan) -> bool:
+        """Enter the plan's transfers and start their calls; whether any call was made."""
+        made = False
         for refusal in plan.refusals:
             log.warning("request %s: remote KV load refused: %s", refusal.req_id, refusal.reason)
             self._ready.recving.add(refusal.req_id)
             self._ready.failed.add(refusal.req_id)
         for recv in plan.recvs:
-            self._start(
+            made |= self._start(
                 recv.req_id,
                 _Entry(recv.transfer_id, "recv"),
                 lambda c, r=recv: c.start_recv(  # type: ignore[misc]
@@ -165,7 +164,7 @@ class Transfers:
                 ),
             )
         for send in plan.sends:
-            self._start(
+            made |= self._start(
                 send.req_id,
                 _Entry(send.transfer_id, "send"),
                 lambda c, s=send: c.start_send(  # type: ignore[misc]
@@ -177,24 +176,26 @@ class Transfers:
                     auto_release=True,
                 ),
             )
+        return made
 
     def _start(
         self,
         req_id: str,
         entry: _Entry,
         call: Callable[[Client], concurrent.futures.Future[Outcome]],
-    ) -> None:
-        """Enter a planned transfer (reported once from now on) and start its call."""
+    ) -> bool:
+        """Enter a planned transfer (reported once from now on) and start its call; False
+        when there is no daemon to call (the transfer failed)."""
         self._entries[req_id] = entry
         client = self._client_or_dial()
         if client is None:
             log.warning("request %s: no kvxferd daemon to %s with", req_id, entry.side)
             self._finish(req_id, entry, failed=True)
-            return
+            return False
         # Whatever stops the call (a refusal, the connection's end) fails this future, and
         # _advance takes it from there: nothing raises here.
         entry.started = call(client)
-        self._calls_made = True
+        return True
 
     def _refused(self, req_id: str, entry: _Entry, exc: BaseException) -> None:
         log.warning("request %s: the daemon refused the %s: %s", req_id, entry.side, exc)
@@ -243,19 +244,14 @@ class Transfers:
         client = self._client
         if client is None:
             return
-        started = entry.started
+        started = entry.started  # never cancelled: nothing here cancels it
         if entry.outcome is None and started is not None and started.done():
-            if started.cancelled():  # not by us; the outcome is still the book's to poll
-                entry.started = started = None
-            elif isinstance(exc := started.exception(), (DaemonGoneError, OSError, TimeoutError)):
+            if isinstance(exc := started.exception(), (DaemonGoneError, OSError, TimeoutError)):
                 raise exc  # the connection's end: collect fails every entry (_lost)
-            elif exc is not None:  # refused (CallError), or a bad argument: this one fails
+            if exc is not None:  # refused (CallError), or a bad argument: this one fails
                 self._refused(req_id, entry, exc)
                 return
-            else:
-                entry.outcome = started.result()
-        if entry.outcome is None and started is None:
-            entry.outcome = client.poll(entry.transfer_id, entry.side)
+            entry.outcome = started.result()
         if entry.outcome is None:
             if entry.aborted:
                 self._cancel(req_id, entry, client)
