@@ -25,6 +25,7 @@ from twosided_harness import (
     connected,
     connected_pair,
     link_carries_a_message,
+    stopped_mid_message,
     wait_until,
 )
 from twosided_harness import MpiChild as Child
@@ -99,30 +100,6 @@ def test_receiver_killed_fails_the_pending_send(pair: tuple[Child, Child]) -> No
     wait_until(lambda: tx.ok("info")["requests_in_progress"] == 0, 10, "the send given up")
 
 
-def _stopped_mid_message(rx: Child, tx: Child, tag: int, deadline: float) -> int:
-    """A large message from tx under way into rx's recv, then tx stopped (SIGSTOP) with
-    part of it landed; returns the recv's id.
-
-    tx is stopped before rx posts the receive (the payload cannot move before that), then
-    let run 2 ms at a time until some of it landed: the whole message takes ~60 ms even
-    at 8 GB/s. Stopping it once the payload was seen arriving raced the transfer, and
-    lost once MPI's progress thread waited in MPI_Waitany instead of testing from Python."""
-    size = 512 * MIB
-    assert tx.event(tx.submit("send", peer=rx.key, tag=tag, size=size, seed=tag)) == "sending"
-    tx.proc.send_signal(signal.SIGSTOP)
-    recv = rx.submit("recv", peer=tx.key, tag=tag, size=size, deadline=deadline, keep=f"m{tag}")
-    give_up = time.monotonic() + 30
-    while not rx.ok("touched", keep=f"m{tag}")["touched"]:
-        assert time.monotonic() < give_up, "the payload never started arriving"
-        tx.proc.send_signal(signal.SIGCONT)
-        time.sleep(0.002)
-        tx.proc.send_signal(signal.SIGSTOP)
-        time.sleep(0.02)
-    with pytest.raises(AssertionError, match="no answer"):
-        rx.wait(recv, timeout=0.2)  # mid-message: stopped before it all came
-    return recv
-
-
 def test_a_sender_killed_mid_message_gives_the_receive_buffer_back(
     pair: tuple[Child, Child],
 ) -> None:
@@ -131,7 +108,7 @@ def test_a_sender_killed_mid_message_gives_the_receive_buffer_back(
     MPI never ends that receive (nor a send to a dead peer), and testing it back to back
     held a core for good."""
     rx, tx = pair
-    recv = _stopped_mid_message(rx, tx, tag=11, deadline=60)
+    recv = stopped_mid_message(rx, tx, tag=11, deadline=60)
     tx.proc.send_signal(signal.SIGKILL)
     tx.proc.wait()
     res = rx.wait(recv, timeout=15)
@@ -147,7 +124,7 @@ def test_a_sender_stopped_mid_message_keeps_the_buffer_lent_until_it_finishes(
     """Past its stall grace the recv fails and rx closes the link, but a stopped sender's
     MPI goes on sending once it resumes: the buffer stays lent until the message is in."""
     rx, tx = pair
-    recv = _stopped_mid_message(rx, tx, tag=12, deadline=3)
+    recv = stopped_mid_message(rx, tx, tag=12, deadline=3)
     try:
         res = rx.wait(recv, timeout=30)  # stall_grace_s (2 s) past its deadline
         assert res["error"] == "PeerLostError" and "stalled" in res["msg"] and res["lent"], res
@@ -169,7 +146,7 @@ def test_a_sender_stopped_then_killed_mid_message_gives_the_buffer_back(
     # The deadline runs from the receive's post, and letting the stopped sender land part
     # of the message takes a while on a loaded host: at 3 s the receive once gave up before
     # the helper could see it mid-message (CI, 2 cores).
-    recv = _stopped_mid_message(rx, tx, tag=13, deadline=10)
+    recv = stopped_mid_message(rx, tx, tag=13, deadline=10)
     res = rx.wait(recv, timeout=30)
     assert res["error"] == "PeerLostError" and "stalled" in res["msg"] and res["lent"], res
     wait_until(lambda: rx.ok("info")["peers"] == [], 10, "rx closing the link")

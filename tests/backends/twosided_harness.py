@@ -314,6 +314,13 @@ class TransportChild:
         self.proc.stdin.flush()
         return id_
 
+    def answer_within(self, id_: int | str, timeout: float) -> dict[str, Any] | None:
+        """The answer to command `id_` if it comes within `timeout`, else None."""
+        try:
+            return self._queue(id_).get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def wait(self, id_: int | str, timeout: float = 30.0) -> dict[str, Any]:
         try:
             return self._queue(id_).get(timeout=timeout)
@@ -402,6 +409,33 @@ def link_carries_a_message(by: TransportChild, to: TransportChild, address: str,
     send = by.submit("send", peer=to.key, tag=tag, size=1000, seed=tag)
     assert to.ok("recv", peer=by.key, tag=tag, size=1000, deadline=20, seed=tag)["verified"]
     assert by.wait(send)["ok"]
+
+
+def stopped_mid_message(
+    rx: TransportChild, tx: TransportChild, tag: int, deadline: float, size: int = 512 * MIB
+) -> int:
+    """A large message from tx under way into rx's recv, then tx stopped (SIGSTOP) with
+    part of it landed; returns the recv's id.
+
+    tx is stopped before rx posts the receive (the payload cannot move before that), then
+    let run 2 ms at a time until some of it landed: the whole message takes ~60 ms even
+    at 8 GB/s. Stopping it once the payload was seen arriving raced the transfer, and
+    lost once MPI's progress thread waited in MPI_Waitany instead of testing from Python;
+    killing it 50 ms after it began sending raced it too, and lost on a faster host (the
+    512 MiB were in before the kill)."""
+    assert tx.event(tx.submit("send", peer=rx.key, tag=tag, size=size, seed=tag)) == "sending"
+    tx.proc.send_signal(signal.SIGSTOP)
+    recv = rx.submit("recv", peer=tx.key, tag=tag, size=size, deadline=deadline, keep=f"m{tag}")
+    give_up = time.monotonic() + 30
+    while not rx.ok("touched", keep=f"m{tag}")["touched"]:
+        assert time.monotonic() < give_up, "the payload never started arriving"
+        tx.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+        tx.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.02)
+    ended = rx.answer_within(recv, timeout=0.2)
+    assert ended is None, f"the receive ended before its sender was stopped mid-message: {ended}"
+    return recv
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
