@@ -11,6 +11,7 @@ from typing import Union
 import msgspec
 
 from kvxferd.peers.framing import FrameCodec
+from kvxferd.peers.process import ProcessInfo
 from kvxferd.transceiver.state import Code, Outcome
 
 
@@ -41,6 +42,10 @@ class DaemonHello(_Msg, tag="hello_ok"):
     daemon: str
     role: str
     tokens_per_block: int
+    # The daemon's process (empty from a daemon that predates it): an engine whose
+    # connection ended can tell a daemon that exited, which writes nothing more into its
+    # pool, from one that lives on (see the vLLM connector's `Transfers`).
+    process: ProcessInfo = msgspec.field(default_factory=ProcessInfo)
 
 
 class RegisterPool(EngineCall, tag="register_pool"):

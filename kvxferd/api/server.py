@@ -45,6 +45,7 @@ from kvxferd.api.messages import (
 )
 from kvxferd.errors import MalformedMessageError, ProtocolError, RequestError, StartupError
 from kvxferd.memory.memfd import MemfdError, UnsealedMemfdError, check_memfd
+from kvxferd.peers import process
 from kvxferd.peers.framing import CorkedWriter
 from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.transceiver.state import Outcome
@@ -437,6 +438,7 @@ class ApiServer:
                         daemon=self._handler.daemon_name,
                         role=self._handler.role,
                         tokens_per_block=self._handler.tokens_per_block,
+                        process=process.me(),
                     )
                 )
             )

@@ -30,6 +30,7 @@ from kvxferd.client.pool_calls import PoolCalls, host_pool
 from kvxferd.client.started import StartedCalls
 from kvxferd.errors import ProtocolError
 from kvxferd.peers.framing import CorkedWriter
+from kvxferd.peers.process import ProcessInfo
 from kvxferd.transceiver.state import Outcome
 
 # host_pool: still importable from here, where it lived before pool_calls.py.
@@ -58,6 +59,7 @@ class AsyncClient(PoolCalls):
         self.daemon = ""
         self.role = ""
         self.tokens_per_block = 0
+        self.daemon_process = ProcessInfo()  # the daemon's, from its hello
         self.errors: list[str] = []  # errors the daemon sent without a call (call_id -1)
 
     @classmethod
@@ -96,6 +98,7 @@ class AsyncClient(PoolCalls):
             raise ProtocolError(f"daemon at {socket_path} did not answer the hello")
         client.daemon, client.role = hello.daemon, hello.role
         client.tokens_per_block = hello.tokens_per_block
+        client.daemon_process = hello.process
         client._reader_task = asyncio.create_task(client._read_loop())
         return client
 

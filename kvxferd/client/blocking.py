@@ -115,6 +115,7 @@ class Client:
         self.daemon = self._client.daemon
         self.role = self._client.role
         self.tokens_per_block = self._client.tokens_per_block
+        self.daemon_process = self._client.daemon_process
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if threading.current_thread() is self._thread:
