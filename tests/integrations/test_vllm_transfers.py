@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -30,6 +31,7 @@ import pytest
 from nixl_harness import nixl_or_skip
 
 from kvxferd.client import Client
+from kvxferd.integrations.vllm import transfers as transfers_module
 from kvxferd.integrations.vllm.plan import Planner, Refusal, StepPlan
 from kvxferd.integrations.vllm.transfers import Results, Transfers
 from kvxferd.memory.layout import KvLayout
@@ -520,12 +522,55 @@ def test_an_abort_while_the_daemon_is_stopped_neither_blocks_nor_reports_early(
     no_sessions(daemons.ctx)
 
 
+def test_calls_slow_to_leave_a_starved_client_fail_nothing(
+    daemons: Daemons, workers: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's thread cannot run (a starved process) past the post's flush timeout:
+    that is not a lost daemon. The step goes on, the calls leave once the thread runs,
+    and the transfer completes on the same connection (it once failed every transfer in
+    flight, and dropped the connection, with their blocks maybe still being written)."""
+    monkeypatch.setattr(transfers_module, "_FLUSH_S", 0.2)
+    d = workers(daemons.gen, "decode")
+    p = workers(daemons.ctx, "prefill")
+    client = d.dialed[-1]
+    stuck = threading.Event()
+    client._loop.call_soon_threadsafe(stuck.wait, TIMEOUT_S)  # white-box: the starvation
+    try:
+        got = d.step(plan_recv("d-s", "t-s", daemons.ctx.peer_address, 40, [1, 2, 3]))
+        assert not got.recving and not got.failed, got
+        assert d.transfers._client is client and d.transfers.pending == 1
+        assert not client.gone
+    finally:
+        stuck.set()
+    p.fill([4, 5, 6], seed=7)
+    d.clear([1, 2, 3])
+    p.step(plan_send("p-s", "t-s", 40, [4, 5, 6]), finished={"p-s"})
+    both_reported("the transfer", d, "d-s", p, "p-s", then_steps=3)
+    assert not d.reported("failed") and len(d.dialed) == 1
+    for db, pb in zip([1, 2, 3], [4, 5, 6], strict=True):
+        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.untouched([1, 2, 3])
+
+
 # Its own daemons: short deadlines, so that a stopped writer fails the receive in ~2 s
 # (the module's have 15 s), and a stopped daemon the module's other tests never see.
 FENCING: dict[str, Any] = {
     "transceiver": {"kv_transfer_timeout_ms": 2000},
     "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
 }
+
+
+def post_known_to_its_writer(
+    d: Worker, ctx: DaemonProc, req_id: str, tid: str, blocks: list[int]
+) -> None:
+    """A receive into `blocks` (cleared) posted on `d`, and known to the context daemon,
+    which waits for a send that is never planned."""
+    d.clear(blocks)
+    d.step(plan_recv(req_id, tid, ctx.peer_address, 40, blocks))
+    wait_for(
+        "the context daemon to know the request",
+        lambda: status(ctx)["sessions"]["send"] == {"ready": 1},
+    )
 
 
 def test_a_receive_failed_with_blocks_held_is_reported_only_once_released(
@@ -543,12 +588,7 @@ def test_a_receive_failed_with_blocks_held_is_reported_only_once_released(
         p = Worker(ctx, "prefill")  # its pool registered; its send is never planned
         try:
             blocks = [7, 8, 9]
-            d.clear(blocks)
-            d.step(plan_recv("d-h", "t-h", ctx.peer_address, 40, blocks))
-            wait_for(
-                "the context daemon to know the request",
-                lambda: status(ctx)["sessions"]["send"] == {"ready": 1},
-            )
+            post_known_to_its_writer(d, ctx, "d-h", "t-h", blocks)
             ctx.kill(signal.SIGSTOP)
             try:
                 run_until(
@@ -595,6 +635,74 @@ def test_a_receive_failed_with_blocks_held_is_reported_only_once_released(
             p.close()
         codes = {x.name: x.stop() for x in (ctx, gen)}
         assert codes == {"ctx": 0, "gen": 0}, [x.log_text()[-2000:] for x in (ctx, gen)]
+
+
+def cut(client: Client) -> None:
+    """The connection ends while the daemon lives on. Real causes (the daemon's shutdown
+    between closing its engine API and exiting, a frame it refused) are not reproducible
+    on demand; shutting the socket down from the client's side ends it the same way for
+    both ends."""
+    sock = client._client._writer.get_extra_info("socket")  # white-box: the fault itself
+    sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
+    tmp_path: Path,
+) -> None:
+    """The connection to the generation daemon ends while that daemon lives, with a receive
+    posted whose writer (the context daemon) is stopped: the daemon holds the blocks, since
+    the stopped writer may still write into them (the engine's pool stays mapped there).
+    vLLM must not hear of the receive (it would reuse the blocks) while the daemon's
+    process exists: the connector cannot learn of the hold's end on a new connection. Once
+    the daemon is killed, the receive is reported failed, once."""
+    with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
+        ctx = cluster.start_daemon("ctx", "context", **FENCING)
+        gen = cluster.start_daemon("gen", "generation", **FENCING)
+        d = Worker(gen, "decode")
+        p = Worker(ctx, "prefill")  # its pool registered; its send is never planned
+        try:
+            assert d.dialed[-1].daemon_process.pid == gen.proc.pid
+            blocks = [7, 8, 9]
+            post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
+            ctx.kill(signal.SIGSTOP)
+            try:
+                cut(d.dialed[-1])
+                wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
+                wait_for(
+                    "the daemon to hold the blocks of its gone engine's receive",
+                    lambda: status(gen)["holds"]["requests"] == 1,
+                )
+                held_until = time.monotonic() + 1.0
+                steps = 0
+                while time.monotonic() < held_until or steps < 10:
+                    got = d.step()
+                    assert "d-o" not in got.recving and "d-o" not in got.failed, got
+                    steps += 1
+                assert d.transfers.pending == 1 and not d.records
+            finally:
+                ctx.kill(signal.SIGCONT)
+            # The writer's AbortAck ends the hold in the daemon; the connector cannot hear
+            # of it, so the receive still waits for the daemon's exit.
+            wait_for("the hold's end", lambda: status(gen)["holds"]["requests"] == 0)
+            for _ in range(5):
+                assert "d-o" not in d.step().recving
+            gen.kill(signal.SIGKILL)
+            gen.proc.wait(10)
+            run_until("the orphaned receive's report", lambda: d.count("recving", "d-o") > 0, d)
+            (at,) = [r for r in d.steps if "d-o" in r.recving]
+            assert "d-o" in at.failed, at  # the same step
+            for _ in range(3):
+                d.step()
+            assert d.reported("recving") == {"d-o": 1} and d.reported("failed") == {"d-o": 1}
+            assert d.transfers.pending == 0
+            (rec,) = d.records
+            assert rec["status"] != "done", rec
+            assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
+            d.untouched(blocks)
+        finally:
+            d.close()
+            p.close()
+        assert ctx.stop() == 0, ctx.log_text()[-2000:]
 
 
 def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., Worker]) -> None:

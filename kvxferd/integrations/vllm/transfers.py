@@ -13,8 +13,14 @@ every planned transfer is an entry here until it is reported once:
 * a send: in `finished_sending` once its outcome arrived (whatever it says: the blocks are
   free again only then) and vLLM has named the request in some `finished_req_ids`.
 
-A daemon that went away fails every entry at once (its process, and with it every write it
-brokered, is gone) and is dialed again, at most once a second, when there is work for it.
+A connection to the daemon that ended fails every entry, and the daemon is dialed again, at
+most once a second, when there is work for it. A receive that may still be written into
+(no outcome yet, or one with `blocks_held` not released) fails only once the daemon's
+process has exited: its end takes every write it brokered with it (its registrations, its
+mappings), but a connection the daemon closed while it lives on (its shutdown's last
+milliseconds, a frame it refused) is no proof, and neither is a stopped process. Where the
+daemon's process cannot be watched from here (another pid namespace, a daemon too old to
+say which process it is), the connection's end is taken as its exit, as before, and said so.
 
 Calls are started, not waited for (Client.start_recv / start_send): `post` runs in vLLM's
 start_load_kv, before the step's forward pass, and a round trip to the daemon for each of
@@ -34,6 +40,7 @@ from functools import partial
 
 from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
 from kvxferd.integrations.vllm.plan import StepPlan
+from kvxferd.peers.process import ProcessInfo, comparable, exited
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.vllm")
@@ -58,6 +65,9 @@ class _Entry:
     # The cancel asked of an aborted receive, until its answer ("busy": asked again).
     cancel: concurrent.futures.Future[str] | None = None
     cancel_answered: bool = False  # an outcome is on its way, or the cancel was refused
+    # A receive whose connection ended while a write into its blocks might still land:
+    # failed once this daemon process has exited (Transfers._lost).
+    orphan_of: ProcessInfo | None = None
 
 
 @dataclass
@@ -65,6 +75,22 @@ class Results:
     sending: set[str]
     recving: set[str]
     failed: set[str]
+
+
+def _may_be_written(entry: _Entry, client: Client) -> bool:
+    """A receive whose blocks a write may still land in: no outcome yet, or one that says
+    they are held and no `released` came."""
+    started = entry.started
+    if entry.side != "recv" or (
+        started is not None
+        and started.done()
+        and isinstance(started.exception(), CallError)  # refused: never accepted
+    ):
+        return False
+    outcome = entry.outcome
+    if outcome is None:
+        return True
+    return outcome.blocks_held and client.released(entry.transfer_id) is None
 
 
 def _release_ended(req_id: str, done: concurrent.futures.Future[None]) -> None:
@@ -123,15 +149,40 @@ class Transfers:
         return self._client
 
     def _lost(self, exc: Exception) -> None:
-        """The daemon went away: nothing it was doing can still write or read."""
-        if self._client is not None:
-            log.error("lost the kvxferd daemon (%s); %d transfers fail", exc, len(self._entries))
-            with contextlib.suppress(Exception):  # closing a dead connection may fail any way
-                self._client.close()
-        self._client = None
+        """The connection to the daemon ended: its transfers fail. A receive that its blocks
+        may still be written into waits for the daemon's process to exit (the module's
+        docstring)."""
+        client, self._client = self._client, None
         self._last_dial = 0.0  # dial again as soon as there is work (then once a second)
-        for req_id, entry in list(self._entries.items()):
-            self._finish(req_id, entry, failed=True)
+        current = [(i, e) for i, e in self._entries.items() if e.orphan_of is None]
+        if client is None:
+            for req_id, entry in current:
+                self._finish(req_id, entry, failed=True)
+            return
+        log.error("lost the kvxferd daemon (%s); %d transfers fail", exc, len(current))
+        with contextlib.suppress(Exception):  # closing a dead connection may fail any way
+            client.close()
+        daemon = client.daemon_process
+        writable = [(i, e) for i, e in current if _may_be_written(e, client)]
+        if writable and not comparable(daemon):
+            log.warning(
+                "cannot watch the kvxferd daemon's process from here (another pid namespace, "
+                "or an older daemon); %d receive(s) fail now although a write into their "
+                "blocks can still land if it lives on",
+                len(writable),
+            )
+        elif writable and not exited(daemon):
+            log.error(
+                "the kvxferd daemon (pid %d) may still write into the blocks of %d "
+                "receive(s): they fail once its process exits",
+                daemon.pid,
+                len(writable),
+            )
+            for _, entry in writable:
+                entry.orphan_of = daemon
+        for req_id, entry in current:
+            if entry.orphan_of is None:
+                self._finish(req_id, entry, failed=True)
 
     def post(self, plan: StepPlan) -> None:
         if self._post(plan) and self._client is not None:
@@ -139,7 +190,15 @@ class Transfers:
             # to the client's loop thread for the step, not a round trip per call).
             try:
                 self._client.flush(_FLUSH_S)
-            except (DaemonGoneError, OSError, TimeoutError) as exc:
+            except TimeoutError:
+                # A starved process, not a lost daemon: the calls are queued in order and go
+                # out when the client's thread runs.
+                log.warning(
+                    "the kvxferd client's thread did not send this step's calls within %g s "
+                    "(is the process starved?); they go out when it runs",
+                    _FLUSH_S,
+                )
+            except (DaemonGoneError, OSError) as exc:
                 self._lost(exc)
 
     def _post(self, plan: StepPlan) -> bool:
@@ -231,12 +290,18 @@ class Transfers:
         waiting = [
             e.started
             for e in self._entries.values()
-            if e.outcome is None and not e.failed and e.started is not None
+            if e.outcome is None and not e.failed and e.started is not None and not e.orphan_of
         ]
         if self._client is not None and waiting:
             concurrent.futures.wait(waiting, self._idle_wait_s, concurrent.futures.FIRST_COMPLETED)
+        elif any(e.orphan_of is not None for e in self._entries.values()):
+            time.sleep(self._idle_wait_s)  # only a daemon's exit is awaited: no future for it
 
     def _advance(self, req_id: str, entry: _Entry) -> None:
+        if entry.orphan_of is not None:
+            if exited(entry.orphan_of):
+                self._finish(req_id, entry, failed=True)
+            return
         if entry.failed:  # a send that failed without an outcome, held back (see _finish)
             if entry.seen_finished:
                 self._finish(req_id, entry, failed=True)
