@@ -237,6 +237,8 @@ class ApiError(Code):
     DRAINING = "draining"
     VERSION = "version"
     BLOCKS_ON_LOAN = "blocks_on_loan"
+    # A recv or send while the daemon keeps daemon.max_requests of that side already.
+    TOO_MANY_REQUESTS = "too_many_requests"
     # A GPU pool where this host or daemon has no usable CUDA device (or no cupy).
     DEVICE_UNAVAILABLE = "device_unavailable"
     # A pool whose memory kind (host or vram) is not the one this daemon is configured for.

@@ -270,6 +270,16 @@ class DaemonSection(BaseModel):
         "was started with, whatever it is. The log and `kvxferd status` say which applies.",
     )
 
+    max_requests: int = Field(
+        default=65536,
+        gt=0,
+        description="Most receives, and most sends, the daemon keeps at once (each side "
+        "counted alone): in progress, finished but not released yet, or (sends) announced by "
+        "a peer before the engine's send. A recv or send beyond it is refused with "
+        "too_many_requests, a peer's request with overloaded: an engine that never releases "
+        "its finished requests, or posts sends nobody asks for, must not exhaust the "
+        "daemon's memory (~3 KiB a request). Applied on reload (SIGHUP).",
+    )
     stall_unhealthy_s: float = Field(
         default=60.0,
         ge=0,

@@ -204,6 +204,7 @@ class Daemon:
         self.sender = Sender(
             sender_timeouts, self.dataplane, pipelined=settings.pipelined_transfer,
             bounce=self.bounce, mover=SEND_MOVERS[settings.runtime],
+            max_requests=self._max_requests,
         )  # fmt: skip
         self.routes = PeerRoutes(self, self.dataplane, self.tasks, self.agent_name)
         # How peer names become addresses: daemon.peers, or etcd (registered at start).
@@ -232,7 +233,7 @@ class Daemon:
         self.receiver = Receiver(
             receiver_timeouts, self.admission, named_connect(self.peers.connect, self.discovery),
             rx_mover,
-            pipelined=settings.pipelined_transfer,
+            pipelined=settings.pipelined_transfer, max_requests=self._max_requests,
         )  # fmt: skip
         self.calls = EngineCalls(self, self.tasks, self.routes.announce_pools)
         self.api = ApiServer(d.api_socket_path(), self.calls)
@@ -415,6 +416,9 @@ class Daemon:
             finally:
                 await background.cancel()
                 self.notifier.close()
+
+    def _max_requests(self) -> int:
+        return self.cfg.daemon.max_requests  # read live: a reload applies at once
 
     async def stop(self) -> None:
         if self.draining:

@@ -66,6 +66,7 @@ LIVE_DAEMON = (
     "handshake_timeout_ms",
     "peers",
     "stall_unhealthy_s",  # read from daemon.cfg at each health check
+    "max_requests",  # read from daemon.cfg at each recv, send and peer request
     *tls.FIELDS,
 )
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -60,6 +60,7 @@ from kvxferd.transceiver.sessions import (
     RxSession,
     Terminal,
     abort_engine_sessions,
+    check_room,
     conclude,
     drain_sessions,
     forget_auto_released,
@@ -85,9 +86,13 @@ class Receiver:
         connect: Connect,
         mover: RecvMover,
         pipelined: bool = False,
+        max_requests: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`max_requests`: most receives kept (daemon.max_requests, read at each new one;
+        0: no limit)."""
         self.timeouts = timeouts
         self.pipelined = pipelined
+        self.max_requests = max_requests
         self.mover = mover
         self.admission = admission
         self.legs = ContextLegs(connect)
@@ -122,6 +127,7 @@ class Receiver:
         if not self.accepting:
             raise RequestError("draining", "the daemon is draining; no new requests")
         check_id_free(request_id, self.sessions.clash(request_id, peers))
+        check_room(self.sessions, self.max_requests(), "receives")
         check_blocks(pool, blocks, num_tokens, block_start)
         rx_token = secrets.randbits(63)
         while self.sessions.token_taken(request_id, rx_token):

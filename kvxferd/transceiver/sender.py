@@ -43,6 +43,7 @@ from kvxferd.transceiver.sessions import (
     Terminal,
     TxSession,
     abort_engine_sessions,
+    check_room,
     conclude,
     drain_sessions,
     forget_auto_released,
@@ -71,9 +72,11 @@ class Sender:
         pipelined: bool = False,
         bounce: BounceBuffers | None = None,
         mover: MoverFactory | None = None,
+        max_requests: Callable[[], int] = lambda: 0,
     ) -> None:
         """`mover`: how the bytes of each due slice cross (transceiver/movers.py); the
-        direct one (PYTHON runtime) by default."""
+        direct one (PYTHON runtime) by default. `max_requests`: most sessions kept
+        (daemon.max_requests, read at each new one; 0: no limit)."""
         self.timeouts = timeouts
         self._dp = dataplane
         self.pipelined = pipelined
@@ -86,8 +89,13 @@ class Sender:
         # reason, then a count (the refusals metric counts every one).
         self.log_limiter = LogLimiter(interval_s=10.0, burst=5)
         # Which receivers each request serves, and the generation side ending requests.
+        self.max_requests = max_requests
         self._matching = Matching(
-            self.sessions, lambda: self.accepting, self._count_refusal, self.log_limiter
+            self.sessions,
+            lambda: self.accepting,
+            self._count_refusal,
+            self.log_limiter,
+            max_requests,
         )
         self._ends = PeerEnds(self.sessions, self._matching, self.log_limiter, self.writes.drains)
         # Writes drained rather than cancelled (tx_drains.py): the engine hears `released`
@@ -127,6 +135,8 @@ class Sender:
         first chunk's counts; a later chunk may repeat it or leave it empty. So does
         `auto_release`'s (forget the request with its outcome: Send.auto_release)."""
         check_send(request_id, pool, blocks, token_start, token_end, beam_width, self.pipelined)
+        if request_id not in self.sessions:
+            check_room(self.sessions, self.max_requests(), "sends")
         s = session_for_send(
             self.sessions, self.accepting, engine, request_id, token_start, blocks, peer
         )

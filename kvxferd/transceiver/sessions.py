@@ -8,7 +8,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -444,3 +444,16 @@ def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Out
         peer=session.peer,
         auto_released=session.auto_release,
     )
+
+
+def check_room(sessions: Sized, limit: int, what: str) -> None:
+    """Refuse a new request while `limit` (daemon.max_requests; 0: none) are kept: an
+    engine that never releases its finished requests, or posts sends nobody asks for,
+    must not exhaust the daemon's memory."""
+    if 0 < limit <= len(sessions):
+        raise RequestError(
+            "too_many_requests",
+            f"the daemon keeps {len(sessions)} {what} (daemon.max_requests {limit}): in "
+            "progress, or finished and not released; release finished requests (or pass "
+            "auto_release), or raise the limit",
+        )

@@ -61,6 +61,8 @@ class Reason(Code):
     # A RequestData sent to a daemon that does not send (a generation daemon).
     WRONG_ROLE = "wrong_role"
     SHUTDOWN = "shutdown"
+    # A RequestData refused because the context daemon keeps daemon.max_requests sends.
+    OVERLOADED = "overloaded"
 
 
 class Fault(Code):

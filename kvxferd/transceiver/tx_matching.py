@@ -39,13 +39,15 @@ class Matching:
     """The receivers of the coordinator's sessions (`sessions`, shared with it).
 
     `accepting`: whether the coordinator takes new requests (not while draining);
-    `refused`: told the reason of each RequestData refused without being served.
+    `refused`: told the reason of each RequestData refused without being served;
+    `max_requests`: most sessions kept (daemon.max_requests, read at each request).
     """
 
     sessions: dict[str, TxSession]
     accepting: Callable[[], bool]
     refused: Callable[[str], None]
     log_limiter: LogLimiter
+    max_requests: Callable[[], int]
 
     async def on_request_data(self, conn: PeerConnection, msg: RequestData) -> None:
         dst_layout = conn.layouts.get(msg.pool_id)
@@ -62,6 +64,14 @@ class Matching:
         if s is None:
             if not self.accepting():
                 await self.refuse(conn, msg, Reason.SHUTDOWN, "context daemon is shutting down")
+                return
+            if 0 < (limit := self.max_requests()) <= len(self.sessions):
+                # A peer announcing requests no engine sends must not exhaust our memory.
+                message = (
+                    f"the context daemon keeps {len(self.sessions)} sends already "
+                    f"(daemon.max_requests {limit})"
+                )
+                await self.refuse(conn, msg, Reason.OVERLOADED, message)
                 return
             # Generation-first: remember the request until the engine sends.
             s = TxSession(request_id=msg.request_id, engine=None)
