@@ -48,16 +48,16 @@ def _mooncake(agent_name: str, options: BackendOptions) -> Backend:
     return MooncakeBackend(agent_name, options.host, options.transfer_timeout_ms)
 
 
-def _ucx(daemon_name: str, incarnation: str, secret: bytes) -> TwoSidedTransport:
+def _ucx(daemon_name: str, incarnation: str, secret: bytes, per_pair: bool) -> TwoSidedTransport:
     from kvxferd.backends.ucx import UcxTransport
 
-    return UcxTransport(daemon_name, incarnation, secret=secret)
+    return UcxTransport(daemon_name, incarnation, secret=secret, per_pair_secrets=per_pair)
 
 
-def _mpi(daemon_name: str, incarnation: str, secret: bytes) -> TwoSidedTransport:
+def _mpi(daemon_name: str, incarnation: str, secret: bytes, per_pair: bool) -> TwoSidedTransport:
     from kvxferd.backends.mpi import MpiTransport
 
-    return MpiTransport(daemon_name, incarnation, secret=secret)
+    return MpiTransport(daemon_name, incarnation, secret=secret, per_pair_secrets=per_pair)
 
 
 # backend name -> factory(agent_name, options). One-sided: memory registration + writes.
@@ -68,7 +68,7 @@ ONE_SIDED: dict[str, Callable[[str, BackendOptions], Backend]] = {
 
 # backend name -> factory(daemon_name, incarnation, shared secret). Two-sided: tagged
 # send/recv.
-TWO_SIDED: dict[str, Callable[[str, str, bytes], TwoSidedTransport]] = {
+TWO_SIDED: dict[str, Callable[[str, str, bytes, bool], TwoSidedTransport]] = {
     "UCX": _ucx,
     "MPI": _mpi,
 }
@@ -130,11 +130,16 @@ def make_backend(backend: str, agent_name: str, options: BackendOptions | None =
 
 
 def make_transport(
-    backend: str, daemon_name: str, incarnation: str, secret: bytes = b""
+    backend: str,
+    daemon_name: str,
+    incarnation: str,
+    secret: bytes = b"",
+    per_pair_secrets: bool = False,
 ) -> TwoSidedTransport:
     """`secret`: the daemons' shared secret (b"" without one), which every new link of
-    the transport proves (link_proof.py)."""
+    the transport proves (link_proof.py); `per_pair_secrets` (mutual TLS without a
+    shared secret): a key per pair of daemons instead (link_secrets.py)."""
     factory = TWO_SIDED.get(backend)
     if factory is None:
         raise StartupError(f"backend {backend} is not a two-sided transport")
-    return factory(daemon_name, incarnation, secret)
+    return factory(daemon_name, incarnation, secret, per_pair_secrets)

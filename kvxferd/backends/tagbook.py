@@ -18,6 +18,7 @@ import time
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
+from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.errors import TransferError
 
 __all__ = ["TagBook", "TaggedTransport"]
@@ -84,7 +85,8 @@ class TagBook(Generic[K]):
 class TaggedTransport(Generic[K]):
     """What both two-sided transports are made of: their peer key (daemon/incarnation),
     the grace a message past its deadline still gets to arrive whole (`stall_grace_s`),
-    the daemons' shared secret (`secret`, b"" without one: their links prove it), and
+    the daemons' shared secret (`secret`, b"" without one: their links prove it, or a
+    key per pair of daemons: `per_pair_secrets`, link_secrets.py), and
     their TagBook. One constructor, so that both take the same options; `_open` does
     the transport's own set-up (loading its library first, which raises StartupError)."""
 
@@ -98,10 +100,13 @@ class TaggedTransport(Generic[K]):
         stall_grace_s: float = 5.0,
         abandon_ttl_s: float = 120.0,
         secret: bytes = b"",
+        per_pair_secrets: bool = False,
     ) -> None:
         self.key = f"{daemon_name}/{incarnation}"
         self._stall_grace_s = stall_grace_s
-        self._secret = secret
+        # What each new link proves (link_secrets.py): `secret`, or with
+        # `per_pair_secrets` (mutual TLS, no shared secret) a key per pair of daemons.
+        self.link_secrets = LinkSecrets(self.key, secret, per_pair_secrets)
         self._tags: TagBook[K] = TagBook(self.name, abandon_ttl_s)
         self._open()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvxferd.backends.base import HOST, Memory, Segments, XferHandle, XferStatus, host_only
+from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
 
@@ -23,6 +24,9 @@ class TwoSidedTransport(Protocol):
     # True: the sending daemon links to a peer right after the peer handshake rather
     # than at its first round (MPI: set-up overlapping transfers can crash MPICH).
     link_ahead: bool
+    # What each new link proves (link_secrets.py); the daemon hands it the secrets its
+    # peers send in their Info.
+    link_secrets: LinkSecrets
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str: ...
 

@@ -64,10 +64,10 @@ handling is on (which peer-loss detection needs); docs/backends-ucx.md has the n
 and UCXPY_PROGRESS_MODE.
 
 The listener binds every interface (ucxx has no bind address). With a shared secret
-(daemon.shared_secret_file) a new endpoint is registered only once its connector proved
-the secret (link_proof.py; the hellos are in ucx_hellos.py), and the connector checks the
-listener's proof in turn; without one the hellos only say which peer an endpoint belongs
-to.
+(daemon.shared_secret_file), or with mutual TLS a key per pair of daemons
+(link_secrets.py), a new endpoint is registered only once its connector proved that key
+(link_proof.py; the hellos are in ucx_hellos.py), and the connector checks the listener's
+proof in turn; with neither the hellos only say which peer an endpoint belongs to.
 
 One ucxx context per process: ucxx keys its progress task by event loop, so
 two contexts on one loop would leave the second without progress. Every
@@ -205,7 +205,7 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
     def _open(self) -> None:
         self._ucxx = _load()
         encode_hello(self.key)  # a key too long for a hello fails here, at start-up
-        self._hellos = Hellos(self.key, self._secret, self._bounded)
+        self._hellos = Hellos(self.key, self.link_secrets, self._bounded)
         self._ctx: Any = None
         self._driver: EventLoopProgress | None = None
         self._listener: Any = None

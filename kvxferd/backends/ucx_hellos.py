@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxferd.backends.link_proof import NONCE_BYTES, WRONG_SECRET, Proofs
+from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.backends.ucx_wire import (
     ACK_TAG,
     HELLO_BYTES,
@@ -35,10 +36,10 @@ Bounded = Callable[[Awaitable[Any], float], Awaitable[Any]]
 
 @dataclass(frozen=True)
 class Hellos:
-    """One transport's side of its endpoints' hellos: its key and shared secret."""
+    """One transport's side of its endpoints' hellos: its key and what its links prove."""
 
     key: str
-    secret: bytes
+    secrets: LinkSecrets
     bounded: Bounded
 
     async def _in(self, ep: Any, tag: int, timeout_s: float) -> tuple[str, bytes, bytes]:
@@ -59,8 +60,9 @@ class Hellos:
     async def answer(self, ep: Any, key: str, nonce_c: bytes, timeout_s: float) -> bytes:
         """ACK, then the connector's PROOF checked (TransferError if wrong); our nonce,
         for READY."""
+        secret = await self.secrets.for_peer(key, timeout_s)
         nonce_l = secrets.token_bytes(NONCE_BYTES)
-        proofs = Proofs(_LABEL, self.secret, nonce_l, nonce_c, listening=True)
+        proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=True)
         ack = encode_hello(self.key, nonce_l, proofs.ours(self.key, key))
         await self._out(ep, ACK_TAG, ack, timeout_s)
         again, nonce, proof = await self._in(ep, PROOF_TAG, timeout_s)
@@ -81,6 +83,7 @@ class Hellos:
         """All four from the connecting side, each wait within `left()` seconds:
         PeerLostError if `address` is another daemon (or incarnation), TransferError if
         it did not prove the secret."""
+        secret = await self.secrets.for_peer(peer_key, left())
         nonce_c = secrets.token_bytes(NONCE_BYTES)
         await self._out(ep, HELLO_TAG, encode_hello(self.key, nonce_c), left())
         got, nonce_l, proof = await self._in(ep, ACK_TAG, left())
@@ -89,7 +92,7 @@ class Hellos:
                 f"UCX: {address} is {got}, not {peer_key} (the peer restarted or the "
                 "address was reused)"
             )
-        proofs = Proofs(_LABEL, self.secret, nonce_l, nonce_c, listening=False)
+        proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=False)
         if not proofs.proves(proof, peer_key, self.key):
             raise TransferError(
                 f"UCX: {peer_key} at {address} did not prove the shared secret ({WRONG_SECRET})"

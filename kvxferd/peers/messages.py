@@ -112,6 +112,10 @@ class Info(_Msg, tag="info"):
     # peer is the writer's own copy and ends with its handle (kvxferd/backends/cma.py);
     # False (or absent: an older daemon) makes a writer here drain rather than cancel.
     ucx_cma: bool = False
+    # With mutual TLS and no shared secret: this daemon's random secret, from which each
+    # pair of daemons makes the key their UCX or MPI links prove
+    # (kvxferd/backends/link_secrets.py). Sent only inside TLS; empty otherwise.
+    link_secret: bytes = b""
 
 
 class Ready(_Msg, tag="ready"):

@@ -358,20 +358,24 @@ class Daemon:
         log.info("ready")
 
     async def _start_transport(self) -> None:
+        # Mutual TLS covers the peer channel, not the transport's own listener: without a
+        # shared secret, each pair of daemons proves a key made of secrets they swapped
+        # over TLS (kvxferd/backends/link_secrets.py). With neither, start-up already
+        # warned that nothing is authenticated.
+        per_pair = self.peers.tls is not None and not self.secret_configured
         transport = registry.make_transport(
-            self.settings.backend, self.daemon_name, self.incarnation, self.identity.secret
+            self.settings.backend,
+            self.daemon_name,
+            self.incarnation,
+            self.identity.secret,
+            per_pair_secrets=per_pair,
         )
         host, _ = split_hostport(self.cfg.daemon.peer_listen)
         self.routes.transport_address = await transport.start(host)
-        if self.peers.tls is not None and not self.secret_configured:
-            # Mutual TLS covers the peer channel, not the transport's own listener: its
-            # links prove the shared secret only (kvxferd/backends/link_proof.py). With
-            # neither, start-up already warned that nothing is authenticated.
-            log.warning(
-                "%s links are not authenticated without daemon.shared_secret_file: any "
-                "client that reaches %s can make one (docs/operations.md)",
+        if per_pair:
+            log.info(
+                "%s links prove a key each pair of daemons swapped over TLS",
                 self.settings.backend,
-                self.routes.transport_address,
             )
         self.routes.transport = transport
         self.sender.mover.attach(transport)

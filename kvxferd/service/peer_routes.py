@@ -174,6 +174,7 @@ class PeerRoutes:
             process=process.me(),
             ucx_cma=cma_writes_here(self._dp.backend.name),
             wall_ms=int(time.time() * 1e3),
+            link_secret=self.transport.link_secrets.own if self.transport is not None else b"",
         )
 
     def check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
@@ -186,9 +187,13 @@ class PeerRoutes:
             info,
             d.cfg.engine.pipeline_parallel_size,
         )
+        transport = self.transport
+        if refusal is None and transport is not None:
+            # Read only over TLS (per-pair keys exist only then): what our links with this
+            # peer process will prove.
+            transport.link_secrets.learn(f"{peer.name}/{peer.incarnation}", info.link_secret)
         # MPI: link now, not at the first round; a peer dying during MPI's link
         # set-up can crash this process (docs/backends-mpi.md).
-        transport = self.transport
         if (
             refusal is None
             and transport is not None

@@ -233,20 +233,49 @@ def test_sighup_rotates_the_certificate_and_keeps_it_when_the_new_files_are_bad(
     assert state == "done" and ok, why
 
 
+def _stranger(kind: str, name: str, incarnation: str, peer_key: str, address: str) -> str:
+    """What a client of `address` that never authenticated, naming `name/incarnation`, gets
+    (link_stranger.py): LINKED or REFUSED ..."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("link_stranger.py")), kind, name,
+         incarnation, peer_key, address],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("LINKED", "REFUSED"))]
+    assert lines, (out.stdout[-2000:], out.stderr[-2000:])
+    return lines[-1]
+
+
 @pytest.mark.parametrize("backend", ["UCX", "MPI"])
-def test_a_two_sided_transport_without_the_shared_secret_says_its_links_are_open(
+def test_tls_without_a_shared_secret_authenticates_two_sided_links_per_pair(
     tmp_path: Path, backend: str
 ) -> None:
-    """Mutual TLS authenticates the peer channel, not UCX's or MPI's own listener, whose
-    links prove the shared secret only: a TLS-only daemon warns so at start-up, naming the
-    address; one with the secret as well does not."""
+    """Mutual TLS authenticates the peer channel, not UCX's or MPI's own listener (which
+    took any client before). Without a shared secret each daemon sends a random secret in
+    its Info, over TLS, and a pair's links prove a key made of both: the pair moves
+    verified KV; a client of the generation daemon's listener that never authenticated
+    makes no link, whether it names the context daemon's key (it cannot prove that pair's
+    key) or its own (no Info of it came over TLS); the pair moves KV after them."""
     staged = {"backend": backend, "transceiver_runtime": "CPP"}
-    with LocalCluster(tmp_path / "tls", tls=True, secret=None) as bare:
-        d = bare.start_daemon("gen", "generation", transceiver=staged)
-        line = logged(d, "links are not authenticated without daemon.shared_secret_file")[0]
-        up = logged(d, "transport listening on")[0]
-        assert backend in line and up.rsplit(" ", 1)[1] in line, (line, up)
+    with LocalCluster(tmp_path / "tls", tls=True, secret=None) as c:
+        ctx = c.start_daemon("ctx", "context", transceiver=staged)
+        gen = c.start_daemon("gen", "generation", transceiver=staged)
+        logged(gen, "links prove a key each pair of daemons swapped over TLS")
+        state, why, ok = asyncio.run(transfer(ctx, gen, "r-before"))
+        assert state == "done" and ok, why
+        address = logged(gen, "transport listening on")[0].rsplit(" ", 1)[1]
+        gen_key = f"gen/{status(gen)['incarnation']}"
+        kind = backend.lower()
+        posing = _stranger(kind, "ctx", status(ctx)["incarnation"], gen_key, address)
+        assert posing.startswith("REFUSED"), posing
+        unknown = _stranger(kind, "stranger", "1", gen_key, address)
+        assert unknown.startswith("REFUSED"), unknown
+        refused = "\n".join(logged(gen, f"{backend}: refused an incoming", count=2))
+        assert "ctx/" in refused and "did not prove" in refused, gen.log_text()[-3000:]
+        assert "stranger/1" in refused and "has not authenticated" in refused, refused
+        state, why, ok = asyncio.run(transfer(ctx, gen, "r-after"))
+        assert state == "done" and ok, why
     with LocalCluster(tmp_path / "both", tls=True) as both:
         d = both.start_daemon("gen", "generation", transceiver=staged)
         logged(d, "transport listening on")
-        assert not log_lines(d, "links are not authenticated"), d.log_text()[-2000:]
+        assert not log_lines(d, "swapped over TLS"), d.log_text()[-2000:]

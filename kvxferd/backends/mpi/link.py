@@ -66,6 +66,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
+from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.backends.mpi import keepalive, wire
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
@@ -157,11 +158,11 @@ class Links:
         runtime: Callable[[], Awaitable[Runtime]],
         on_link: Callable[[], None],
         on_finished: Callable[[Link], None],
-        secret: bytes = b"",
+        link_secrets: LinkSecrets | None = None,
     ) -> None:
-        """`secret`: the daemons' shared secret; each new link then proves it (identity.py)."""
+        """`link_secrets`: what each new link proves (link_secrets.py, identity.py)."""
         self.key = key
-        self._secret = secret
+        self._secrets = link_secrets or LinkSecrets(key)
         self._runtime = runtime
         self._on_link = on_link
         self._on_finished = on_finished
@@ -213,6 +214,8 @@ class Links:
                 wire.read_frame(reader, wire.HELLO, ("key", "nonce")), HELLO_TIMEOUT_S
             )
             key = raw_key.decode()
+            # Before any MPI work: a client that cannot be who it says gets none.
+            secret = await self._secrets.for_peer(key)
             nonce_l = secrets.token_bytes(NONCE_BYTES)
             async with self._accept_turn:
                 port = MPI.Open_port()
@@ -235,7 +238,7 @@ class Links:
                 comm = accepting.result()
                 accepting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
-            proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=True)
+            proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=True)
             await self._confirm(comm, rt, key, proofs)
             if self.closed:
                 raise TransferError("transport closed")
@@ -350,6 +353,7 @@ class Links:
         def remaining() -> float:
             return max(deadline - loop.time(), 0.001)
 
+        secret = await self._secrets.for_peer(peer_key, remaining())
         with connect_failures("MPI", peer_key, address, timeout_s):
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), remaining()
@@ -385,7 +389,7 @@ class Links:
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
-                proofs = Proofs(_LABEL, self._secret, nonce_l, nonce_c, listening=False)
+                proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=False)
                 await self._confirm(comm, rt, peer_key, proofs, remaining())
                 await asyncio.wait_for(wire.read_frame(reader, wire.READY), remaining())
             except BaseException:

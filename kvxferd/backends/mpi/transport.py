@@ -124,7 +124,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             raise StartupError(f"MPI peer key {self.key[:40]!r}... is too long")
         self._rt: Runtime | None = None
         self._links = Links(
-            self.key, self._runtime, self._start_ticker, self._link_finished, self._secret
+            self.key, self._runtime, self._start_ticker, self._link_finished, self.link_secrets
         )
         self._house = Housekeeping(self._links, self._tags, lambda: self._rt)
         self._progress: Progress | None = None
