@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,25 +36,14 @@ from kvxferd.peers.handshake import (
     server_handshake,
 )
 from kvxferd.peers.messages import Info, PeerMessage, PoolsUpdate, Refused
+from kvxferd.peers.preauth import PreauthGate
 from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 from kvxferd.transceiver.dataplane import DataPlane
 
 log = logging.getLogger("kvxferd.peers")
 
-# Accepted connections whose peer has not proved the shared secret yet. Each costs at most
-# one pre-authentication frame (PREAUTH_MAX_FRAME_BYTES) plus asyncio's buffers (see
-# docs/operations.md, "Unauthenticated peer connections"), and lives at most
-# handshake_timeout_ms. A daemon has one connection per peer daemon; what arrives at once
-# is a reconnect wave (every generation rank redialing a restarted context daemon).
-# Overall: 64 handshakes in flight at once, far above a reconnect wave of a few hosts.
-PREAUTH_MAX_CONNECTIONS = 64
-# Per source address: 16 is twice the daemons of an 8-GPU host (one per rank, all of
-# which may redial at once), and lets no single address take more than a quarter of
-# PREAUTH_MAX_CONNECTIONS.
-PREAUTH_MAX_PER_SOURCE = 16
-# Refusals are counted each in /metrics but logged at most once per this many seconds
-# (a flood of connections must not become a flood of log lines).
-_REFUSAL_LOG_INTERVAL_S = 10.0
+# Handshake failures are logged at most a few per source host in this many seconds.
+_FAILURE_LOG_INTERVAL_S = 10.0
 
 OnMessage = Callable[[PeerConnection, PeerMessage], Awaitable[None]]
 OnClosed = Callable[[PeerConnection], Awaitable[None]]
@@ -129,14 +117,10 @@ class PeerManager:
         self._server: asyncio.base_events.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self.handshake_failures: dict[str, int] = {}
-        # Accepted connections not yet authenticated, overall and by source address;
-        # refused connections by reason (preauth_limit, preauth_per_source_limit).
-        self.preauth_connections = 0
-        self._preauth_by_source: dict[str, int] = {}
-        self.refused_connections: dict[str, int] = {}
-        self._refusals_unlogged = 0
-        self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
-        self._failure_log = LogLimiter(_REFUSAL_LOG_INTERVAL_S, burst=3)
+        # Accepted connections not yet authenticated, and those refused for their number.
+        self.preauth = PreauthGate()
+        self.preauth.on_refused = self._connection_refused
+        self._failure_log = LogLimiter(_FAILURE_LOG_INTERVAL_S, burst=3)
         self.listen_address = ""
         # Mutual TLS for every connection made from now on (None: plain TCP); a reload
         # replaces it, connections already established keep the one they were made with.
@@ -171,26 +155,10 @@ class PeerManager:
         label = f"{peername[0]}:{peername[1]}" if peername else "unknown"
         source = str(peername[0]) if peername else "unknown"
         # Before anything is read: over a cap, the connection is dropped at once.
-        refusal = self._preauth_refusal(source)
-        if refusal is not None:
+        authenticated = self.preauth.enter(source, label)
+        if authenticated is None:
             writer.transport.abort()
-            self._count_refusal(refusal, label)
             return
-        self.preauth_connections += 1
-        self._preauth_by_source[source] = self._preauth_by_source.get(source, 0) + 1
-        counted = True
-
-        def authenticated() -> None:
-            """The peer proved the secret (or the attempt ended): it no longer counts."""
-            nonlocal counted
-            if counted:
-                counted = False
-                self.preauth_connections -= 1
-                left = self._preauth_by_source[source] - 1
-                if left:
-                    self._preauth_by_source[source] = left
-                else:
-                    del self._preauth_by_source[source]
 
         task = asyncio.current_task()
         if task is not None:
@@ -244,33 +212,9 @@ class PeerManager:
             if task is not None:
                 self._handshakes.discard(task)
 
-    def _preauth_refusal(self, source: str) -> str | None:
-        """Why a new connection from `source` may not start a handshake now, or None."""
-        if self.preauth_connections >= PREAUTH_MAX_CONNECTIONS:
-            return "preauth_limit"
-        if self._preauth_by_source.get(source, 0) >= PREAUTH_MAX_PER_SOURCE:
-            return "preauth_per_source_limit"
-        return None
-
-    def _count_refusal(self, reason: str, label: str) -> None:
-        self.refused_connections[reason] = self.refused_connections.get(reason, 0) + 1
+    def _connection_refused(self, reason: str) -> None:
         if self.observer is not None:
             self.observer.connection_refused(reason)
-        self._refusals_unlogged += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            log.warning(
-                "closed %d peer connection(s) before their handshake (latest from %s: %s; "
-                "%d unauthenticated now, at most %d, %d per source address)",
-                self._refusals_unlogged,
-                label,
-                reason,
-                self.preauth_connections,
-                PREAUTH_MAX_CONNECTIONS,
-                PREAUTH_MAX_PER_SOURCE,
-            )
-            self._refusals_unlogged = 0
-            self._refusal_logged_at = now
 
     # --------------------------------------------------------------- dialing
 

@@ -67,7 +67,7 @@ class LiveCollector:
         yield _gauge(
             "kvxferd_peer_unauthenticated_connections",
             "Accepted peer connections whose peer has not proved the shared secret yet.",
-            d.peers.preauth_connections,
+            d.peers.preauth.connections,
         )
         yield _gauge(
             "kvxferd_open_transfer_handles",

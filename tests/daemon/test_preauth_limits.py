@@ -23,8 +23,8 @@ from daemon_harness import metric, peer_names, serve_once, status, until
 from test_faults import _cfg
 
 from kvxferd.peers.framing import MAX_FRAME_BYTES, PREAUTH_MAX_FRAME_BYTES, FrameTooLargeError
-from kvxferd.peers.manager import PREAUTH_MAX_CONNECTIONS, PREAUTH_MAX_PER_SOURCE
 from kvxferd.peers.messages import PEER_CODEC, Auth
+from kvxferd.peers.preauth import PREAUTH_MAX_CONNECTIONS, PREAUTH_MAX_PER_SOURCE
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.hostile.streams import until_closed
 
