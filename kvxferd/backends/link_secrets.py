@@ -5,11 +5,13 @@ link_proof.py make a link only with a peer that holds the key they are made with
 
 * the daemons' shared secret (daemon.shared_secret_file), the same for every peer;
 * with mutual TLS and no shared secret, a key per pair of daemon processes: each daemon
-  draws a random secret at start and sends it in its Info, which only the peer it
-  authenticated reads (the peer channel is TLS by then). The pair's key is a hash of both
-  secrets, so only those two processes can make a link as each other, and a restarted
-  daemon (a new incarnation, a new secret) has to authenticate again first. A link from
-  a peer whose Info has not come over TLS is refused;
+  draws a random secret for each peer (by its name and incarnation) and sends it in the
+  Info to that peer only, which only that peer reads (the peer channel is TLS by then).
+  The pair's key is a hash of the two secrets the pair gave each other and of both keys,
+  so only those two processes can make a link as each other: a third daemon, however
+  authenticated, never sees either secret. A restarted daemon (a new incarnation) gets
+  new secrets, and has to authenticate again first. A link from a peer whose Info has
+  not come over TLS is refused;
 * neither: no key, and the proofs are empty (only the keys the peers name are compared;
   start-up already warned that nothing is authenticated).
 """
@@ -29,7 +31,7 @@ SECRET_BYTES = 32
 INFO_WAIT_S = 5.0
 
 
-def _pair_key(a: tuple[str, bytes], b: tuple[str, bytes]) -> bytes:
+def pair_key(a: tuple[str, bytes], b: tuple[str, bytes]) -> bytes:
     """The same bytes on both sides: the two (key, secret) pairs in key order."""
     parts = [p for key, secret in sorted((a, b)) for p in (key.encode(), secret)]
     msg = b"".join(len(p).to_bytes(4, "big") + p for p in (b"kvxferd link key", *parts))
@@ -44,18 +46,27 @@ class LinkSecrets:
         self.me = me
         self.shared = shared
         self.per_pair = per_pair and not shared
-        # Ours, sent in Info (over TLS) when keys are made per pair; empty otherwise.
-        self.own = secrets.token_bytes(SECRET_BYTES) if self.per_pair else b""
+        # What we gave each peer (in our Info to it, over TLS), by its transport key.
+        self._given: dict[str, bytes] = {}
         # By peer transport key (name/incarnation): one entry per peer process ever
         # authenticated, 32 bytes each; kept, as a link may be made again any time.
         self._pairs: dict[str, bytes] = {}
         self._learned: dict[str, asyncio.Event] = {}
 
+    def given(self, peer: str) -> bytes:
+        """The secret for our Info to `peer` (its transport key), once that peer
+        authenticated over TLS: drawn for it alone, the same in every Info to it. Empty
+        unless keys are made per pair."""
+        if not self.per_pair:
+            return b""
+        return self._given.setdefault(peer, secrets.token_bytes(SECRET_BYTES))
+
     def learn(self, peer: str, their: bytes) -> None:
-        """`peer`'s secret, from its Info over the authenticated (TLS) peer channel."""
+        """The secret `peer` gave us, from its Info over the authenticated (TLS) peer
+        channel."""
         if not self.per_pair or len(their) != SECRET_BYTES:
             return  # checked when a link asks for it: a peer without one gets no link
-        self._pairs[peer] = _pair_key((self.me, self.own), (peer, their))
+        self._pairs[peer] = pair_key((self.me, self.given(peer)), (peer, their))
         self._event(peer).set()
 
     def _event(self, peer: str) -> asyncio.Event:

@@ -219,6 +219,14 @@ async def _opening(
     return opening
 
 
+# Our Info as `peer` alone may read it: the parts drawn for that peer (a link secret).
+ForPeer = Callable[[PeerIdentity, Info], Info]
+
+
+def _personal(info: Info, peer: PeerIdentity, for_peer: ForPeer | None) -> Info:
+    return info if for_peer is None else for_peer(peer, info)
+
+
 async def client_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -228,9 +236,11 @@ async def client_handshake(
     peer_label: str,
     admit: Admit | None = None,
     tls_names: frozenset[str] | None = None,
+    for_peer: ForPeer | None = None,
 ) -> tuple[PeerIdentity, Info]:
     """The dialing side. `tls_names`: on a mutual-TLS connection, the names the server's
-    verified certificate vouches for; the daemon name it gives must be one of them."""
+    verified certificate vouches for; the daemon name it gives must be one of them.
+    `for_peer`: what of our Info is for this peer alone (its link secret)."""
     nonce_c = os.urandom(NONCE_BYTES)
     await _send(
         writer,
@@ -260,7 +270,7 @@ async def client_handshake(
         raise
     info = _expect(info, Info, peer_label)
     await _check_info(writer, check, peer, info, peer_label)
-    await _send(writer, await make_info())
+    await _send(writer, _personal(await make_info(), peer, for_peer))
     ready = await _recv(reader, peer_label)
     _expect(ready, Ready, peer_label)
     return peer, info
@@ -276,6 +286,7 @@ async def server_handshake(
     admit: Admit | None = None,
     authenticated: Callable[[], None] | None = None,
     tls_names: frozenset[str] | None = None,
+    for_peer: ForPeer | None = None,
 ) -> tuple[PeerIdentity, Info]:
     """The accepting side. `authenticated` is called once the client proved the secret
     (the manager stops counting the connection as unauthenticated then); `tls_names` as
@@ -307,7 +318,7 @@ async def server_handshake(
         authenticated()
     peer = PeerIdentity(name=hello.name, incarnation=hello.incarnation, role=hello.role)
     await _admit(admit, writer, peer, peer_label)
-    await _send(writer, await make_info())
+    await _send(writer, _personal(await make_info(), peer, for_peer))
     info = await _recv(reader, peer_label)
     info = _expect(info, Info, peer_label)
     await _check_info(writer, check, peer, info, peer_label)

@@ -29,6 +29,7 @@ from kvxferd.peers.backoff import DialBackoff
 from kvxferd.peers.channel import PeerConnection
 from kvxferd.peers.framing import FrameTooLargeError
 from kvxferd.peers.handshake import (
+    ForPeer,
     Identity,
     InfoCheck,
     PeerIdentity,
@@ -126,6 +127,8 @@ class PeerManager:
         # replaces it, connections already established keep the one they were made with.
         self.tls: tls.PeerTls | None = None
         self.observer: PeerObserver | None = None
+        # What of our Info is for one peer alone (its link secret: PeerRoutes.info_for).
+        self.info_for_peer: ForPeer | None = None
         # Called once a connection is registered, with the Info we sent in its handshake:
         # what changed on our side since that Info was made reached no broadcast.
         self.on_established: Callable[[PeerConnection, Info], Awaitable[None]] | None = None
@@ -181,6 +184,7 @@ class PeerManager:
                 self._admit,
                 authenticated,
                 tls_names=names,
+                for_peer=self.info_for_peer,
             )
 
         try:
@@ -295,7 +299,14 @@ class PeerManager:
             if context is not None:
                 names = await tls.dial(reader, writer, tls.TlsPeer(context, address))
             return await client_handshake(
-                reader, writer, self.me, make_info, load, address, tls_names=names
+                reader,
+                writer,
+                self.me,
+                make_info,
+                load,
+                address,
+                tls_names=names,
+                for_peer=self.info_for_peer,
             )
 
         try:

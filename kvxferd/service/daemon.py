@@ -224,6 +224,7 @@ class Daemon:
             self.routes.closed,
         )
         self.peers.tls = peer_tls
+        self.peers.info_for_peer = self.routes.info_for
         poll_ms = settings.kv_transfer_poll_interval_ms
         self.admission = AdmissionWindow(
             settings.admission_window_blocks, poll_ms / 1e3 if poll_ms else None

@@ -10,6 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from kvxferd.backends.cma import cma_writes_here
 from kvxferd.backends.twosided import TwoSidedTransport
 from kvxferd.errors import KvxferdError
@@ -174,8 +176,16 @@ class PeerRoutes:
             process=process.me(),
             ucx_cma=cma_writes_here(self._dp.backend.name),
             wall_ms=int(time.time() * 1e3),
-            link_secret=self.transport.link_secrets.own if self.transport is not None else b"",
         )
+
+    def info_for(self, peer: PeerIdentity, info: Info) -> Info:
+        """Our Info as `peer` alone reads it (over TLS): with per-pair link keys, the
+        secret drawn for that peer (kvxferd/backends/link_secrets.py)."""
+        transport = self.transport
+        if transport is None or not transport.link_secrets.per_pair:
+            return info
+        given = transport.link_secrets.given(f"{peer.name}/{peer.incarnation}")
+        return msgspec.structs.replace(info, link_secret=given)
 
     def check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
         d = self._d

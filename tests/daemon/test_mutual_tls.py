@@ -11,6 +11,7 @@ while the running certificate stays in use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import ssl
@@ -23,6 +24,7 @@ import pytest
 from daemon_harness import assert_clean, log_lines, metric, status, wait_for
 from test_faults import _cfg, logged, opened
 
+from kvxferd.backends.link_secrets import pair_key
 from kvxferd.errors import IncompatiblePeerError
 from kvxferd.peers import testca, tls
 from kvxferd.peers.handshake import Identity, client_handshake
@@ -176,6 +178,32 @@ async def _tls_hello(
         writer.close()
 
 
+async def _info_from(address: str, cert: testca.IssuedCert) -> Info:
+    """The Info the daemon at `address` sends a daemon named by `cert` (which then leaves
+    without sending its own)."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    names = await tls.dial(reader, writer, tls.TlsPeer(_client_context(cert), address))
+    got: list[Info] = []
+
+    async def make_info() -> Info:
+        raise ConnectionAbortedError("leaving with the peer's Info")
+
+    try:
+        with contextlib.suppress(ConnectionAbortedError):
+            await asyncio.wait_for(
+                client_handshake(
+                    reader, writer, Identity("mallory", "1", "generation", b""), make_info,
+                    lambda p, i: got.append(i), address, tls_names=names,
+                ),
+                WAIT_S,
+            )  # fmt: skip
+    finally:
+        writer.close()
+    assert len(got) == 1 and len(got[0].link_secret) == 32, got
+    return got[0]
+
+
 def test_a_certificate_under_another_daemons_name_is_refused(tls_cluster: LocalCluster) -> None:
     """gen's certificate (signed by the right CA) used by a process calling itself ctx-b."""
     ctx = tls_cluster.start_daemon("ctx", "context", **_cfg(20000))
@@ -233,12 +261,14 @@ def test_sighup_rotates_the_certificate_and_keeps_it_when_the_new_files_are_bad(
     assert state == "done" and ok, why
 
 
-def _stranger(kind: str, name: str, incarnation: str, peer_key: str, address: str) -> str:
-    """What a client of `address` that never authenticated, naming `name/incarnation`, gets
-    (link_stranger.py): LINKED or REFUSED ..."""
+def _stranger(
+    kind: str, name: str, incarnation: str, peer_key: str, address: str, key: bytes = b""
+) -> str:
+    """What a client of `address` that never authenticated, naming `name/incarnation` and
+    proving `key`, gets (link_stranger.py): LINKED or REFUSED ..."""
     out = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("link_stranger.py")), kind, name,
-         incarnation, peer_key, address],
+         incarnation, peer_key, address, key.hex()],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith(("LINKED", "REFUSED"))]
@@ -270,7 +300,17 @@ def test_tls_without_a_shared_secret_authenticates_two_sided_links_per_pair(
         assert posing.startswith("REFUSED"), posing
         unknown = _stranger(kind, "stranger", "1", gen_key, address)
         assert unknown.startswith("REFUSED"), unknown
-        refused = "\n".join(logged(gen, f"{backend}: refused an incoming", count=2))
+        # A daemon of the cluster (its certificate from the same CA) reads what ctx and gen
+        # put in their Info to it; from that it cannot make the key of the pair (ctx, gen).
+        mallory = testca.issue(c.workdir / "tls", "mallory")
+        ctx_key = f"ctx/{status(ctx)['incarnation']}"
+        forged = pair_key(
+            (ctx_key, asyncio.run(_info_from(ctx.peer_address, mallory)).link_secret),
+            (gen_key, asyncio.run(_info_from(gen.peer_address, mallory)).link_secret),
+        )
+        insider = _stranger(kind, "ctx", status(ctx)["incarnation"], gen_key, address, forged)
+        assert insider.startswith("REFUSED"), insider
+        refused = "\n".join(logged(gen, f"{backend}: refused an incoming", count=3))
         assert "ctx/" in refused and "did not prove" in refused, gen.log_text()[-3000:]
         assert "stranger/1" in refused and "has not authenticated" in refused, refused
         state, why, ok = asyncio.run(transfer(ctx, gen, "r-after"))
