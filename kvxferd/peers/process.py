@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 from dataclasses import dataclass
 from functools import cache
 
@@ -33,14 +34,19 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _parse_stat(raw: str) -> list[str] | None:
+    """Fields 3.. of a /proc/PID/stat line (after the command name, which may hold
+    spaces); None when there are not the 20 we read."""
+    _, sep, rest = raw.rpartition(")")
+    fields = rest.split() if sep else []
+    return fields if len(fields) >= 20 else None
+
+
 def _stat_fields(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces)."""
     try:
-        raw = _read(f"/proc/{pid}/stat")
+        return _parse_stat(_read(f"/proc/{pid}/stat"))
     except OSError:
         return None
-    _, sep, rest = raw.rpartition(")")
-    return rest.split() if sep else None
 
 
 @cache
@@ -79,6 +85,14 @@ class ProcessWatch:
     def gone_at_open(self) -> bool:
         return self.fd < 0
 
+    def exited_now(self) -> bool:
+        """The pidfd is readable: its process has exited (a zombie holds no memory)."""
+        if self.fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
+
     def close(self) -> None:
         if self.fd >= 0:
             with contextlib.suppress(OSError):
@@ -86,14 +100,20 @@ class ProcessWatch:
             self.fd = -1
 
 
-def exited(peer: ProcessInfo) -> bool:
-    """True when `peer` is provably gone now (False: alive, or nothing can be proven)."""
+def alive(peer: ProcessInfo) -> bool | None:
+    """Whether `peer` exists now: True, False (provably gone), or None (nothing can be
+    proven here: another kernel or pid namespace, no pidfd, /proc unreadable)."""
     w = watch(peer)
     if w is None:
-        return False
+        return None
     gone = w.gone_at_open
     w.close()
-    return gone
+    return not gone
+
+
+def exited(peer: ProcessInfo) -> bool:
+    """True when `peer` is provably gone now (False: alive, or nothing can be proven)."""
+    return alive(peer) is False
 
 
 def watch(peer: ProcessInfo) -> ProcessWatch | None:
@@ -110,14 +130,22 @@ def watch(peer: ProcessInfo) -> ProcessWatch | None:
         return ProcessWatch(-1)
     except (OSError, OverflowError, ValueError):
         return None  # no pidfd support, or a pid that cannot be one: cannot prove anything
-    fields = _stat_fields(peer.pid)
-    if (
-        fields is None
-        or len(fields) < 20
-        or int(fields[19]) != peer.start
-        or fields[0] in ("Z", "X")
-    ):
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    w = ProcessWatch(fd)
+    if w.exited_now():
+        w.close()
+        return ProcessWatch(-1)  # whoever has the number now exited: so did the announced one
+    try:
+        fields = _parse_stat(_read(f"/proc/{peer.pid}/stat"))
+    except OSError:
+        # Exited since, or hidden or unreadable (/proc mounted hidepid, another uid):
+        # only the pidfd can tell, and it cannot tell a reused number from the announced.
+        gone = w.exited_now()
+        w.close()
+        return ProcessWatch(-1) if gone else None
+    if fields is None:
+        w.close()
+        return None  # not a stat line we can read: proves nothing
+    if int(fields[19]) != peer.start or fields[0] in ("Z", "X"):
+        w.close()
         return ProcessWatch(-1)  # the announced process ended (its pid may be someone else's)
-    return ProcessWatch(fd)
+    return w

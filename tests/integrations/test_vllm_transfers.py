@@ -654,7 +654,8 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
     the stopped writer may still write into them (the engine's pool stays mapped there).
     vLLM must not hear of the receive (it would reuse the blocks) while the daemon's
     process exists: the connector cannot learn of the hold's end on a new connection. Once
-    the daemon is killed, the receive is reported failed, once."""
+    the daemon is killed, the receive is reported failed, once. A receive whose `done`
+    outcome reached the client just before the end is reported done, at once."""
     with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
         ctx = cluster.start_daemon("ctx", "context", **FENCING)
         gen = cluster.start_daemon("gen", "generation", **FENCING)
@@ -664,10 +665,21 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
             assert d.dialed[-1].daemon_process.pid == gen.proc.pid
             blocks = [7, 8, 9]
             post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
+            # Posted and served, its outcome at the client, but no step has taken it yet.
+            done_blocks, p_blocks = [20, 21, 22], [30, 31, 32]
+            d.clear(done_blocks)
+            p.fill(p_blocks, seed=5)
+            d.transfers.post(plan_recv("d-done", "t-done", ctx.peer_address, 40, done_blocks))
+            p.step(plan_send("p-done", "t-done", 40, p_blocks), finished={"p-done"})
+            started = d.transfers._entries["d-done"].started  # white-box: the arrival
+            assert started is not None
+            wait_for("the served receive's outcome at the client", started.done)
             ctx.kill(signal.SIGSTOP)
             try:
                 cut(d.dialed[-1])
                 wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
+                first = d.step()
+                assert "d-done" in first.recving and "d-done" not in first.failed, first
                 wait_for(
                     "the daemon to hold the blocks of its gone engine's receive",
                     lambda: status(gen)["holds"]["requests"] == 1,
@@ -678,7 +690,7 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
                     got = d.step()
                     assert "d-o" not in got.recving and "d-o" not in got.failed, got
                     steps += 1
-                assert d.transfers.pending == 1 and not d.records
+                assert d.transfers.pending == 1 and [r["status"] for r in d.records] == ["done"]
             finally:
                 ctx.kill(signal.SIGCONT)
             # The writer's AbortAck ends the hold in the daemon; the connector cannot hear
@@ -693,12 +705,14 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
             assert "d-o" in at.failed, at  # the same step
             for _ in range(3):
                 d.step()
-            assert d.reported("recving") == {"d-o": 1} and d.reported("failed") == {"d-o": 1}
+            assert d.reported("recving") == {"d-o": 1, "d-done": 1}
+            assert d.reported("failed") == {"d-o": 1}
             assert d.transfers.pending == 0
-            (rec,) = d.records
-            assert rec["status"] != "done", rec
+            assert [r["status"] != "done" for r in d.records] == [False, True], d.records
             assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
-            d.untouched(blocks)
+            for db, pb in zip(done_blocks, p_blocks, strict=True):
+                assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+            d.untouched(blocks + done_blocks)
         finally:
             d.close()
             p.close()

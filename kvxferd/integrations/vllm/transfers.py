@@ -13,14 +13,16 @@ every planned transfer is an entry here until it is reported once:
 * a send: in `finished_sending` once its outcome arrived (whatever it says: the blocks are
   free again only then) and vLLM has named the request in some `finished_req_ids`.
 
-A connection to the daemon that ended fails every entry, and the daemon is dialed again, at
-most once a second, when there is work for it. A receive that may still be written into
-(no outcome yet, or one with `blocks_held` not released) fails only once the daemon's
-process has exited: its end takes every write it brokered with it (its registrations, its
+A connection to the daemon that ended fails every entry without a `done` outcome, and the
+daemon is dialed again, at most once a second, when there is work for it. A transfer whose
+blocks the daemon may still write (a receive) or read (a send's drained write) - no
+outcome yet, or one with `blocks_held` not released - fails only once the daemon's process
+has exited: its end takes every write it brokered with it (its registrations, its
 mappings), but a connection the daemon closed while it lives on (its shutdown's last
 milliseconds, a frame it refused) is no proof, and neither is a stopped process. Where the
-daemon's process cannot be watched from here (another pid namespace, a daemon too old to
-say which process it is), the connection's end is taken as its exit, as before, and said so.
+daemon's process cannot be watched from here (another pid namespace, no pidfd, an
+unreadable /proc, a daemon too old to say which process it is), the connection's end is
+taken as its exit, as before, and said so.
 
 Calls are started, not waited for (Client.start_recv / start_send): `post` runs in vLLM's
 start_load_kv, before the step's forward pass, and a round trip to the daemon for each of
@@ -40,7 +42,7 @@ from functools import partial
 
 from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
 from kvxferd.integrations.vllm.plan import StepPlan
-from kvxferd.peers.process import ProcessInfo, comparable, exited
+from kvxferd.peers.process import ProcessInfo, alive
 from kvxferd.service.logs import TEXT_LIMIT, shown
 
 log = logging.getLogger("kvxferd.vllm")
@@ -77,14 +79,29 @@ class Results:
     failed: set[str]
 
 
-def _may_be_written(entry: _Entry, client: Client) -> bool:
-    """A receive whose blocks a write may still land in: no outcome yet, or one that says
-    they are held and no `released` came."""
+def _take_arrived_outcome(entry: _Entry) -> None:
+    """The outcome a started call already delivered, if any (collect takes it otherwise)."""
     started = entry.started
-    if entry.side != "recv" or (
+    if (
+        entry.outcome is None
+        and started is not None
+        and started.done()
+        and not started.cancelled()
+        and started.exception() is None
+    ):
+        entry.outcome = started.result()
+
+
+def _may_be_touched(entry: _Entry, client: Client) -> bool:
+    """A transfer whose blocks the daemon may still write (a receive) or read (a send's
+    drained write): no outcome yet, or one that says they are held and no `released`
+    came. A call the daemon refused was never accepted."""
+    started = entry.started
+    if entry.failed or (
         started is not None
         and started.done()
-        and isinstance(started.exception(), CallError)  # refused: never accepted
+        and not started.cancelled()
+        and isinstance(started.exception(), CallError)
     ):
         return False
     outcome = entry.outcome
@@ -160,29 +177,33 @@ class Transfers:
                 self._finish(req_id, entry, failed=True)
             return
         log.error("lost the kvxferd daemon (%s); %d transfers fail", exc, len(current))
+        for _, entry in current:
+            _take_arrived_outcome(entry)  # a receive done just before the end is done
         with contextlib.suppress(Exception):  # closing a dead connection may fail any way
             client.close()
         daemon = client.daemon_process
-        writable = [(i, e) for i, e in current if _may_be_written(e, client)]
-        if writable and not comparable(daemon):
+        touched = [(i, e) for i, e in current if _may_be_touched(e, client)]
+        state = alive(daemon) if touched else False
+        if state is None:
             log.warning(
                 "cannot watch the kvxferd daemon's process from here (another pid namespace, "
-                "or an older daemon); %d receive(s) fail now although a write into their "
-                "blocks can still land if it lives on",
-                len(writable),
+                "no pidfd, an unreadable /proc, or an older daemon); %d transfer(s) fail now "
+                "although their blocks may still be written or read if it lives on",
+                len(touched),
             )
-        elif writable and not exited(daemon):
+        elif state:
             log.error(
-                "the kvxferd daemon (pid %d) may still write into the blocks of %d "
-                "receive(s): they fail once its process exits",
+                "the kvxferd daemon (pid %d) may still write or read the blocks of %d "
+                "transfer(s): they fail once its process exits",
                 daemon.pid,
-                len(writable),
+                len(touched),
             )
-            for _, entry in writable:
+            for _, entry in touched:
                 entry.orphan_of = daemon
         for req_id, entry in current:
             if entry.orphan_of is None:
-                self._finish(req_id, entry, failed=True)
+                done = entry.outcome is not None and entry.outcome.status == "done"
+                self._finish(req_id, entry, failed=not done)
 
     def post(self, plan: StepPlan) -> None:
         if self._post(plan) and self._client is not None:
@@ -299,7 +320,8 @@ class Transfers:
 
     def _advance(self, req_id: str, entry: _Entry) -> None:
         if entry.orphan_of is not None:
-            if exited(entry.orphan_of):
+            if alive(entry.orphan_of) is False:
+                entry.orphan_of = None  # nothing of it can be touched now: a plain failure
                 self._finish(req_id, entry, failed=True)
             return
         if entry.failed:  # a send that failed without an outcome, held back (see _finish)
