@@ -214,7 +214,9 @@ class Links:
                 wire.read_frame(reader, wire.HELLO, ("key", "nonce")), HELLO_TIMEOUT_S
             )
             key = raw_key.decode()
-            # Before any MPI work: a client that cannot be who it says gets none.
+            # Before any MPI work: a client naming a daemon we hold no key for gets none. One
+            # naming a known daemon is refused only on its proof, after MPI's accept (under
+            # _accept_turn, up to HELLO_TIMEOUT_S), as with a shared secret.
             secret = await self._secrets.for_peer(key)
             nonce_l = secrets.token_bytes(NONCE_BYTES)
             async with self._accept_turn:
