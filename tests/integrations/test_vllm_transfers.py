@@ -15,6 +15,7 @@ restarts them runs last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -560,6 +561,26 @@ FENCING: dict[str, Any] = {
 }
 
 
+@contextlib.contextmanager
+def fencing_pair(tmp_path: Path) -> Iterator[tuple[DaemonProc, DaemonProc, Worker, Worker]]:
+    """Two daemons of their own with FENCING's deadlines and a worker on each (the prefill
+    one's pool registered, its send never planned); the workers closed after, and the
+    daemons still alive then stopped, each exiting 0."""
+    with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
+        ctx = cluster.start_daemon("ctx", "context", **FENCING)
+        gen = cluster.start_daemon("gen", "generation", **FENCING)
+        d = Worker(gen, "decode")
+        p = Worker(ctx, "prefill")
+        try:
+            yield ctx, gen, d, p
+        finally:
+            d.close()
+            p.close()
+        live = [x for x in (ctx, gen) if x.alive()]
+        codes = {x.name: x.stop() for x in live}
+        assert codes == {x.name: 0 for x in live}, [x.log_text()[-2000:] for x in live]
+
+
 def post_known_to_its_writer(
     d: Worker, ctx: DaemonProc, req_id: str, tid: str, blocks: list[int]
 ) -> None:
@@ -581,60 +602,50 @@ def test_a_receive_failed_with_blocks_held_is_reported_only_once_released(
     that the stopped process will not write. vLLM must not hear of it (it would reuse the
     blocks) until the daemon's `released`; after SIGCONT the writer's AbortAck releases it,
     and it is reported once, in finished_recving and failed_recving in the same step."""
-    with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
-        ctx = cluster.start_daemon("ctx", "context", **FENCING)
-        gen = cluster.start_daemon("gen", "generation", **FENCING)
-        d = Worker(gen, "decode")
-        p = Worker(ctx, "prefill")  # its pool registered; its send is never planned
+    with fencing_pair(tmp_path) as (ctx, gen, d, _prefill):
+        blocks = [7, 8, 9]
+        post_known_to_its_writer(d, ctx, "d-h", "t-h", blocks)
+        ctx.kill(signal.SIGSTOP)
         try:
-            blocks = [7, 8, 9]
-            post_known_to_its_writer(d, ctx, "d-h", "t-h", blocks)
-            ctx.kill(signal.SIGSTOP)
-            try:
-                run_until(
-                    "the failed receive's outcome",
-                    lambda: outcome_arrived(d, "d-h") or d.count("recving", "d-h") > 0,
-                    d,
-                )
-                assert d.count("recving", "d-h") == 0, "reported while its blocks are held"
-                outcome = d.transfers._entries["d-h"].outcome  # white-box, as outcome_arrived
-                assert outcome is not None and outcome.status in ("failed", "timed_out"), outcome
-                assert outcome.blocks_held, outcome
-                # Held while the writer stays stopped: step for a while, nothing reported.
-                held_until = time.monotonic() + 1.0
-                steps = 0
-                while time.monotonic() < held_until or steps < 10:
-                    got = d.step()
-                    assert "d-h" not in got.recving and "d-h" not in got.failed, got
-                    assert d.dialed[-1].released("t-h") is None
-                    steps += 1
-                    assert steps < 10_000, "the held phase never ended"
-                assert d.transfers.pending == 1 and not d.records
-                holds = status(gen)["holds"]
-                assert holds["requests"] == 1 and holds["blocks"] == len(blocks), holds
-            finally:
-                ctx.kill(signal.SIGCONT)
-
-            run_until("the fenced receive's report", lambda: d.count("recving", "d-h") > 0, d)
-            (at,) = [r for r in d.steps if "d-h" in r.recving]
-            assert "d-h" in at.failed, at  # the same step
-            released = d.dialed[-1].released("t-h")
-            assert released is not None and released.how == "abort_ack", released
-            for _ in range(5):
-                d.step()
-            assert d.reported("recving") == {"d-h": 1} and d.reported("failed") == {"d-h": 1}
-            assert d.transfers.pending == 0
-            (rec,) = d.records
-            assert rec["status"] == outcome.status and rec["aborted"] is False, rec
+            run_until(
+                "the failed receive's outcome",
+                lambda: outcome_arrived(d, "d-h") or d.count("recving", "d-h") > 0,
+                d,
+            )
+            assert d.count("recving", "d-h") == 0, "reported while its blocks are held"
+            outcome = d.transfers._entries["d-h"].outcome  # white-box, as outcome_arrived
+            assert outcome is not None and outcome.status in ("failed", "timed_out"), outcome
+            assert outcome.blocks_held, outcome
+            # Held while the writer stays stopped: step for a while, nothing reported.
+            held_until = time.monotonic() + 1.0
+            steps = 0
+            while time.monotonic() < held_until or steps < 10:
+                got = d.step()
+                assert "d-h" not in got.recving and "d-h" not in got.failed, got
+                assert d.dialed[-1].released("t-h") is None
+                steps += 1
+                assert steps < 10_000, "the held phase never ended"
+            assert d.transfers.pending == 1 and not d.records
             holds = status(gen)["holds"]
-            assert holds["requests"] == 0 and holds["blocks"] == 0, holds
-            no_sessions(gen)
-            d.untouched(blocks)
+            assert holds["requests"] == 1 and holds["blocks"] == len(blocks), holds
         finally:
-            d.close()
-            p.close()
-        codes = {x.name: x.stop() for x in (ctx, gen)}
-        assert codes == {"ctx": 0, "gen": 0}, [x.log_text()[-2000:] for x in (ctx, gen)]
+            ctx.kill(signal.SIGCONT)
+
+        run_until("the fenced receive's report", lambda: d.count("recving", "d-h") > 0, d)
+        (at,) = [r for r in d.steps if "d-h" in r.recving]
+        assert "d-h" in at.failed, at  # the same step
+        released = d.dialed[-1].released("t-h")
+        assert released is not None and released.how == "abort_ack", released
+        for _ in range(5):
+            d.step()
+        assert d.reported("recving") == {"d-h": 1} and d.reported("failed") == {"d-h": 1}
+        assert d.transfers.pending == 0
+        (rec,) = d.records
+        assert rec["status"] == outcome.status and rec["aborted"] is False, rec
+        holds = status(gen)["holds"]
+        assert holds["requests"] == 0 and holds["blocks"] == 0, holds
+        no_sessions(gen)
+        d.untouched(blocks)
 
 
 def cut(client: Client) -> None:
@@ -656,67 +667,58 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
     process exists: the connector cannot learn of the hold's end on a new connection. Once
     the daemon is killed, the receive is reported failed, once. A receive whose `done`
     outcome reached the client just before the end is reported done, at once."""
-    with LocalCluster(tmp_path, geometry=GEOMETRY) as cluster:
-        ctx = cluster.start_daemon("ctx", "context", **FENCING)
-        gen = cluster.start_daemon("gen", "generation", **FENCING)
-        d = Worker(gen, "decode")
-        p = Worker(ctx, "prefill")  # its pool registered; its send is never planned
+    with fencing_pair(tmp_path) as (ctx, gen, d, p):
+        assert d.dialed[-1].daemon_process.pid == gen.proc.pid
+        blocks = [7, 8, 9]
+        post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
+        # Posted and served, its outcome at the client, but no step has taken it yet.
+        done_blocks, p_blocks = [20, 21, 22], [30, 31, 32]
+        d.clear(done_blocks)
+        p.fill(p_blocks, seed=5)
+        d.transfers.post(plan_recv("d-done", "t-done", ctx.peer_address, 40, done_blocks))
+        p.step(plan_send("p-done", "t-done", 40, p_blocks), finished={"p-done"})
+        started = d.transfers._entries["d-done"].started  # white-box: the arrival
+        assert started is not None
+        wait_for("the served receive's outcome at the client", started.done)
+        ctx.kill(signal.SIGSTOP)
         try:
-            assert d.dialed[-1].daemon_process.pid == gen.proc.pid
-            blocks = [7, 8, 9]
-            post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
-            # Posted and served, its outcome at the client, but no step has taken it yet.
-            done_blocks, p_blocks = [20, 21, 22], [30, 31, 32]
-            d.clear(done_blocks)
-            p.fill(p_blocks, seed=5)
-            d.transfers.post(plan_recv("d-done", "t-done", ctx.peer_address, 40, done_blocks))
-            p.step(plan_send("p-done", "t-done", 40, p_blocks), finished={"p-done"})
-            started = d.transfers._entries["d-done"].started  # white-box: the arrival
-            assert started is not None
-            wait_for("the served receive's outcome at the client", started.done)
-            ctx.kill(signal.SIGSTOP)
-            try:
-                cut(d.dialed[-1])
-                wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
-                first = d.step()
-                assert "d-done" in first.recving and "d-done" not in first.failed, first
-                wait_for(
-                    "the daemon to hold the blocks of its gone engine's receive",
-                    lambda: status(gen)["holds"]["requests"] == 1,
-                )
-                held_until = time.monotonic() + 1.0
-                steps = 0
-                while time.monotonic() < held_until or steps < 10:
-                    got = d.step()
-                    assert "d-o" not in got.recving and "d-o" not in got.failed, got
-                    steps += 1
-                assert d.transfers.pending == 1 and [r["status"] for r in d.records] == ["done"]
-            finally:
-                ctx.kill(signal.SIGCONT)
-            # The writer's AbortAck ends the hold in the daemon; the connector cannot hear
-            # of it, so the receive still waits for the daemon's exit.
-            wait_for("the hold's end", lambda: status(gen)["holds"]["requests"] == 0)
-            for _ in range(5):
-                assert "d-o" not in d.step().recving
-            gen.kill(signal.SIGKILL)
-            gen.proc.wait(10)
-            run_until("the orphaned receive's report", lambda: d.count("recving", "d-o") > 0, d)
-            (at,) = [r for r in d.steps if "d-o" in r.recving]
-            assert "d-o" in at.failed, at  # the same step
-            for _ in range(3):
-                d.step()
-            assert d.reported("recving") == {"d-o": 1, "d-done": 1}
-            assert d.reported("failed") == {"d-o": 1}
-            assert d.transfers.pending == 0
-            assert [r["status"] != "done" for r in d.records] == [False, True], d.records
-            assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
-            for db, pb in zip(done_blocks, p_blocks, strict=True):
-                assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
-            d.untouched(blocks + done_blocks)
+            cut(d.dialed[-1])
+            wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
+            first = d.step()
+            assert "d-done" in first.recving and "d-done" not in first.failed, first
+            wait_for(
+                "the daemon to hold the blocks of its gone engine's receive",
+                lambda: status(gen)["holds"]["requests"] == 1,
+            )
+            held_until = time.monotonic() + 1.0
+            steps = 0
+            while time.monotonic() < held_until or steps < 10:
+                got = d.step()
+                assert "d-o" not in got.recving and "d-o" not in got.failed, got
+                steps += 1
+            assert d.transfers.pending == 1 and [r["status"] for r in d.records] == ["done"]
         finally:
-            d.close()
-            p.close()
-        assert ctx.stop() == 0, ctx.log_text()[-2000:]
+            ctx.kill(signal.SIGCONT)
+        # The writer's AbortAck ends the hold in the daemon; the connector cannot hear
+        # of it, so the receive still waits for the daemon's exit.
+        wait_for("the hold's end", lambda: status(gen)["holds"]["requests"] == 0)
+        for _ in range(5):
+            assert "d-o" not in d.step().recving
+        gen.kill(signal.SIGKILL)
+        gen.proc.wait(10)
+        run_until("the orphaned receive's report", lambda: d.count("recving", "d-o") > 0, d)
+        (at,) = [r for r in d.steps if "d-o" in r.recving]
+        assert "d-o" in at.failed, at  # the same step
+        for _ in range(3):
+            d.step()
+        assert d.reported("recving") == {"d-o": 1, "d-done": 1}
+        assert d.reported("failed") == {"d-o": 1}
+        assert d.transfers.pending == 0
+        assert [r["status"] != "done" for r in d.records] == [False, True], d.records
+        assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
+        for db, pb in zip(done_blocks, p_blocks, strict=True):
+            assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+        d.untouched(blocks + done_blocks)
 
 
 def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., Worker]) -> None:
