@@ -67,7 +67,7 @@ class _Entry:
     # The cancel asked of an aborted receive, until its answer ("busy": asked again).
     cancel: concurrent.futures.Future[str] | None = None
     cancel_answered: bool = False  # an outcome is on its way, or the cancel was refused
-    # A receive whose connection ended while a write into its blocks might still land:
+    # A transfer whose connection ended while its blocks might still be written or read:
     # failed once this daemon process has exited (Transfers._lost).
     orphan_of: ProcessInfo | None = None
 
@@ -79,30 +79,23 @@ class Results:
     failed: set[str]
 
 
-def _take_arrived_outcome(entry: _Entry) -> None:
-    """The outcome a started call already delivered, if any (collect takes it otherwise)."""
+def _settle(entry: _Entry) -> BaseException | None:
+    """Take the outcome of the entry's started call once it arrived; what stopped the call
+    instead, if it failed (never cancelled: nothing here cancels it)."""
     started = entry.started
-    if (
-        entry.outcome is None
-        and started is not None
-        and started.done()
-        and not started.cancelled()
-        and started.exception() is None
-    ):
+    if entry.outcome is not None or started is None or not started.done():
+        return None
+    exc = started.exception()
+    if exc is None:
         entry.outcome = started.result()
+    return exc
 
 
 def _may_be_touched(entry: _Entry, client: Client) -> bool:
     """A transfer whose blocks the daemon may still write (a receive) or read (a send's
     drained write): no outcome yet, or one that says they are held and no `released`
-    came. A call the daemon refused was never accepted."""
-    started = entry.started
-    if entry.failed or (
-        started is not None
-        and started.done()
-        and not started.cancelled()
-        and isinstance(started.exception(), CallError)
-    ):
+    came. A call the daemon refused (CallError) was never accepted."""
+    if entry.failed or isinstance(_settle(entry), CallError):
         return False
     outcome = entry.outcome
     if outcome is None:
@@ -166,8 +159,8 @@ class Transfers:
         return self._client
 
     def _lost(self, exc: Exception) -> None:
-        """The connection to the daemon ended: its transfers fail. A receive that its blocks
-        may still be written into waits for the daemon's process to exit (the module's
+        """The connection to the daemon ended: its transfers fail. One whose blocks the
+        daemon may still touch waits for the daemon's process to exit (the module's
         docstring)."""
         client, self._client = self._client, None
         self._last_dial = 0.0  # dial again as soon as there is work (then once a second)
@@ -177,11 +170,11 @@ class Transfers:
                 self._finish(req_id, entry, failed=True)
             return
         log.error("lost the kvxferd daemon (%s); %d transfers fail", exc, len(current))
-        for _, entry in current:
-            _take_arrived_outcome(entry)  # a receive done just before the end is done
         with contextlib.suppress(Exception):  # closing a dead connection may fail any way
             client.close()
         daemon = client.daemon_process
+        # _may_be_touched takes outcomes that arrived: a receive done just before the end
+        # is done.
         touched = [(i, e) for i, e in current if _may_be_touched(e, client)]
         state = alive(daemon) if touched else False
         if state is None:
@@ -331,14 +324,12 @@ class Transfers:
         client = self._client
         if client is None:
             return
-        started = entry.started  # never cancelled: nothing here cancels it
-        if entry.outcome is None and started is not None and started.done():
-            if isinstance(exc := started.exception(), (DaemonGoneError, OSError, TimeoutError)):
-                raise exc  # the connection's end: collect fails every entry (_lost)
-            if exc is not None:  # refused (CallError), or a bad argument: this one fails
-                self._refused(req_id, entry, exc)
-                return
-            entry.outcome = started.result()
+        exc = _settle(entry)
+        if isinstance(exc, (DaemonGoneError, OSError, TimeoutError)):
+            raise exc  # the connection's end: collect fails every entry (_lost)
+        if exc is not None:  # refused (CallError), or a bad argument: this one fails
+            self._refused(req_id, entry, exc)
+            return
         if entry.outcome is None:
             if entry.aborted:
                 self._cancel(req_id, entry, client)
