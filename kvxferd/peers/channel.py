@@ -124,7 +124,7 @@ class PeerConnection:
 
     @property
     def key(self) -> str:
-        return f"{self.peer.name}/{self.peer.incarnation}"
+        return self.peer.key
 
     def start(
         self,

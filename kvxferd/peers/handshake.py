@@ -90,6 +90,11 @@ class PeerIdentity:
     incarnation: str
     role: str
 
+    @property
+    def key(self) -> str:
+        """name/incarnation: one process of the peer (the transports' peer key)."""
+        return f"{self.name}/{self.incarnation}"
+
 
 # Returns None when the peer's Info is acceptable, else (reason code, message).
 # Whether a peer's Info is acceptable: None, or (reason, message) for the Refused. It may be

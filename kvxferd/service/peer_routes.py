@@ -184,7 +184,7 @@ class PeerRoutes:
         transport = self.transport
         if transport is None or not transport.link_secrets.per_pair:
             return info
-        given = transport.link_secrets.given(f"{peer.name}/{peer.incarnation}")
+        given = transport.link_secrets.given(peer.key)
         return msgspec.structs.replace(info, link_secret=given)
 
     def check_info(self, peer: PeerIdentity, info: Info) -> tuple[str, str] | None:
@@ -201,7 +201,7 @@ class PeerRoutes:
         if refusal is None and transport is not None:
             # Read only over TLS (per-pair keys exist only then): what our links with this
             # peer process will prove.
-            transport.link_secrets.learn(f"{peer.name}/{peer.incarnation}", info.link_secret)
+            transport.link_secrets.learn(peer.key, info.link_secret)
         # MPI: link now, not at the first round; a peer dying during MPI's link
         # set-up can crash this process (docs/backends-mpi.md).
         if (
@@ -211,9 +211,8 @@ class PeerRoutes:
             and d.role in SENDING_ROLES
             and info.transport_address
         ):
-            key = f"{peer.name}/{peer.incarnation}"
             self._scope.start(
-                self._link_ahead(transport, key, info.transport_address), f"link-{key}"
+                self._link_ahead(transport, peer.key, info.transport_address), f"link-{peer.key}"
             )
         return refusal
 
