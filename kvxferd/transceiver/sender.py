@@ -43,7 +43,6 @@ from kvxferd.transceiver.sessions import (
     Terminal,
     TxSession,
     abort_engine_sessions,
-    check_room,
     conclude,
     drain_sessions,
     forget_auto_released,
@@ -88,8 +87,8 @@ class Sender:
         # A peer can send refused RequestData in a loop: a few lines per peer and
         # reason, then a count (the refusals metric counts every one).
         self.log_limiter = LogLimiter(interval_s=10.0, burst=5)
-        # Which receivers each request serves, and the generation side ending requests.
         self.max_requests = max_requests
+        # Which receivers each request serves, and the generation side ending requests.
         self._matching = Matching(
             self.sessions,
             lambda: self.accepting,
@@ -135,11 +134,10 @@ class Sender:
         first chunk's counts; a later chunk may repeat it or leave it empty. So does
         `auto_release`'s (forget the request with its outcome: Send.auto_release)."""
         check_send(request_id, pool, blocks, token_start, token_end, beam_width, self.pipelined)
-        if request_id not in self.sessions:
-            check_room(self.sessions, self.max_requests(), "sends")
         s = session_for_send(
-            self.sessions, self.accepting, engine, request_id, token_start, blocks, peer
-        )
+            self.sessions, self.accepting, engine, request_id, token_start, blocks, peer,
+            self.max_requests(),
+        )  # fmt: skip
         s.pool = pool
         s.blocks = list(blocks)
         s.token_end = token_end

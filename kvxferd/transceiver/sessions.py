@@ -446,11 +446,16 @@ def make_outcome(session: _Session, side: str, blocks_held: bool = False) -> Out
     )
 
 
+def full(sessions: Sized, limit: int) -> bool:
+    """`limit` (daemon.max_requests; 0: none) requests are kept already: an engine that
+    never releases its finished requests, or posts sends nobody asks for, or a peer that
+    asks for requests nobody sends, must not exhaust the daemon's memory."""
+    return 0 < limit <= len(sessions)
+
+
 def check_room(sessions: Sized, limit: int, what: str) -> None:
-    """Refuse a new request while `limit` (daemon.max_requests; 0: none) are kept: an
-    engine that never releases its finished requests, or posts sends nobody asks for,
-    must not exhaust the daemon's memory."""
-    if 0 < limit <= len(sessions):
+    """RequestError `too_many_requests` for an engine's new request when `full`."""
+    if full(sessions, limit):
         raise RequestError(
             "too_many_requests",
             f"the daemon keeps {len(sessions)} {what} (daemon.max_requests {limit}): in "

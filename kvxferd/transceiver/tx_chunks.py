@@ -16,7 +16,7 @@ from kvxferd.errors import RequestError
 from kvxferd.memory.layout import LayoutError
 from kvxferd.service.pools import LocalPool
 from kvxferd.transceiver.plan import validate_block_ids
-from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession
+from kvxferd.transceiver.sessions import EngineLink, Terminal, TxSession, check_room
 from kvxferd.transceiver.state import Reason, Status
 
 
@@ -60,10 +60,12 @@ def session_for_send(
     token_start: int,
     blocks: list[int],
     peer: str,
+    max_requests: int = 0,
 ) -> TxSession:
     """The session this chunk continues, or the one it starts (made here, or waiting since
-    a receiver asked first); RequestError when the chunk cannot be taken."""
-    s = _session_of_chunk(sessions, accepting, engine, request_id, token_start)
+    a receiver asked first); RequestError when the chunk cannot be taken. `max_requests`:
+    daemon.max_requests (0: no limit), which a new session must not exceed."""
+    s = _session_of_chunk(sessions, accepting, engine, request_id, token_start, max_requests)
     if s.task is not None and peer and peer != s.serve_peer:
         _reject_chunk(
             s,
@@ -90,6 +92,7 @@ def _session_of_chunk(
     engine: EngineLink,
     request_id: str,
     token_start: int,
+    max_requests: int,
 ) -> TxSession:
     s = sessions.get(request_id)
     if s is not None and s.engine is not None:
@@ -127,6 +130,7 @@ def _session_of_chunk(
     if s is None:
         if not accepting:
             raise RequestError("draining", "the daemon is draining; no new requests")
+        check_room(sessions, max_requests, "sends")
         s = TxSession(request_id=request_id, engine=engine)
         sessions[request_id] = s
     else:

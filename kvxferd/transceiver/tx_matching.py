@@ -28,7 +28,7 @@ from kvxferd.peers.messages import Abort, RequestData
 from kvxferd.service.logs import LogLimiter, shown
 from kvxferd.transceiver.legs import TxLeg, abort_legs, drop_strangers, refusal
 from kvxferd.transceiver.plan import validate_block_ids
-from kvxferd.transceiver.sessions import Terminal, TxSession
+from kvxferd.transceiver.sessions import Terminal, TxSession, full
 from kvxferd.transceiver.state import Reason, SessionState, Status
 
 log = logging.getLogger("kvxferd.sender")
@@ -65,8 +65,7 @@ class Matching:
             if not self.accepting():
                 await self.refuse(conn, msg, Reason.SHUTDOWN, "context daemon is shutting down")
                 return
-            if 0 < (limit := self.max_requests()) <= len(self.sessions):
-                # A peer announcing requests no engine sends must not exhaust our memory.
+            if full(self.sessions, limit := self.max_requests()):
                 message = (
                     f"the context daemon keeps {len(self.sessions)} sends already "
                     f"(daemon.max_requests {limit})"
