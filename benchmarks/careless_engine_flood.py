@@ -20,14 +20,6 @@ from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.sim.cluster import LocalCluster
 
-GEOMETRY = {
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "tokens_per_block": 16,
-    "dtype": "float16",
-    "layout": "block-major",
-}
 BLOCKS = 64
 
 
@@ -45,13 +37,15 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=None, help="daemon.max_requests")
     args = ap.parse_args()
     daemon = {} if args.max_requests is None else {"max_requests": args.max_requests}
-    with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp), geometry=GEOMETRY) as c:
+    with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp)) as c:
         ctx = c.start_daemon(
             "ctx", "context", transceiver={"kv_transfer_timeout_ms": 600_000}, daemon=daemon
         )
+        g = c.geometry  # no helper from kvxferd: the script also runs older trees (PYTHONPATH)
         layout = KvLayout(
-            num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=16, tokens_per_block=16,
-            dtype="float16", major="block-major", num_blocks=BLOCKS,
+            num_layers=g["num_layers"], kv_factor=2, num_kv_heads=g["num_kv_heads"],
+            head_dim=g["head_dim"], tokens_per_block=g["tokens_per_block"], dtype=g["dtype"],
+            major=g["layout"], num_blocks=BLOCKS,
         )  # fmt: skip
         region = MemfdRegion.create(layout.pool_bytes, "careless-flood")
         with Client(ctx.api_socket, engine="careless") as client:

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from kvxferd.errors import KvxferdError
+from kvxferd.memory.layout import KvLayout
 
 # A run that failed gives the daemons still up this long to drain and exit (then kills
 # them): a killed peer's holds are fenced at once by its pidfd, so they need a few seconds.
@@ -56,6 +57,21 @@ GEOMETRY_FLAGS = {
 
 class ClusterError(KvxferdError):
     pass
+
+
+def pool_layout(geometry: dict[str, Any], num_blocks: int) -> KvLayout:
+    """The layout of an engine pool of `num_blocks` for daemons of `geometry` (a
+    LocalCluster's, the daemons' `engine.kv_layout`), with K and V."""
+    return KvLayout(
+        num_layers=geometry["num_layers"],
+        kv_factor=2,
+        num_kv_heads=geometry["num_kv_heads"],
+        head_dim=geometry["head_dim"],
+        tokens_per_block=geometry["tokens_per_block"],
+        dtype=geometry["dtype"],
+        major=geometry["layout"],
+        num_blocks=num_blocks,
+    )
 
 
 _PR_SET_PDEATHSIG = 1

@@ -35,9 +35,8 @@ from kvxferd.client import Client
 from kvxferd.integrations.vllm import transfers as transfers_module
 from kvxferd.integrations.vllm.plan import Planner, Refusal, StepPlan
 from kvxferd.integrations.vllm.transfers import Results, Transfers
-from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.memfd import MemfdRegion
-from kvxferd.sim.cluster import DaemonProc, LocalCluster
+from kvxferd.sim.cluster import DaemonProc, LocalCluster, pool_layout
 
 nixl_or_skip("the daemons need NIXL (scripts/install.sh)")
 
@@ -104,16 +103,7 @@ class Worker:
     def __init__(self, daemon: DaemonProc, name: str, *, pool_id: str = "") -> None:
         self.daemon = daemon
         self.name = name
-        self.layout = KvLayout(
-            num_layers=GEOMETRY["num_layers"],
-            kv_factor=2,
-            num_kv_heads=GEOMETRY["num_kv_heads"],
-            head_dim=GEOMETRY["head_dim"],
-            tokens_per_block=BS,
-            dtype=GEOMETRY["dtype"],
-            major=GEOMETRY["layout"],
-            num_blocks=POOL_BLOCKS,
-        )
+        self.layout = pool_layout(GEOMETRY, POOL_BLOCKS)
         self.region = MemfdRegion.create(self.layout.pool_bytes, f"vllm-test-{name}")
         self.region.array[: self.layout.pool_bytes] = SENTINEL
         self.registered = f"{name}-kv"
