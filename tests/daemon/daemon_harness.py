@@ -26,7 +26,7 @@ from kvxferd.client import AsyncClient, CallError, Outcome
 from kvxferd.memory.heads import TpRank
 from kvxferd.memory.layout import KvLayout
 from kvxferd.memory.shm import ShmRegion
-from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc, LocalCluster
+from kvxferd.sim.cluster import DEFAULT_GEOMETRY, DaemonProc, LocalCluster, pool_layout
 from kvxferd.sim.content import VerifyResult, clear_blocks, fill_blocks, request_seed, verify_blocks
 from kvxferd.sim.workload import BlockAllocator
 
@@ -108,16 +108,8 @@ SMALL_PIECES: dict[str, Any] = {
 def layout_for(
     major: str, num_blocks: int = 128, geometry: dict[str, Any] | None = None
 ) -> KvLayout:
-    g = dict(GEOMETRY if geometry is None else geometry)
-    return KvLayout(
-        num_layers=g["num_layers"],
-        kv_factor=2,
-        num_kv_heads=g["num_kv_heads"],
-        head_dim=g["head_dim"],
-        tokens_per_block=g["tokens_per_block"],
-        dtype=g["dtype"],
-        major=major,
-        num_blocks=num_blocks,
+    return pool_layout(
+        {**(GEOMETRY if geometry is None else geometry), "layout": major}, num_blocks
     )
 
 

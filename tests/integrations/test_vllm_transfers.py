@@ -145,6 +145,12 @@ class Worker:
         for b in blocks:
             self.block(b)[:] = 0
 
+    def holds_copy_of(self, other: Worker, mine: Iterable[int], theirs: Iterable[int]) -> None:
+        """Each of our blocks `mine` holds the bytes of `other`'s block at the same place in
+        `theirs`."""
+        for db, pb in zip(mine, theirs, strict=True):
+            assert np.array_equal(self.block(db), other.block(pb)), (db, pb)
+
     def untouched(self, written: Iterable[int]) -> None:
         """Every block but `written` still holds nothing but SENTINEL bytes."""
         others = sorted(set(range(POOL_BLOCKS)) - set(written))
@@ -294,8 +300,7 @@ def test_a_transfer_is_reported_once_on_each_side_and_the_send_after_finished(
     assert p.reported("sending") == {"p-1": 1} and not p.reported("recving")
     assert d.transfers.pending == p.transfers.pending == 0
 
-    for db, pb in zip(d_blocks[:7], p_blocks, strict=True):
-        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.holds_copy_of(p, d_blocks[:7], p_blocks)
     d.untouched(d_blocks[:7])
     (rec,) = d.records
     assert rec["status"] == "done" and rec["nbytes"] == 7 * d.layout.block_bytes, rec
@@ -329,8 +334,7 @@ def test_a_receive_from_block_start_k_moves_only_blocks_k_on(
 
     assert d.reported("recving") == {"d-k": 1} and not d.reported("failed")
     assert p.reported("sending") == {"p-k": 1}
-    for db, pb in zip(fresh, p_blocks[k:], strict=True):
-        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.holds_copy_of(p, fresh, p_blocks[k:])
     d.untouched(fresh)  # the cached blocks above all
     assert d.records[0]["nbytes"] == len(fresh) * d.layout.block_bytes
 
@@ -430,8 +434,7 @@ def test_calls_the_daemon_refuses_fail_once_and_raise_nothing(
     assert p.reported("sending") == {"p-a": 1, "p-b": 1}
     for w in (d_lost, p_lost, d, p):
         assert w.transfers.pending == 0, w.name
-    for db, pb in zip([1, 2, 3], [10, 11, 12], strict=True):
-        assert np.array_equal(d.block(db), p.block(pb))
+    d.holds_copy_of(p, [1, 2, 3], [10, 11, 12])
     d.untouched([1, 2, 3])  # the refused receive's blocks too
     assert {r["status"] for r in p.records} == {"done", "not_posted"}
     no_sessions(daemons.gen)
@@ -460,8 +463,7 @@ def test_a_stopped_daemon_does_not_hold_the_step_back(
     p.step(plan_send("p-s", "t-s", 20, [50, 51]), finished={"p-s"})
     both_reported("the transfer after SIGCONT", d, "d-s", p, "p-s", then_steps=3)
     assert not d.reported("failed") and len(d.dialed) == 1
-    for db, pb in zip([20, 21], [50, 51], strict=True):
-        assert np.array_equal(d.block(db), p.block(pb))
+    d.holds_copy_of(p, [20, 21], [50, 51])
     d.untouched([20, 21])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
@@ -506,8 +508,7 @@ def test_an_abort_while_the_daemon_is_stopped_neither_blocks_nor_reports_early(
     assert rec["aborted"] is True and rec["status"] in ("done", "cancelled"), rec
     if rec["status"] == "done":
         assert not d.reported("failed")
-        for db, pb in zip([10, 11], [40, 41], strict=True):
-            assert np.array_equal(d.block(db), p.block(pb))
+        d.holds_copy_of(p, [10, 11], [40, 41])
     d.untouched([10, 11])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
@@ -538,8 +539,7 @@ def test_calls_slow_to_leave_a_starved_client_fail_nothing(
     p.step(plan_send("p-s", "t-s", 40, [4, 5, 6]), finished={"p-s"})
     both_reported("the transfer", d, "d-s", p, "p-s", then_steps=3)
     assert not d.reported("failed") and len(d.dialed) == 1
-    for db, pb in zip([1, 2, 3], [4, 5, 6], strict=True):
-        assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+    d.holds_copy_of(p, [1, 2, 3], [4, 5, 6])
     d.untouched([1, 2, 3])
 
 
@@ -706,8 +706,7 @@ def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
         assert d.transfers.pending == 0
         assert [r["status"] != "done" for r in d.records] == [False, True], d.records
         assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
-        for db, pb in zip(done_blocks, p_blocks, strict=True):
-            assert np.array_equal(d.block(db), p.block(pb)), (db, pb)
+        d.holds_copy_of(p, done_blocks, p_blocks)
         d.untouched(blocks + done_blocks)
 
 
@@ -749,8 +748,7 @@ def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., 
 
     assert d.reported("recving") == {"d-k": 1, "d-new": 1} and d.reported("failed") == {"d-k": 1}
     assert p.reported("sending") == {"p-k": 1, "p-new": 1}
-    for db, pb in zip([40, 41, 42, 43, 44], [30, 31, 32, 33, 34], strict=True):
-        assert np.array_equal(d.block(db), p.block(pb))
+    d.holds_copy_of(p, [40, 41, 42, 43, 44], [30, 31, 32, 33, 34])
     d.untouched([40, 41, 42, 43, 44])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
