@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,35 +81,63 @@ def _first_and_last(g: SimEngine, blocks: list[int]) -> tuple[np.ndarray, np.nda
     return g.pool[int(o0) : int(o0) + int(n0)], g.pool[int(o1) : int(o1) + int(n1)]
 
 
-async def stop_mid_write(writer: DaemonProc, g: SimEngine, blocks: list[int]) -> bool:
-    """SIGSTOP the writing daemon as soon as the first destination bytes land; True when
-    it was caught before the last ones (the write was really cut in its middle)."""
-    first, last = _first_and_last(g, blocks)
-    pid = writer.proc.pid
+def _stopped(pid: int) -> None:
+    """Return once `pid` is really stopped: a SIGSTOP is delivered asynchronously, and
+    the bytes counted next must be the ones it had written when it stopped."""
+    give_up = time.monotonic() + 5
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.read_text().rpartition(")")[2].split()[0] not in ("T", "t"):
+        assert time.monotonic() < give_up, f"process {pid} did not stop"
+        time.sleep(0.0005)
 
-    def spin() -> bool:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if first.any():
-                os.kill(pid, signal.SIGSTOP)
-                return not last.any()
-        raise AssertionError("the write never started")
 
-    return await asyncio.to_thread(spin)
+async def stop_mid_write(
+    stopped: DaemonProc, g: SimEngine, blocks: list[int], send: Awaitable[object]
+) -> bool:
+    """Run `send` while `stopped` (the writer, or a staged receiver that copies rounds
+    into the blocks) runs only in short slices, and leave it stopped (SIGSTOP) once part
+    of `blocks` was written; True when it was stopped before all of them were (the write
+    was cut in its middle).
+
+    Watching for the first destination bytes and stopping the writer then raced the
+    write: on a faster host the whole 3,000-block write landed before the signal did, in
+    three tries of three. Slices of ~0.3 ms leave the write at most a slice's progress."""
+    pid = stopped.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    _stopped(pid)
+    task = asyncio.ensure_future(send)
+
+    def slices() -> int:
+        # The send's answer may need the stopped daemon: slice on until it came too.
+        give_up = time.monotonic() + 20
+        while (n := written(g, blocks)) == 0 or not task.done():
+            assert time.monotonic() < give_up, f"the write never started ({n} written)"
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.0003)
+            os.kill(pid, signal.SIGSTOP)
+            _stopped(pid)
+        return n
+
+    try:
+        n = await asyncio.to_thread(slices)
+    except BaseException:
+        os.kill(pid, signal.SIGCONT)
+        raise
+    await task  # done: raises what the send raised
+    return n < len(blocks)
 
 
 async def big_request_cut(
     ctx: DaemonProc, c: SimEngine, g: SimEngine, stopped: DaemonProc
 ) -> tuple[list[int], bool]:
     """`g` asks `ctx` for a BIG-block request and `c` sends it; `stopped` (the writer or the
-    receiver) is stopped as its first blocks land: the blocks, and whether that was before
-    the last ones (stop_mid_write)."""
+    receiver) is stopped once its first blocks land: the blocks, and whether that was
+    before the last ones (stop_mid_write)."""
     blocks = g.alloc.take(BIG)
     clear_blocks(g.pool, g.layout, blocks)
     await g.client.recv("big", g.pool_id, blocks, ctx.peer_address, BIG * TPB)
     wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="request")
-    await c.send("big", BIG * TPB)
-    return blocks, await stop_mid_write(stopped, g, blocks)
+    return blocks, await stop_mid_write(stopped, g, blocks, c.send("big", BIG * TPB))
 
 
 async def released_or_none(g: SimEngine, rid: str, timeout_s: float) -> Any:
@@ -172,10 +201,12 @@ def test_writer_stopped_mid_write_blocks_held_until_fenced(cluster: LocalCluster
                 clear_blocks(g.pool, g.layout, blocks)
                 await g.client.recv(rid, g.pool_id, blocks, ctx1.peer_address, BIG * TPB)
                 wait_for(lambda: status(ctx1)["sessions"]["send"] == {"ready": 1}, what="request")
-                sent = await c1.send(rid, BIG * TPB)
+                sent = c1.fill(rid, BIG * TPB)
                 # Stopped first even when it is to be killed: a write that finished
                 # before the signal landed can then be let finish and tried again.
-                cut = await stop_mid_write(ctx1, g, blocks)
+                cut = await stop_mid_write(
+                    ctx1, g, blocks, c1.client.send(rid, c1.pool_id, sent, BIG * TPB)
+                )
                 if cut:
                     if sig == signal.SIGKILL:
                         ctx1.kill(signal.SIGKILL)  # dies with its write cut in its middle
