@@ -84,6 +84,12 @@ class LiveCollector:
             "How late the event loop woke a 100 ms sleep, last measurement.",
             d.loop_monitor.lag_s,
         )
+        yield CounterMetricFamily(
+            "kvxferd_event_loop_stalls",
+            "Times the event loop woke 2 s or more late (logged, with every thread's stack "
+            "on stderr).",
+            value=d.loop_monitor.stalls,
+        )
 
 
 def _discovery_families(state: DiscoveryState) -> Iterable[Metric]:

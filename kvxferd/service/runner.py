@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from kvxferd.service.loopmon import dump_stacks_on_stalls
+
 log = logging.getLogger("kvxferd.daemon")
 
 
@@ -30,6 +32,8 @@ def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     # Python stacks of every thread in the log instead of a bare exit status. A handler the
     # backend installs later (UCX prints its own backtrace) takes precedence.
     faulthandler.enable(all_threads=True)
+    # One daemon in this process: its loop monitor may use faulthandler's one timer.
+    dump_stacks_on_stalls()
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; keep working if a platform lacks it

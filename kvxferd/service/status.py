@@ -107,6 +107,7 @@ def daemon_status(daemon: DaemonView) -> dict[str, object]:
         "event_loop": {
             "lag_ms": round(daemon.loop_monitor.lag_s * 1e3, 3),
             "max_lag_ms": round(daemon.loop_monitor.max_lag_s * 1e3, 3),
+            "stalls": daemon.loop_monitor.stalls,
         },
         "config": {
             "source": daemon.cfg.source,
