@@ -105,3 +105,36 @@ def _no_transport_variables_leak() -> Iterator[None]:
             "with importlib.util.find_spec and set variables with monkeypatch",
             pytrace=False,
         )
+
+
+# How much of each daemon's log a failed test's report shows: enough for the last
+# connection, stall or fault, where CI's output is all there is to read.
+_LOG_TAIL_LINES = 80
+
+
+def _clusters(item: pytest.Item) -> list[Any]:
+    """The LocalClusters a test used: fixtures that are one, or hold one (`.cluster`)."""
+    from kvxferd.sim.cluster import LocalCluster
+
+    found: list[Any] = []
+    for value in getattr(item, "funcargs", {}).values():
+        for c in (value, getattr(value, "cluster", None)):
+            if isinstance(c, LocalCluster) and c not in found:
+                found.append(c)
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with the tail of each of its daemons' logs: a fault
+    seen only in CI (a peer declared lost, a stalled loop's stacks) is then explained by
+    what CI printed."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed or call.when == "teardown":
+        return
+    for cluster in _clusters(item):
+        for d in cluster.daemons:
+            lines = d.log_text().splitlines()[-_LOG_TAIL_LINES:]
+            if lines:
+                report.sections.append((f"daemon {d.name} log (last lines)", "\n".join(lines)))
