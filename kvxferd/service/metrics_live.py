@@ -86,8 +86,7 @@ class LiveCollector:
         )
         yield CounterMetricFamily(
             "kvxferd_event_loop_stalls",
-            "Times the event loop woke 2 s or more late (logged, with every thread's stack "
-            "on stderr).",
+            "Times the event loop woke 2 s or more late (logged, with where its thread was).",
             value=d.loop_monitor.stalls,
         )
 

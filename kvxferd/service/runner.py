@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kvxferd.service.loopmon import dump_stacks_on_stalls
+from kvxferd.service.loopmon import watch_for_stalls
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -32,8 +32,8 @@ def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     # Python stacks of every thread in the log instead of a bare exit status. A handler the
     # backend installs later (UCX prints its own backtrace) takes precedence.
     faulthandler.enable(all_threads=True)
-    # One daemon in this process: its loop monitor may use faulthandler's one timer.
-    dump_stacks_on_stalls()
+    # One daemon in this process: its loop monitor may watch for stalls (a thread).
+    watch_for_stalls()
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; keep working if a platform lacks it
