@@ -46,6 +46,10 @@ class DaemonHello(_Msg, tag="hello_ok"):
     # connection ended can tell a daemon that exited, which writes nothing more into its
     # pool, from one that lives on (see the vLLM connector's `Transfers`).
     process: ProcessInfo = msgspec.field(default_factory=ProcessInfo)
+    # This connection's number in the daemon's process (0 from a daemon that predates it):
+    # after the connection ends, ConnectionState on a new one says when the daemon let go
+    # of everything the old one started.
+    connection: int = 0
 
 
 class RegisterPool(EngineCall, tag="register_pool"):
@@ -170,6 +174,18 @@ class FenceWriter(EngineCall, tag="fence_writer"):
     incarnation: str = ""
 
 
+class ConnectionState(EngineCall, tag="connection_state"):
+    """Where the daemon is with its engine connection number `connection` (a DaemonHello's),
+    in Reply.result: "live" (open), "closing" (ended, but a request it started or a pool it
+    registered is still held: a write may still land in that memory, or one be read from
+    it), "gone" (nothing it started can touch its memory any more). An engine whose
+    connection ended while the daemon lives on asks on a new connection, and reports the
+    old connection's transfers failed once it is "gone". bad_request for a number this
+    daemon process never gave out."""
+
+    connection: int
+
+
 class Reply(_Msg, tag="reply"):
     """`ok` False carries an error code and a message naming what was wrong.
 
@@ -208,6 +224,7 @@ EngineMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object
     Release,
     Query,
     FenceWriter,
+    ConnectionState,
 ]
 DaemonMessage = Union[DaemonHello, Reply, Outcome, ReleasedMsg]  # noqa: UP007
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from kvxferd.api.messages import (
     ENGINE_CODEC,
     ApiError,
     Cancel,
+    ConnectionState,
     DaemonHello,
     EngineHello,
     EngineMessage,
@@ -73,7 +75,9 @@ def _call_id_of(body: bytes) -> int:
 class EngineConnection:
     """One engine attached to the daemon; implements the EngineLink protocol."""
 
-    def __init__(self, writer: asyncio.StreamWriter, name: str) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, name: str, connection_id: int = 0) -> None:
+        # Its number in this daemon process (DaemonHello.connection, ConnectionState).
+        self.connection_id = connection_id
         # A label the engine chose: escaped and bounded once, here, since it goes into
         # log lines and outcome messages.
         self.name = shown(name, quote=False)
@@ -87,6 +91,17 @@ class EngineConnection:
         self.closed = False
         # Sees every outcome exactly once, delivered or not (the daemon's metrics).
         self.on_outcome: Callable[[Outcome], None] | None = None
+        # Closed and nothing it started can touch its memory any more (settle()).
+        self.settled = False
+        self.on_settled: Callable[[EngineConnection], None] | None = None
+
+    def settle(self) -> None:
+        """The daemon let go of everything this closed connection started: its requests
+        ended and its pools are deregistered (ConnectionState "gone")."""
+        if self.closed and not self.settled:
+            self.settled = True
+            if self.on_settled is not None:
+                self.on_settled(self)
 
     def _write(self, msg: object) -> None:
         if self.closed:
@@ -170,6 +185,10 @@ class ApiServer:
         self.first_frame_timeout_s = first_frame_timeout_s
         self.handoffs = HandoffTable()
         self.engines: set[EngineConnection] = set()
+        # Open connections and closed ones not settled yet, by number (ConnectionState).
+        self._by_number: dict[int, EngineConnection] = {}
+        self._numbers = itertools.count(1)
+        self._last_number = 0
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.on_engine_count: Callable[[int], Awaitable[None]] | None = None
         self.on_outcome: Callable[[Outcome], None] | None = None
@@ -427,10 +446,13 @@ class ApiServer:
                 )
                 await writer.drain()
                 return
-            engine = EngineConnection(writer, hello.engine or "engine")
+            self._last_number = next(self._numbers)
+            engine = EngineConnection(writer, hello.engine or "engine", self._last_number)
             engine.peer = cred
             engine.on_outcome = self.on_outcome
+            engine.on_settled = self._settled
             self.engines.add(engine)
+            self._by_number[engine.connection_id] = engine
             writer.write(
                 DAEMON_CODEC.encode(
                     DaemonHello(
@@ -439,6 +461,7 @@ class ApiServer:
                         role=self._handler.role,
                         tokens_per_block=self._handler.tokens_per_block,
                         process=process.me(),
+                        connection=engine.connection_id,
                     )
                 )
             )
@@ -492,6 +515,13 @@ class ApiServer:
             )
             await engine.drain()
             return
+        if isinstance(msg, ConnectionState):
+            try:
+                engine.reply(msg.call_id, self.connection_state(msg.connection))
+            except RequestError as exc:
+                engine.error(msg.call_id, exc.code, str(exc))
+            await engine.drain()
+            return
         if isinstance(msg, Cancel):
             # A cancel may wait for the peer's answer; other calls must not queue behind it.
             task = asyncio.create_task(self._answer(engine, msg))
@@ -499,6 +529,23 @@ class ApiServer:
             task.add_done_callback(self._conn_tasks.discard)
         else:
             await self._answer(engine, msg)
+
+    def _settled(self, engine: EngineConnection) -> None:
+        self._by_number.pop(engine.connection_id, None)
+
+    def connection_state(self, number: int) -> str:
+        """ConnectionState's answer for engine connection `number`."""
+        if not 0 < number <= self._last_number:
+            raise RequestError(
+                ApiError.BAD_REQUEST,
+                f"no engine connection {number} was opened on this daemon process "
+                f"(the last was {self._last_number}); a daemon restarted since is another "
+                "process, and numbers its connections anew",
+            )
+        engine = self._by_number.get(number)
+        if engine is None:
+            return "gone"
+        return "closing" if engine.closed else "live"
 
     async def _answer(self, engine: EngineConnection, msg: EngineMessage) -> None:
         call_id = getattr(msg, "call_id", 0)

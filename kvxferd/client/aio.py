@@ -13,6 +13,7 @@ from kvxferd.api.messages import (
     DAEMON_CODEC,
     ENGINE_CODEC,
     Cancel,
+    ConnectionState,
     DaemonHello,
     EngineCall,
     EngineHello,
@@ -60,6 +61,8 @@ class AsyncClient(PoolCalls):
         self.role = ""
         self.tokens_per_block = 0
         self.daemon_process = ProcessInfo()  # the daemon's, from its hello
+        # This connection's number in the daemon's process (0: a daemon too old to say).
+        self.connection_id = 0
         self.errors: list[str] = []  # errors the daemon sent without a call (call_id -1)
 
     @classmethod
@@ -99,6 +102,7 @@ class AsyncClient(PoolCalls):
         client.daemon, client.role = hello.daemon, hello.role
         client.tokens_per_block = hello.tokens_per_block
         client.daemon_process = hello.process
+        client.connection_id = hello.connection
         client._reader_task = asyncio.create_task(client._read_loop())
         return client
 
@@ -419,6 +423,14 @@ class AsyncClient(PoolCalls):
         has not exited, `nothing_held` when no hold waits for it. Returns how many holds
         ended (`kvxferd fence` calls this)."""
         return int(await self._ask(FenceWriter, peer=peer, incarnation=incarnation))
+
+    async def connection_state(self, connection: int) -> str:
+        """Where the daemon is with its engine connection `connection` (an earlier
+        connection's `connection_id`, to this same daemon process): "live", "closing" (a
+        request it started or a pool it registered is still held: its memory may still be
+        written or read) or "gone" (nothing it started can touch that memory any more).
+        CallError bad_request for a number this daemon process never gave out."""
+        return await self._ask(ConnectionState, connection=connection)
 
     async def query(self, request_id: str, peer: str | None = None) -> str:
         return await self._ask(Query, request_id=request_id, peer=peer or "")

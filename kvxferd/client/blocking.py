@@ -116,6 +116,7 @@ class Client:
         self.role = self._client.role
         self.tokens_per_block = self._client.tokens_per_block
         self.daemon_process = self._client.daemon_process
+        self.connection_id = self._client.connection_id
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if threading.current_thread() is self._thread:
@@ -146,6 +147,7 @@ class Client:
     cancel = _blocking(AsyncClient.cancel)
     release = _blocking(AsyncClient.release)
     query = _blocking(AsyncClient.query)
+    connection_state = _blocking(AsyncClient.connection_state)
     fence_writer = _blocking(AsyncClient.fence_writer)
     wait = _blocking(AsyncClient.wait)
 
@@ -199,6 +201,11 @@ class Client:
         failing as release raises. A request the daemon auto-released only drops its
         outcome here; the others ask the daemon. Calls made after it see it done."""
         return self._queued(self._client.release(request_id, peer))
+
+    def start_connection_state(self, connection: int) -> concurrent.futures.Future[str]:
+        """connection_state, queued like start_cancel and not waited for: the future of its
+        answer, failing as connection_state raises."""
+        return self._queued(self._client.connection_state(connection))
 
     def _queued(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the loop thread, queued, and hand out its future at once; close

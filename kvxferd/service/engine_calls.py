@@ -398,6 +398,13 @@ class EngineCalls:
             await d.pools.deregister(pool.pool_id)
         if mine:
             await self._announce()
+        self._settle_if_let_go(engine)
+
+    def _settle_if_let_go(self, engine: EngineConnection) -> None:
+        """A closed engine none of whose pools is registered any more: its requests ended
+        (engine_gone) and nothing can touch its memory (ConnectionState "gone")."""
+        if not any(p.owner is engine for p in self._d.pools.pools.values()):
+            engine.settle()
 
     def hold_released(self, hold: Hold, how: str) -> None:
         """A held pool of a gone engine goes once its last hold is released."""
@@ -410,11 +417,12 @@ class EngineCalls:
         if pool.users or self._d.draining:
             return
         owner = pool.owner
-        gone = isinstance(owner, EngineConnection) and owner.closed
-        if gone and self._d.pools.pools.get(pool.pool_id) is pool:
-            self._scope.start(self._drop_orphan(pool.pool_id), f"drop-pool-{pool.pool_id}")
+        if not isinstance(owner, EngineConnection) or not owner.closed:
+            return
+        if self._d.pools.pools.get(pool.pool_id) is pool:
+            self._scope.start(self._drop_orphan(pool.pool_id, owner), f"drop-pool-{pool.pool_id}")
 
-    async def _drop_orphan(self, pool_id: str) -> None:
+    async def _drop_orphan(self, pool_id: str, owner: EngineConnection) -> None:
         try:
             await self._d.pools.deregister(pool_id)
         except (PoolError, KvxferdError) as exc:
@@ -425,6 +433,7 @@ class EngineCalls:
             )
             return
         await self._announce()
+        self._settle_if_let_go(owner)
 
 
 def _check_sharing(msg: RegisterPool) -> None:

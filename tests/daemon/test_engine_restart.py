@@ -53,3 +53,68 @@ def test_a_restarted_engine_registers_while_its_predecessors_requests_end(
     asyncio.run(scenario())
     wait_for(lambda: status(gen)["pools"] == [], what="every pool gone")
     assert_clean(gen)
+
+
+def test_a_gone_engines_connection_is_closing_until_the_daemon_let_go_of_it(
+    cluster: LocalCluster,
+) -> None:
+    """ConnectionState: the daemon numbers each engine connection (in its hello). One that
+    ended reads "closing" while a receive it posted may still be written (here: its
+    writer stopped, so its pool stays set aside), and "gone" once the daemon let go of
+    everything it started; an engine whose connection ended while the daemon lives on
+    learns so on a new one. A number never given out is a bad request."""
+    from kvxferd.client import CallError
+
+    cfg = {
+        "transceiver": {"kv_transfer_timeout_ms": 2000},
+        "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
+    }
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+
+    async def scenario() -> None:
+        g = await SimEngine.open(gen, num_blocks=64, geometry=SMALL)
+        old = g.client.connection_id
+        assert old > 0
+        blocks = g.alloc.take(4)
+        await g.client.recv("r1", g.pool_id, blocks, ctx.peer_address, 4 * TPB)
+        wait_for(lambda: status(ctx)["sessions"]["send"] == {"ready": 1}, what="the request")
+        again = await SimEngine.open(gen, num_blocks=64, geometry=SMALL, pool_id="pool1")
+        try:
+            assert again.client.connection_id > old
+            assert await again.client.connection_state(old) == "live"
+            assert await again.client.connection_state(again.client.connection_id) == "live"
+            for never in (0, -1, again.client.connection_id + 1):
+                try:
+                    await again.client.connection_state(never)
+                except CallError as exc:
+                    assert exc.code == "bad_request" and "no engine connection" in str(exc)
+                else:
+                    raise AssertionError(f"connection {never} was never opened")
+            ctx.kill(signal.SIGSTOP)
+            try:
+                await g.close(deregister=False)  # gone with its receive pending
+                # Its receive fails at its deadline, held: the stopped writer may write.
+                deadline = asyncio.get_running_loop().time() + 30
+                while status(gen)["holds"]["requests"] != 1:
+                    assert asyncio.get_running_loop().time() < deadline, status(gen)["holds"]
+                    assert await again.client.connection_state(old) in ("live", "closing")
+                    await asyncio.sleep(0.05)
+                for _ in range(5):
+                    assert await again.client.connection_state(old) == "closing"
+            finally:
+                ctx.kill(signal.SIGCONT)
+            # The writer's AbortAck ends the hold; the set-aside pool goes, and with it
+            # the last of the old connection.
+            deadline = asyncio.get_running_loop().time() + 30
+            while (state := await again.client.connection_state(old)) != "gone":
+                assert state == "closing", state
+                assert asyncio.get_running_loop().time() < deadline, status(gen)
+                await asyncio.sleep(0.05)
+            assert status(gen)["holds"]["requests"] == 0 and status(gen)["pools"] == ["pool1"]
+        finally:
+            await again.close()
+
+    asyncio.run(scenario())
+    wait_for(lambda: status(gen)["pools"] == [], what="every pool gone")
+    assert_clean(gen)

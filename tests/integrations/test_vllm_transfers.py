@@ -647,67 +647,96 @@ def cut(client: Client) -> None:
     sock.shutdown(socket.SHUT_RDWR)
 
 
-def test_a_receive_whose_connection_ended_fails_only_once_its_daemon_exited(
+def orphan_a_receive(ctx: DaemonProc, gen: DaemonProc, d: Worker, p: Worker) -> list[int]:
+    """The connection to the generation daemon ends while that daemon lives, with a
+    receive ("d-o") posted whose writer (the context daemon) is stopped, and left stopped:
+    the daemon holds the blocks, since the stopped writer may still write into them (the
+    engine's pool stays mapped there). vLLM must not hear of the receive (it would reuse
+    the blocks), however many steps pass. A receive ("d-done") whose `done` outcome reached
+    the client just before the end is reported done, at once. The blocks of "d-o"."""
+    assert d.dialed[-1].daemon_process.pid == gen.proc.pid
+    blocks = [7, 8, 9]
+    post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
+    # Posted and served, its outcome at the client, but no step has taken it yet.
+    done_blocks, p_blocks = [20, 21, 22], [30, 31, 32]
+    d.clear(done_blocks)
+    p.fill(p_blocks, seed=5)
+    d.transfers.post(plan_recv("d-done", "t-done", ctx.peer_address, 40, done_blocks))
+    p.step(plan_send("p-done", "t-done", 40, p_blocks), finished={"p-done"})
+    started = d.transfers._entries["d-done"].started  # white-box: the arrival
+    assert started is not None
+    wait_for("the served receive's outcome at the client", started.done)
+    ctx.kill(signal.SIGSTOP)
+    cut(d.dialed[-1])
+    wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
+    first = d.step()
+    assert "d-done" in first.recving and "d-done" not in first.failed, first
+    wait_for(
+        "the daemon to hold the blocks of its gone engine's receive",
+        lambda: status(gen)["holds"]["requests"] == 1,
+    )
+    held_until = time.monotonic() + 1.0
+    steps = 0
+    while time.monotonic() < held_until or steps < 10:
+        got = d.step()
+        assert "d-o" not in got.recving and "d-o" not in got.failed, got
+        steps += 1
+    assert d.transfers.pending == 1 and [r["status"] for r in d.records] == ["done"]
+    d.holds_copy_of(p, done_blocks, p_blocks)
+    return blocks
+
+
+def reported_failed_once(d: Worker, blocks: list[int]) -> None:
+    """The orphaned receive "d-o" reported failed, once, in one step, and nothing written
+    into its blocks; "d-done" reported done, once."""
+    run_until("the orphaned receive's report", lambda: d.count("recving", "d-o") > 0, d)
+    (at,) = [r for r in d.steps if "d-o" in r.recving]
+    assert "d-o" in at.failed, at  # the same step
+    for _ in range(3):
+        d.step()
+    assert d.reported("recving") == {"d-o": 1, "d-done": 1}
+    assert d.reported("failed") == {"d-o": 1}
+    assert d.transfers.pending == 0
+    assert [r["status"] != "done" for r in d.records] == [False, True], d.records
+    assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
+    d.untouched([*blocks, 20, 21, 22])  # and those of "d-done"
+
+
+def test_a_receive_whose_connection_ended_fails_once_its_living_daemon_let_go(
     tmp_path: Path,
 ) -> None:
-    """The connection to the generation daemon ends while that daemon lives, with a receive
-    posted whose writer (the context daemon) is stopped: the daemon holds the blocks, since
-    the stopped writer may still write into them (the engine's pool stays mapped there).
-    vLLM must not hear of the receive (it would reuse the blocks) while the daemon's
-    process exists: the connector cannot learn of the hold's end on a new connection. Once
-    the daemon is killed, the receive is reported failed, once. A receive whose `done`
-    outcome reached the client just before the end is reported done, at once."""
+    """orphan_a_receive; then the writer resumes, its AbortAck ends the hold, and the
+    daemon, living on, deregisters the old connection's pool. The connector, dialed again
+    to the same daemon process, learns that it let go of the old connection
+    (ConnectionState "gone") and reports the receive failed. Before, it waited for the
+    daemon's exit: vLLM kept the request, and its blocks, for as long as the daemon ran."""
     with fencing_pair(tmp_path) as (ctx, gen, d, p):
-        assert d.dialed[-1].daemon_process.pid == gen.proc.pid
-        blocks = [7, 8, 9]
-        post_known_to_its_writer(d, ctx, "d-o", "t-o", blocks)
-        # Posted and served, its outcome at the client, but no step has taken it yet.
-        done_blocks, p_blocks = [20, 21, 22], [30, 31, 32]
-        d.clear(done_blocks)
-        p.fill(p_blocks, seed=5)
-        d.transfers.post(plan_recv("d-done", "t-done", ctx.peer_address, 40, done_blocks))
-        p.step(plan_send("p-done", "t-done", 40, p_blocks), finished={"p-done"})
-        started = d.transfers._entries["d-done"].started  # white-box: the arrival
-        assert started is not None
-        wait_for("the served receive's outcome at the client", started.done)
-        ctx.kill(signal.SIGSTOP)
         try:
-            cut(d.dialed[-1])
-            wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
-            first = d.step()
-            assert "d-done" in first.recving and "d-done" not in first.failed, first
-            wait_for(
-                "the daemon to hold the blocks of its gone engine's receive",
-                lambda: status(gen)["holds"]["requests"] == 1,
-            )
-            held_until = time.monotonic() + 1.0
-            steps = 0
-            while time.monotonic() < held_until or steps < 10:
-                got = d.step()
-                assert "d-o" not in got.recving and "d-o" not in got.failed, got
-                steps += 1
-            assert d.transfers.pending == 1 and [r["status"] for r in d.records] == ["done"]
+            blocks = orphan_a_receive(ctx, gen, d, p)
+            old = d.dialed[0]
+            # Asked on a new connection to the same process: not let go of while held.
+            assert len(d.dialed) == 2 and d.dialed[-1].daemon_process == old.daemon_process
+            assert d.dialed[-1].connection_state(old.connection_id) == "closing"
         finally:
             ctx.kill(signal.SIGCONT)
-        # The writer's AbortAck ends the hold in the daemon; the connector cannot hear
-        # of it, so the receive still waits for the daemon's exit.
-        wait_for("the hold's end", lambda: status(gen)["holds"]["requests"] == 0)
-        for _ in range(5):
-            assert "d-o" not in d.step().recving
-        gen.kill(signal.SIGKILL)
-        gen.proc.wait(10)
-        run_until("the orphaned receive's report", lambda: d.count("recving", "d-o") > 0, d)
-        (at,) = [r for r in d.steps if "d-o" in r.recving]
-        assert "d-o" in at.failed, at  # the same step
-        for _ in range(3):
-            d.step()
-        assert d.reported("recving") == {"d-o": 1, "d-done": 1}
-        assert d.reported("failed") == {"d-o": 1}
-        assert d.transfers.pending == 0
-        assert [r["status"] != "done" for r in d.records] == [False, True], d.records
-        assert all(np.all(d.block(b) == 0) for b in blocks)  # nothing was written
-        d.holds_copy_of(p, done_blocks, p_blocks)
-        d.untouched(blocks + done_blocks)
+        reported_failed_once(d, blocks)
+        assert gen.alive() and d.dialed[-1].connection_state(old.connection_id) == "gone"
+        assert status(gen)["holds"]["requests"] == 0
+
+
+def test_a_receive_whose_connection_ended_fails_once_its_daemon_exited(
+    tmp_path: Path,
+) -> None:
+    """orphan_a_receive; then the daemon is killed while it still holds the blocks: its
+    end takes every write it brokered with it, and the receive is reported failed."""
+    with fencing_pair(tmp_path) as (ctx, gen, d, p):
+        try:
+            blocks = orphan_a_receive(ctx, gen, d, p)
+            gen.kill(signal.SIGKILL)
+            gen.proc.wait(10)
+            reported_failed_once(d, blocks)
+        finally:
+            ctx.kill(signal.SIGCONT)
 
 
 def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., Worker]) -> None:
