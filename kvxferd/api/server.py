@@ -88,17 +88,23 @@ class EngineConnection:
         # with the outcome in one write. At one request in flight every write wakes a
         # sleeping process, which costs the writer ~60-200 us on a small VM.
         self._out = CorkedWriter(writer, yield_turns=1)
+        # Nothing more can be written to it (a failed write sets it before the end: calls
+        # already read are still served).
         self.closed = False
+        # Served no more: the server read its last call (set before engine_gone).
+        self.ended = False
+        # engine_gone ended every request it made.
+        self.requests_ended = False
         # Sees every outcome exactly once, delivered or not (the daemon's metrics).
         self.on_outcome: Callable[[Outcome], None] | None = None
-        # Closed and nothing it started can touch its memory any more (settle()).
+        # Ended, and nothing it started can touch its memory any more (settle()).
         self.settled = False
         self.on_settled: Callable[[EngineConnection], None] | None = None
 
     def settle(self) -> None:
-        """The daemon let go of everything this closed connection started: its requests
+        """The daemon let go of everything this ended connection started: its requests
         ended and its pools are deregistered (ConnectionState "gone")."""
-        if self.closed and not self.settled:
+        if self.ended and self.requests_ended and not self.settled:
             self.settled = True
             if self.on_settled is not None:
                 self.on_settled(self)
@@ -492,7 +498,7 @@ class ApiServer:
         finally:
             if engine is not None:
                 engine.flush()
-                engine.closed = True
+                engine.closed = engine.ended = True
                 self.engines.discard(engine)
                 unlogged = self.log_limiter.forget(("malformed", id(engine)))
                 log.info(
@@ -545,7 +551,7 @@ class ApiServer:
         engine = self._by_number.get(number)
         if engine is None:
             return "gone"
-        return "closing" if engine.closed else "live"
+        return "closing" if engine.ended else "live"
 
     async def _answer(self, engine: EngineConnection, msg: EngineMessage) -> None:
         call_id = getattr(msg, "call_id", 0)

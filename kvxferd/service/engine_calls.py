@@ -380,30 +380,48 @@ class EngineCalls:
             d.sender.abort_engine(engine, reason, message),
             d.receiver.abort_engine(engine, reason, message),
         )
-        for pool, own_id in mine:
-            if d.pools.pools.get(pool.pool_id) is not pool:
-                continue  # its last user left during the aborts: dropped already
-            if pool.users:
-                # Held: a write may still land there. Our mapping keeps the memory valid
-                # (a late write lands harmlessly).
-                log.warning(
-                    "pool %s of the gone engine %r stays registered as %s until its %d "
-                    "hold(s) are fenced",
-                    shown(own_id, quote=False),
-                    engine.name,
-                    pool.pool_id,
-                    len(pool.users),
-                )
-                continue
+        engine.requests_ended = True
+        try:
+            for pool, own_id in mine:
+                await self._drop_gone_engines_pool(pool, own_id, engine)
+            if mine:
+                await self._announce()
+        finally:
+            self._settle_if_let_go(engine)
+
+    async def _drop_gone_engines_pool(
+        self, pool: LocalPool, own_id: str, engine: EngineConnection
+    ) -> None:
+        d = self._d
+        if d.pools.pools.get(pool.pool_id) is not pool:
+            return  # its last user left during the aborts: dropped already
+        if pool.users:
+            # Held: a write may still land there. Our mapping keeps the memory valid
+            # (a late write lands harmlessly).
+            log.warning(
+                "pool %s of the gone engine %r stays registered as %s until its %d "
+                "hold(s) are fenced",
+                shown(own_id, quote=False),
+                engine.name,
+                pool.pool_id,
+                len(pool.users),
+            )
+            return
+        try:
             await d.pools.deregister(pool.pool_id)
-        if mine:
-            await self._announce()
-        self._settle_if_let_go(engine)
+        except (PoolError, KvxferdError) as exc:
+            log.error(
+                "cannot deregister pool %s of the gone engine %r: %s",
+                shown(own_id, quote=False),
+                engine.name,
+                shown(exc, TEXT_LIMIT, quote=False),
+            )
 
     def _settle_if_let_go(self, engine: EngineConnection) -> None:
         """A closed engine none of whose pools is registered any more: its requests ended
         (engine_gone) and nothing can touch its memory (ConnectionState "gone")."""
-        if not any(p.owner is engine for p in self._d.pools.pools.values()):
+        pools = self._d.pools
+        if not any(p.owner is engine for p in (*pools.pools.values(), *pools.closing)):
             engine.settle()
 
     def hold_released(self, hold: Hold, how: str) -> None:
@@ -417,7 +435,9 @@ class EngineCalls:
         if pool.users or self._d.draining:
             return
         owner = pool.owner
-        if not isinstance(owner, EngineConnection) or not owner.closed:
+        # Ended, not merely closed: a connection whose write failed is still served the
+        # calls already read, and its pools are its own until engine_gone.
+        if not isinstance(owner, EngineConnection) or not owner.ended:
             return
         if self._d.pools.pools.get(pool.pool_id) is pool:
             self._scope.start(self._drop_orphan(pool.pool_id, owner), f"drop-pool-{pool.pool_id}")
@@ -425,15 +445,15 @@ class EngineCalls:
     async def _drop_orphan(self, pool_id: str, owner: EngineConnection) -> None:
         try:
             await self._d.pools.deregister(pool_id)
+            await self._announce()
         except (PoolError, KvxferdError) as exc:
             log.error(
                 "cannot deregister pool %s of a gone engine: %s",
                 shown(pool_id, quote=False),
                 shown(exc, TEXT_LIMIT, quote=False),
             )
-            return
-        await self._announce()
-        self._settle_if_let_go(owner)
+        finally:
+            self._settle_if_let_go(owner)
 
 
 def _check_sharing(msg: RegisterPool) -> None:

@@ -33,12 +33,19 @@ _WATCH_EVERY_S = 0.5
 _STACK_FRAMES = 25
 
 _watch = False
+# Set when the process's loop is done (runner): a loop torn down without cancelling its
+# monitor (an exception through the runner) must not look stalled from then on.
+_loops_done = threading.Event()
 
 
 def watch_for_stalls() -> None:
     """Log where the loop's thread is when a loop stalls (a daemon's own process)."""
     global _watch
     _watch = True
+
+
+def stop_watching() -> None:
+    _loops_done.set()
 
 
 class LoopMonitor:
@@ -87,6 +94,8 @@ class LoopMonitor:
         while not stop.is_set():
             asleep = time.monotonic()
             stop.wait(_WATCH_EVERY_S)
+            if stop.is_set() or _loops_done.is_set():
+                return
             now = time.monotonic()
             last = self._last_wake
             if now - last < self.interval_s + STALL_S or last == reported:

@@ -95,6 +95,8 @@ class PoolRegistry:
     ) -> None:
         self._dp = dataplane
         self.pools: dict[str, LocalPool] = {}
+        # Taken out of `pools` and still being deregistered (deregister).
+        self.closing: set[LocalPool] = set()
         self._set_aside = 0
         self.cuda_device = cuda_device
         self.device_zero_copy = device_zero_copy
@@ -307,7 +309,11 @@ class PoolRegistry:
                 + "; wait for their outcomes (and releases) or cancel them first",
             )
         del self.pools[pool_id]
-        if pool.zero_copy:  # a copy-only device pool was never registered with the backend
-            await self._dp.call(self._dp.backend.deregister, pool.registration)
-        pool.region.close()
+        self.closing.add(pool)  # until its memory is let go of (ConnectionState)
+        try:
+            if pool.zero_copy:  # a copy-only device pool was never registered with the backend
+                await self._dp.call(self._dp.backend.deregister, pool.registration)
+            pool.region.close()
+        finally:
+            self.closing.discard(pool)
         log.info("deregistered pool %s", shown(pool_id, quote=False))

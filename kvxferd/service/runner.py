@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kvxferd.service.loopmon import watch_for_stalls
+from kvxferd.service.loopmon import stop_watching, watch_for_stalls
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -34,6 +34,13 @@ def run_event_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     faulthandler.enable(all_threads=True)
     # One daemon in this process: its loop monitor may watch for stalls (a thread).
     watch_for_stalls()
+    try:
+        return _run(main)
+    finally:
+        stop_watching()
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; keep working if a platform lacks it

@@ -136,7 +136,7 @@ class Sender:
         check_send(request_id, pool, blocks, token_start, token_end, beam_width, self.pipelined)
         s = session_for_send(
             self.sessions, self.accepting, engine, request_id, token_start, blocks, peer,
-            self.max_requests(),
+            self.max_requests(), pool,
         )  # fmt: skip
         s.pool = pool
         s.blocks = list(blocks)

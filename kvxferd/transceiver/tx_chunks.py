@@ -61,11 +61,19 @@ def session_for_send(
     blocks: list[int],
     peer: str,
     max_requests: int = 0,
+    pool: LocalPool | None = None,
 ) -> TxSession:
     """The session this chunk continues, or the one it starts (made here, or waiting since
     a receiver asked first); RequestError when the chunk cannot be taken. `max_requests`:
-    daemon.max_requests (0: no limit), which a new session must not exceed."""
+    daemon.max_requests (0: no limit), which a new session must not exceed. `pool`: the
+    chunk's, which must be the first chunk's."""
     s = _session_of_chunk(sessions, accepting, engine, request_id, token_start, max_requests)
+    if s.pool is not None and pool is not None and pool is not s.pool:
+        # The first pool keeps this request as a user until it ends: a later chunk in
+        # another pool would be read from memory the request does not hold.
+        _reject_chunk(
+            s, f"a later chunk names pool {pool.pool_id!r}, the first one {s.pool.pool_id!r}"
+        )
     if s.task is not None and peer and peer != s.serve_peer:
         _reject_chunk(
             s,

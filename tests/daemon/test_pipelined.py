@@ -17,6 +17,7 @@ from daemon_harness import (
 )
 
 from kvxferd.client import CallError
+from kvxferd.memory.memfd import MemfdRegion
 from kvxferd.sim.cluster import DaemonProc, LocalCluster
 from kvxferd.sim.content import fill_blocks, request_seed
 
@@ -135,6 +136,19 @@ def test_per_request_rejections_affect_only_that_request(cluster: LocalCluster) 
         await c.client.send("after-last", "pool0", blocks[8:10], 64)
         with pytest.raises(CallError, match="after the one marked last"):
             await c.client.send("after-last", "pool0", blocks[8:11], 96, token_start=64)
+        # A later chunk in another pool of the same engine: the first pool holds the
+        # request (its memory is what the transfer reads) until it ends.
+        other = MemfdRegion.create(c.layout.pool_bytes, "kvxferd-test-pool1")
+        try:
+            await c.client.register_pool("pool1", other, c.layout)
+            await c.client.send("pools", "pool0", blocks[12:14], 64, last=False)
+            with pytest.raises(CallError, match="names pool 'pool1', the first one 'pool0'"):
+                await c.client.send("pools", "pool1", blocks[12:15], 96, token_start=64)
+            assert (await c.client.wait("pools", 30)).reason == "bad_chunk"
+            await c.client.release("pools")
+            await c.client.deregister_pool("pool1")  # never held by the rejected chunk
+        finally:
+            other.close()
         # ... and a well-formed request beside them is unaffected.
         ok = await g.recv("fine", 100, ctx.peer_address)
         await _send_chunks(c, "fine", 100, 40)

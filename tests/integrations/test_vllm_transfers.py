@@ -781,3 +781,43 @@ def test_daemons_killed_then_restarted(daemons: Daemons, workers: Callable[..., 
     d.untouched([40, 41, 42, 43, 44])
     no_sessions(daemons.gen)
     no_sessions(daemons.ctx)
+
+
+def test_a_redial_neither_holds_the_step_back_nor_raises(tmp_path: Path) -> None:
+    """The connection ends and the generation daemon is stopped (SIGSTOP): the next step's
+    redial cannot finish (the daemon answers no hello). The step returns with the dial
+    still under way on its own thread, the receive failed ("no daemon"), instead of
+    waiting out the client's connect and hello timeouts (20 s); once the daemon runs
+    again a later step picks the client up and transfers as usual. A dial that raises
+    anything (the connector's ConnectorConfigError, before: out of vLLM's
+    start_load_kv) fails the step's transfers and nothing more."""
+    with fencing_pair(tmp_path) as (ctx, gen, d, p):
+        cut(d.dialed[-1])
+        wait_for("the client to see the end", lambda: bool(d.dialed[-1].gone))
+        gen.kill(signal.SIGSTOP)
+        try:
+            d.clear([7, 8, 9])
+            got = d.step(plan_recv("d-x", "t-x", ctx.peer_address, 40, [7, 8, 9]))
+            dialing = d.transfers._dialing  # white-box: the dial the step left running
+            assert dialing is not None and not dialing.done()
+            assert "d-x" in got.recving and "d-x" in got.failed, got
+            assert len(d.dialed) == 1
+        finally:
+            gen.kill(signal.SIGCONT)
+        wait_for("the redial to end", dialing.done)
+        p.fill([30, 31, 32], seed=9)
+        d.clear([20, 21, 22])
+        d.step(plan_recv("d-y", "t-y", ctx.peer_address, 40, [20, 21, 22]))
+        p.step(plan_send("p-y", "t-y", 40, [30, 31, 32]), finished={"p-y"})
+        both_reported("the transfer after the redial", d, "d-y", p, "p-y", then_steps=3)
+        assert d.reported("failed") == {"d-x": 1} and len(d.dialed) == 2
+        d.holds_copy_of(p, [20, 21, 22], [30, 31, 32])
+
+        def refuse() -> Client:
+            raise RuntimeError("KvxferdConnector: the daemon's role changed")
+
+        lonely = Transfers(refuse, "nowhere", client=None)
+        lonely.post(plan_recv("l-x", "t-lx", ctx.peer_address, 40, [1, 2, 3]))
+        got = lonely.collect(set())
+        assert "l-x" in got.recving and "l-x" in got.failed, got
+        lonely.close()

@@ -221,8 +221,12 @@ class KvxferdConnector(KVConnectorBase_V1):
         return client
 
     def _redial(self) -> Client:
-        """After a daemon restart: the same memory, registered again."""
-        client = self._dial()
+        """After a daemon restart: the same memory, registered again. DaemonGoneError when
+        no fitting daemon answers: the transfers fail, and vLLM goes on."""
+        try:
+            client = self._dial()
+        except ConnectorConfigError as exc:
+            raise DaemonGoneError(str(exc)) from exc
         assert self._buffer.region is not None and self._layout is not None
         try:
             client.register_pool(self.settings.pool_id, self._buffer.region, self._layout)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ from kvxferd.service.logs import TEXT_LIMIT, shown
 log = logging.getLogger("kvxferd.vllm")
 
 _REDIAL_EVERY_S = 1.0
+# How long the step that starts a dial waits for it (a daemon that is up answers in
+# milliseconds, a loaded host's in well under a second).
+_DIAL_WAIT_S = 2.0
 # The client's loop thread makes the step's started calls; it answers in well under a
 # millisecond unless the process is starved.
 _FLUSH_S = 10.0
@@ -132,6 +136,7 @@ class Transfers:
         self.pool_id = pool_id
         self._client = client
         self._last_dial = 0.0
+        self._dialing: concurrent.futures.Future[Client] | None = None  # _client_or_dial
         self._idle_wait_s = idle_wait_s
         self._record = record  # each reported transfer's outcome (kv_connector_extra_config)
         self._entries: dict[str, _Entry] = {}  # by vLLM request id
@@ -157,19 +162,34 @@ class Transfers:
         if self._client is not None and self._client.gone:
             self._lost(DaemonGoneError(self._client.gone))
 
-    def _client_or_dial(self) -> Client | None:
+    def _client_or_dial(self, wait: bool = True) -> Client | None:
+        """The client, or None while there is none (a dial is started at most once a
+        second, on its own thread). A dial started here is waited for up to _DIAL_WAIT_S
+        when `wait`; one still under way (a stopped or overloaded daemon: the client's
+        connect and hello may take 20 s) is picked up by a later step, so vLLM's loop is
+        never held for longer."""
         self._drop_if_gone()
         if self._client is not None:
             return self._client
-        now = time.monotonic()
-        if now - self._last_dial < _REDIAL_EVERY_S:
+        dialing = self._dialing
+        if dialing is None:
+            now = time.monotonic()
+            if now - self._last_dial < _REDIAL_EVERY_S:
+                return None
+            self._last_dial = now
+            dialing = self._dialing = _in_background(self._connect)
+            if wait:
+                concurrent.futures.wait([dialing], _DIAL_WAIT_S)
+        if not dialing.done():
             return None
-        self._last_dial = now
-        try:
-            self._client = self._connect()
-            log.warning("reconnected to the kvxferd daemon")
-        except (DaemonGoneError, CallError, OSError) as exc:
+        self._dialing = None
+        self._last_dial = time.monotonic()  # the next dial a second after this one ended
+        exc = dialing.exception()
+        if exc is not None:
             log.warning("the kvxferd daemon is not back: %s", exc)
+            return None
+        self._client = dialing.result()
+        log.warning("reconnected to the kvxferd daemon")
         return self._client
 
     def _lost(self, exc: Exception) -> None:
@@ -302,8 +322,10 @@ class Transfers:
             if entry.side == "recv" and entry.outcome is None:
                 entry.aborted = True
         self._drop_if_gone()
-        if self._client is None and any(e.orphan_conn for e in self._entries.values()):
-            self._client_or_dial()  # to ask whether the daemon let go of their connection
+        if self._client is None and any(
+            e.orphan_of is not None and e.orphan_conn for e in self._entries.values()
+        ):
+            self._client_or_dial(wait=False)  # to ask whether the daemon let go of them
         try:
             if idle:
                 self._wait_a_little()
@@ -477,3 +499,25 @@ class Transfers:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._dialing is not None:  # its client, if it comes, is closed as it comes
+            self._dialing.add_done_callback(_close_dialed)
+            self._dialing = None
+
+
+def _in_background(connect: Callable[[], Client]) -> concurrent.futures.Future[Client]:
+    """`connect()` on a thread of its own; the future of its client."""
+    out: concurrent.futures.Future[Client] = concurrent.futures.Future()
+
+    def dial() -> None:
+        try:
+            out.set_result(connect())
+        except BaseException as exc:  # the step that picks it up logs it
+            out.set_exception(exc)
+
+    threading.Thread(target=dial, name="kvxferd-dial", daemon=True).start()
+    return out
+
+
+def _close_dialed(dialed: concurrent.futures.Future[Client]) -> None:
+    if dialed.exception() is None:
+        dialed.result().close()
