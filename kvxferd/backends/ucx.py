@@ -106,7 +106,8 @@ from kvxferd.errors import (
     TransferTimeoutError,
 )
 from kvxferd.hostport import split_hostport
-from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.peers.preauth import PreauthGate
+from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 
 log = logging.getLogger("kvxferd.backends.ucx")
 
@@ -213,6 +214,10 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         self._peers: dict[str, list[Any]] = {}
         self._drainer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Endpoints that have not finished their hellos: capped as the peer channel's
+        # connections are (ucxx's listener tells no remote address: one overall cap).
+        self._greeting = PreauthGate("UCX endpoint(s)", max_per_source=None)
+        self._refusals = LogLimiter(interval_s=10.0, burst=8)
         # Hello sends and receives that outlived their wait (_bounded): never cancelled.
         self._stranded: set[asyncio.Future[Any]] = set()
         self._closed = False
@@ -276,6 +281,12 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
     async def _on_endpoint(self, ep: Any) -> None:
         """Listener callback: the hellos (ucx_hellos.py), checking the connector's proof
         of the shared secret; registers the endpoint before READY."""
+        # Before anything is read: over the cap, the endpoint is closed at once (each
+        # holds two descriptors for up to HELLO_TIMEOUT_S; 300 strangers took 600).
+        leave = self._greeting.enter("ucx", "a UCX endpoint")
+        if leave is None:
+            self._abort(ep)
+            return
         key = None
         try:
             key, nonce_c = await self._hellos.greeted(ep, HELLO_TIMEOUT_S)
@@ -287,16 +298,21 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
             # recv() for that peer finds the endpoint.
             await self._hellos.ready(ep, nonce_l, HELLO_TIMEOUT_S)
         except Exception as exc:
-            # Before the peer channel vouched for it: the key is whatever was sent.
-            log.warning(
-                "UCX: refused an incoming endpoint (peer %s): %s",
-                shown(key),
-                shown(exc, TEXT_LIMIT),
-            )
+            # Before the peer channel vouched for it: the key is whatever was sent. Anyone
+            # can repeat this at will: at most 8 lines per 10 s, counting the rest.
+            if (suppressed := self._refusals.allow("refused")) is not None:
+                log.warning(
+                    "UCX: refused an incoming endpoint (peer %s): %s%s",
+                    shown(key),
+                    shown(str(exc) or type(exc).__name__, TEXT_LIMIT),
+                    f" ({suppressed} more refused since the last such line)" if suppressed else "",
+                )
             if key is not None:
                 self._unregister(key, ep)
             self._abort(ep)
             return
+        finally:
+            leave()
         log.info("UCX: peer %s connected to us", shown(key))
 
     async def connect(self, peer_key: str, address: str, timeout_s: float) -> None:

@@ -31,7 +31,17 @@ class PreauthGate:
     ones by reason (preauth_limit, preauth_per_source_limit). `on_refused`: told each
     refusal's reason (the daemon's metrics)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        what: str = "peer connection(s)",
+        max_connections: int = PREAUTH_MAX_CONNECTIONS,
+        max_per_source: int | None = PREAUTH_MAX_PER_SOURCE,
+    ) -> None:
+        # `what` names them in the log; `max_per_source` None: sources are not known
+        # (ucxx's listener tells no remote address), only the overall cap applies.
+        self.what = what
+        self.max_connections = max_connections
+        self.max_per_source = max_per_source
         self.connections = 0
         self._by_source: dict[str, int] = {}
         self.refused: dict[str, int] = {}
@@ -66,9 +76,10 @@ class PreauthGate:
         return leave
 
     def _refusal(self, source: str) -> str | None:
-        if self.connections >= PREAUTH_MAX_CONNECTIONS:
+        if self.connections >= self.max_connections:
             return "preauth_limit"
-        if self._by_source.get(source, 0) >= PREAUTH_MAX_PER_SOURCE:
+        limit = self.max_per_source
+        if limit is not None and self._by_source.get(source, 0) >= limit:
             return "preauth_per_source_limit"
         return None
 
@@ -79,15 +90,17 @@ class PreauthGate:
         self._unlogged += 1
         now = time.monotonic()
         if now - self._logged_at >= REFUSAL_LOG_INTERVAL_S:
+            per_source = self.max_per_source
             log.warning(
-                "closed %d peer connection(s) before their handshake (latest from %s: %s; "
-                "%d unauthenticated now, at most %d, %d per source address)",
+                "closed %d %s before their handshake (latest from %s: %s; %d "
+                "unauthenticated now, at most %d%s)",
                 self._unlogged,
+                self.what,
                 label,
                 reason,
                 self.connections,
-                PREAUTH_MAX_CONNECTIONS,
-                PREAUTH_MAX_PER_SOURCE,
+                self.max_connections,
+                "" if per_source is None else f", {per_source} per source address",
             )
             self._unlogged = 0
             self._logged_at = now

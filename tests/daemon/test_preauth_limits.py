@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from daemon_harness import metric, peer_names, serve_once, status, until
@@ -213,3 +217,51 @@ def test_idle_strangers_beyond_the_caps_are_closed_at_once(cluster: LocalCluster
         assert "closed 1 peer connection(s) before their handshake" in ctx.log_text()
 
     asyncio.run(scenario())
+
+
+def test_strangers_on_the_ucx_listener_beyond_the_cap_are_closed_at_once(
+    cluster: LocalCluster,
+) -> None:
+    """ucxx's listener accepts any endpoint, and each holds two descriptors of the daemon
+    until its hellos end (at most 10 s): 300 silent endpoints took 600 descriptors, and
+    each timed-out one logged a line. Beyond PREAUTH_MAX_CONNECTIONS endpoints in their
+    hellos, a new one is closed at once, in one log line for many; the refused ones log
+    at most 8 lines per 10 s. Once the strangers leave, the pair links and moves a
+    request over UCX."""
+    cfg = _cfg(10000)
+    cfg["transceiver"].update(backend="UCX", transceiver_runtime="CPP")
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+    address = re.search(r"UCX transport listening on (\S+)", gen.log_text())
+    assert address is not None, gen.log_text()
+    fds = Path(f"/proc/{gen.proc.pid}/fd")
+    before = len(list(fds.iterdir()))
+    stranger = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("ucx_flood.py")), address[1], "200"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stranger.stdout is not None
+        line = stranger.stdout.readline()
+        while line and not line.startswith("HELD"):  # REFUSED lines: a listener's refusal
+            line = stranger.stdout.readline()
+        assert line, "the stranger ended before it held its endpoints"
+        # The first 64 wait for their hello (each a connection and an event fd or two);
+        # the rest were closed as they came.
+        asyncio.run(
+            until(
+                lambda: "closed 1 UCX endpoint(s) before their handshake" in gen.log_text(),
+                what="the refusal's log line",
+            )
+        )
+        assert len(list(fds.iterdir())) <= before + 3 * PREAUTH_MAX_CONNECTIONS
+    finally:
+        assert stranger.stdin is not None
+        stranger.stdin.close()
+        stranger.wait(30)
+    asyncio.run(serve_once(ctx, gen, "after-strangers"))
+    # The held ones failed as the stranger left: 8 lines a 10 s window, not one each.
+    refusals = gen.log_text().count("UCX: refused an incoming endpoint")
+    assert refusals < PREAUTH_MAX_CONNECTIONS // 4, gen.log_text()
