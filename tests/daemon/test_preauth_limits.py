@@ -265,3 +265,48 @@ def test_strangers_on_the_ucx_listener_beyond_the_cap_are_closed_at_once(
     # The held ones failed as the stranger left: 8 lines a 10 s window, not one each.
     refusals = gen.log_text().count("UCX: refused an incoming endpoint")
     assert refusals < PREAUTH_MAX_CONNECTIONS // 4, gen.log_text()
+
+
+def test_strangers_on_the_mpi_listener_beyond_the_caps_are_closed_at_once(
+    cluster: LocalCluster,
+) -> None:
+    """The MPI backend's rendezvous listener takes the peer channel's caps: 16 silent
+    connections from one address wait for their hello (10 s), the 17th is closed at once,
+    in one log line for many; then the pair links and moves a request over MPI."""
+    cfg = _cfg(10000)
+    cfg["transceiver"].update(backend="MPI", transceiver_runtime="CPP")
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+    found = re.search(r"MPI transport listening on (\S+)", gen.log_text())
+    assert found is not None, gen.log_text()
+    host, port = found[1].rsplit(":", 1)
+    held: list[asyncio.StreamWriter] = []
+
+    async def scenario() -> None:
+        try:
+            for _ in range(PREAUTH_MAX_PER_SOURCE):
+                _, writer = await asyncio.open_connection(
+                    host, int(port), local_addr=("127.0.0.2", 0)
+                )
+                held.append(writer)
+            reader, writer = await asyncio.open_connection(
+                host, int(port), local_addr=("127.0.0.2", 0)
+            )
+            try:
+                # At once, not at the 10 s hello timeout.
+                assert await closed_by_daemon(reader, 5.0), "the 17th connection stayed open"
+            finally:
+                writer.close()
+            await until(
+                lambda: (
+                    "closed 1 MPI rendezvous connection(s) before their handshake" in gen.log_text()
+                ),
+                what="the refusal's log line",
+            )
+            assert "preauth_per_source_limit" in gen.log_text()
+        finally:
+            for w in held:
+                w.close()
+        await serve_once(ctx, gen, "after-strangers")
+
+    asyncio.run(scenario())

@@ -74,7 +74,8 @@ from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
-from kvxferd.service.logs import TEXT_LIMIT, shown
+from kvxferd.peers.preauth import PreauthGate
+from kvxferd.service.logs import TEXT_LIMIT, LogLimiter, shown
 
 log = logging.getLogger("kvxferd.backends.mpi")
 
@@ -178,6 +179,9 @@ class Links:
         # daemons linking to each other at once would each wait for the other's.
         self._accept_turn = asyncio.Lock()
         self._connect_turn = asyncio.Lock()
+        # Connections that have not finished the rendezvous: capped as the peer channel's.
+        self._greeting = PreauthGate("MPI rendezvous connection(s)")
+        self._refusals = LogLimiter(interval_s=10.0, burst=8)
 
     # -- listening side ------------------------------------------------------
 
@@ -193,12 +197,21 @@ class Links:
         return f"{host}:{bound}"
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Before anything is read: over the caps, the connection is closed at once (each
+        # holds a descriptor and a task for up to HELLO_TIMEOUT_S).
+        peername = writer.get_extra_info("peername")
+        source = str(peername[0]) if peername else "unknown"
+        leave = self._greeting.enter(source, f"{source}:{peername[1]}" if peername else source)
+        if leave is None:
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handshakes.add(task)
         try:
             await self._accept(reader, writer)
         finally:
+            leave()
             self._handshakes.discard(task)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -256,11 +269,14 @@ class Links:
                 if isinstance(exc, (asyncio.TimeoutError, TimeoutError))
                 else type(exc).__name__
             )
-            log.warning(
-                "MPI: refused an incoming connection (peer %s): %s",
-                shown(key),
-                shown(why, TEXT_LIMIT),
-            )
+            # Anyone can repeat this at will: at most 8 lines per 10 s, counting the rest.
+            if (suppressed := self._refusals.allow("refused")) is not None:
+                log.warning(
+                    "MPI: refused an incoming connection (peer %s): %s%s",
+                    shown(key),
+                    shown(why, TEXT_LIMIT),
+                    f" ({suppressed} more refused since the last such line)" if suppressed else "",
+                )
             if key is not None and key in self.peers:
                 self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
             if comm is not None:
