@@ -8,11 +8,27 @@ import signal
 
 from daemon_harness import SimEngine, assert_clean, status, wait_for
 
-from kvxferd.sim.cluster import LocalCluster
+from kvxferd.sim.cluster import DaemonProc, LocalCluster
 
 SMALL = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "tokens_per_block": 32,
          "dtype": "float16"}  # fmt: skip
 TPB = 32
+
+
+def _pair(
+    cluster: LocalCluster, timeout_ms: int, heartbeat_ms: int, heartbeat_timeout_ms: int
+) -> tuple[DaemonProc, DaemonProc]:
+    """A context and a generation daemon with these deadlines."""
+    cfg = {
+        "transceiver": {"kv_transfer_timeout_ms": timeout_ms},
+        "daemon": {
+            "heartbeat_interval_ms": heartbeat_ms,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        },
+    }
+    return cluster.start_daemon("ctx", "context", **cfg), cluster.start_daemon(
+        "gen", "generation", **cfg
+    )
 
 
 def test_a_restarted_engine_registers_while_its_predecessors_requests_end(
@@ -21,12 +37,7 @@ def test_a_restarted_engine_registers_while_its_predecessors_requests_end(
     """The generation engine leaves with a receive pending from a context daemon that is
     stopped: ending that receive waits up to a heartbeat interval (3 s here) for the
     context daemon's answer. The engine's successor registers pool0 within that window."""
-    cfg = {
-        "transceiver": {"kv_transfer_timeout_ms": 30000},
-        "daemon": {"heartbeat_interval_ms": 3000, "heartbeat_timeout_ms": 20000},
-    }
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = _pair(cluster, 30000, 3000, 20000)
 
     async def scenario() -> None:
         g = await SimEngine.open(gen, num_blocks=64, geometry=SMALL)
@@ -65,12 +76,7 @@ def test_a_gone_engines_connection_is_closing_until_the_daemon_let_go_of_it(
     learns so on a new one. A number never given out is a bad request."""
     from kvxferd.client import CallError
 
-    cfg = {
-        "transceiver": {"kv_transfer_timeout_ms": 2000},
-        "daemon": {"heartbeat_interval_ms": 300, "heartbeat_timeout_ms": 1500},
-    }
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
+    ctx, gen = _pair(cluster, 2000, 300, 1500)
 
     async def scenario() -> None:
         g = await SimEngine.open(gen, num_blocks=64, geometry=SMALL)

@@ -219,6 +219,18 @@ def test_idle_strangers_beyond_the_caps_are_closed_at_once(cluster: LocalCluster
     asyncio.run(scenario())
 
 
+def _staged_pair(cluster: LocalCluster, backend: str) -> tuple[DaemonProc, DaemonProc, str]:
+    """A context and a generation daemon staged over `backend` (UCX or MPI), and the
+    address of the generation daemon's own listener for that backend."""
+    cfg = _cfg(10000)
+    cfg["transceiver"].update(backend=backend, transceiver_runtime="CPP")
+    ctx = cluster.start_daemon("ctx", "context", **cfg)
+    gen = cluster.start_daemon("gen", "generation", **cfg)
+    found = re.search(rf"{backend} transport listening on (\S+)", gen.log_text())
+    assert found is not None, gen.log_text()
+    return ctx, gen, found[1]
+
+
 def test_strangers_on_the_ucx_listener_beyond_the_cap_are_closed_at_once(
     cluster: LocalCluster,
 ) -> None:
@@ -228,16 +240,11 @@ def test_strangers_on_the_ucx_listener_beyond_the_cap_are_closed_at_once(
     hellos, a new one is closed at once, in one log line for many; the refused ones log
     at most 8 lines per 10 s. Once the strangers leave, the pair links and moves a
     request over UCX."""
-    cfg = _cfg(10000)
-    cfg["transceiver"].update(backend="UCX", transceiver_runtime="CPP")
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
-    address = re.search(r"UCX transport listening on (\S+)", gen.log_text())
-    assert address is not None, gen.log_text()
+    ctx, gen, address = _staged_pair(cluster, "UCX")
     fds = Path(f"/proc/{gen.proc.pid}/fd")
     before = len(list(fds.iterdir()))
     stranger = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("ucx_flood.py")), address[1], "200"],
+        [sys.executable, str(Path(__file__).with_name("ucx_flood.py")), address, "200"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -273,13 +280,8 @@ def test_strangers_on_the_mpi_listener_beyond_the_caps_are_closed_at_once(
     """The MPI backend's rendezvous listener takes the peer channel's caps: 16 silent
     connections from one address wait for their hello (10 s), the 17th is closed at once,
     in one log line for many; then the pair links and moves a request over MPI."""
-    cfg = _cfg(10000)
-    cfg["transceiver"].update(backend="MPI", transceiver_runtime="CPP")
-    ctx = cluster.start_daemon("ctx", "context", **cfg)
-    gen = cluster.start_daemon("gen", "generation", **cfg)
-    found = re.search(r"MPI transport listening on (\S+)", gen.log_text())
-    assert found is not None, gen.log_text()
-    host, port = found[1].rsplit(":", 1)
+    ctx, gen, address = _staged_pair(cluster, "MPI")
+    host, port = address.rsplit(":", 1)
     held: list[asyncio.StreamWriter] = []
 
     async def scenario() -> None:
