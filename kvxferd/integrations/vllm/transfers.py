@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvxferd.client import CallError, Client, DaemonGoneError, Outcome
+from kvxferd.integrations.vllm.orphans import LetGo
 from kvxferd.integrations.vllm.plan import StepPlan
 from kvxferd.peers.process import ProcessInfo, alive
 from kvxferd.service.logs import TEXT_LIMIT, shown
@@ -57,8 +58,6 @@ _DIAL_WAIT_S = 2.0
 # The client's loop thread makes the step's started calls; it answers in well under a
 # millisecond unless the process is starved.
 _FLUSH_S = 10.0
-# How often a daemon that lives on is asked whether it let go of an ended connection.
-_ASK_EVERY_S = 0.1
 
 
 @dataclass
@@ -77,7 +76,7 @@ class _Entry:
     cancel_answered: bool = False  # an outcome is on its way, or the cancel was refused
     # A transfer whose connection ended while its blocks might still be written or read:
     # failed once this daemon process has exited, or let go of the connection numbered
-    # orphan_conn (Transfers._lost, Transfers._let_go).
+    # orphan_conn (Transfers._lost, orphans.LetGo).
     orphan_of: ProcessInfo | None = None
     orphan_conn: int = 0
 
@@ -141,14 +140,7 @@ class Transfers:
         self._record = record  # each reported transfer's outcome (kv_connector_extra_config)
         self._entries: dict[str, _Entry] = {}  # by vLLM request id
         self._ready: Results = Results(set(), set(), set())
-        # Ended connections of daemons that live on (_let_go), by (process, number): those
-        # the daemon let go of, those it cannot be asked about (too old to know the call),
-        # and the question in flight (with the client it went on) and when it was asked.
-        self._let_go_of: set[tuple[ProcessInfo, int]] = set()
-        self._cannot_ask: set[tuple[ProcessInfo, int]] = set()
-        self._asking: dict[tuple[ProcessInfo, int], tuple[Client, concurrent.futures.Future[str]]]
-        self._asking = {}
-        self._asked_at: dict[tuple[ProcessInfo, int], float] = {}
+        self._let_go = LetGo()  # ended connections of daemons that live on
 
     @property
     def pending(self) -> int:
@@ -352,7 +344,9 @@ class Transfers:
 
     def _advance(self, req_id: str, entry: _Entry) -> None:
         if entry.orphan_of is not None:
-            if alive(entry.orphan_of) is False or self._let_go(entry):
+            if alive(entry.orphan_of) is False or self._let_go.of(
+                entry.orphan_of, entry.orphan_conn, self._client
+            ):
                 entry.orphan_of = None  # nothing of it can be touched now: a plain failure
                 self._finish(req_id, entry, failed=True)
             return
@@ -398,52 +392,6 @@ class Transfers:
         if entry.side == "send" and not entry.seen_finished:
             return  # vLLM's rule: a send is reported only after its request finished
         self._finish(req_id, entry, failed=failed)
-
-    def _let_go(self, entry: _Entry) -> bool:
-        """Whether the daemon, living on, let go of the ended connection an orphan was made
-        on (ConnectionState "gone"), asked on the current connection to that same process
-        and not waited for (a stopped daemon must not stop vLLM's loop)."""
-        assert entry.orphan_of is not None
-        key = (entry.orphan_of, entry.orphan_conn)
-        if not entry.orphan_conn or key in self._cannot_ask:
-            return False
-        if key in self._let_go_of:
-            return True
-        client = self._client
-        if client is None or client.gone or client.daemon_process != entry.orphan_of:
-            return False
-        asking = self._asking.get(key)
-        if asking is None or asking[0] is not client:  # none, or asked on a lost connection
-            now = time.monotonic()
-            if now - self._asked_at.get(key, 0.0) >= _ASK_EVERY_S:
-                self._asked_at[key] = now
-                self._asking[key] = (client, client.start_connection_state(entry.orphan_conn))
-            return False
-        answer = asking[1]
-        if not answer.done():
-            return False
-        del self._asking[key]
-        exc = answer.exception()
-        if isinstance(exc, (DaemonGoneError, OSError)):
-            raise exc  # the connection's end: collect fails every entry (_lost)
-        if exc is not None:
-            log.warning(
-                "the kvxferd daemon cannot say whether it let go of connection %d (%s): its "
-                "transfers fail once its process exits",
-                entry.orphan_conn,
-                exc,
-            )
-            self._cannot_ask.add(key)
-            return False
-        if answer.result() != "gone":
-            return False
-        log.warning(
-            "the kvxferd daemon let go of connection %d: its transfers fail now",
-            entry.orphan_conn,
-        )
-        self._let_go_of.add(key)
-        self._asked_at.pop(key, None)
-        return True
 
     def _cancel(self, req_id: str, entry: _Entry, client: Client) -> None:
         """Ask the daemon to cancel an aborted receive, without waiting for its answer: a
