@@ -51,6 +51,11 @@ class TwoSidedTransport(Protocol):
         last (MPI: kvxferd/backends/mpi/keepalive.py). The daemon is not ready while any is."""
         ...
 
+    def listener_refused(self) -> dict[str, int]:
+        """Connections to the transport's own listener closed before their hellos, by
+        reason (preauth_limit, preauth_per_source_limit: kvxferd/peers/preauth.py)."""
+        ...
+
     async def close(self) -> None: ...
 
 

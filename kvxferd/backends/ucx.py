@@ -428,6 +428,10 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         rules out UCX's shared-memory receive queue, which MPI's links can stall on)."""
         return {}
 
+    def listener_refused(self) -> dict[str, int]:
+        """Endpoints closed before their hellos, by reason (PreauthGate)."""
+        return dict(self._greeting.refused)
+
     # -- data ----------------------------------------------------------------
 
     def _translate(self, exc: BaseException, peer_key: str, what: str) -> TransferError:

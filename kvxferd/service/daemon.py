@@ -514,6 +514,12 @@ class Daemon:
         transport = self.routes.transport
         return {} if transport is None else transport.stalled_peers()
 
+    def listener_refused(self) -> dict[str, int]:
+        """Connections to the staged transport's own listener (UCX, MPI) closed before their
+        hellos, by reason."""
+        transport = self.routes.transport
+        return {} if transport is None else transport.listener_refused()
+
     def readiness_detail(self) -> str:
         return readiness_detail(self)
 

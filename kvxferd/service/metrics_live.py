@@ -32,6 +32,15 @@ class LiveCollector:
             "held up by a process stopped or killed mid-send); not ready while above 0.",
             len(d.stalled_peers()),
         )
+        refused = CounterMetricFamily(
+            "kvxferd_transport_connections_refused",
+            "Connections to the staged transport's own listener (UCX, MPI) closed before "
+            "their hellos, by reason (preauth_limit, preauth_per_source_limit).",
+            labels=["reason"],
+        )
+        for reason in ("preauth_limit", "preauth_per_source_limit"):
+            refused.add_metric([reason], d.listener_refused().get(reason, 0))
+        yield refused
         in_flight = GaugeMetricFamily(
             "kvxferd_requests_in_flight",
             "Accepted requests without an outcome yet, by side.",

@@ -264,6 +264,7 @@ def test_strangers_on_the_ucx_listener_beyond_the_cap_are_closed_at_once(
             )
         )
         assert len(list(fds.iterdir())) <= before + 3 * PREAUTH_MAX_CONNECTIONS
+        assert metric(gen, "kvxferd_transport_connections_refused_total", reason="preauth_limit")
     finally:
         assert stranger.stdin is not None
         stranger.stdin.close()
@@ -306,6 +307,9 @@ def test_strangers_on_the_mpi_listener_beyond_the_caps_are_closed_at_once(
                 what="the refusal's log line",
             )
             assert "preauth_per_source_limit" in gen.log_text()
+            refused = "kvxferd_transport_connections_refused_total"
+            assert metric(gen, refused, reason="preauth_per_source_limit") == 1
+            assert metric(gen, refused, reason="preauth_limit") == 0
         finally:
             for w in held:
                 w.close()

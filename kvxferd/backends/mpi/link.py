@@ -185,6 +185,10 @@ class Links:
 
     # -- listening side ------------------------------------------------------
 
+    def listener_refused(self) -> dict[str, int]:
+        """Rendezvous connections closed before their hello, by reason (PreauthGate)."""
+        return dict(self._greeting.refused)
+
     async def listen(self, host: str, port: int) -> str:
         """Listen for peers; returns "host:port" to advertise."""
         if self._server is not None:

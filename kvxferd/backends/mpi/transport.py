@@ -411,6 +411,9 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         key -> seconds since the last."""
         return keepalive.stalled_peers(self._links.peers)
 
+    def listener_refused(self) -> dict[str, int]:
+        return self._links.listener_refused()
+
     def requests_in_progress(self) -> int:
         """Payload requests MPI has not ended that the progress thread still tests."""
         return 0 if self._progress is None else self._progress.held
