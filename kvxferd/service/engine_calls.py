@@ -440,10 +440,13 @@ class EngineCalls:
         if not isinstance(owner, EngineConnection) or not owner.ended:
             return
         if self._d.pools.pools.get(pool.pool_id) is pool:
-            self._scope.start(self._drop_orphan(pool.pool_id, owner), f"drop-pool-{pool.pool_id}")
+            self._scope.start(self._drop_orphan(pool, owner), f"drop-pool-{pool.pool_id}")
 
-    async def _drop_orphan(self, pool_id: str, owner: EngineConnection) -> None:
+    async def _drop_orphan(self, pool: LocalPool, owner: EngineConnection) -> None:
+        pool_id = pool.pool_id
         try:
+            if self._d.pools.pools.get(pool_id) is not pool:
+                return  # engine_gone dropped it meanwhile
             await self._d.pools.deregister(pool_id)
             await self._announce()
         except (PoolError, KvxferdError) as exc:
