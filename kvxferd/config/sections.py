@@ -278,7 +278,9 @@ class DaemonSection(BaseModel):
         "a peer before the engine's send. A recv or send beyond it is refused with "
         "too_many_requests, a peer's request with overloaded: an engine that never releases "
         "its finished requests, or posts sends nobody asks for, must not exhaust the "
-        "daemon's memory (~3 KiB a request). Applied on reload (SIGHUP).",
+        "daemon's memory (~3 KiB a request). One peer may have at most half of it kept "
+        "before the engine sends, so that a receiving daemon that never cancels cannot "
+        "take the whole table. Applied on reload (SIGHUP).",
     )
     stall_unhealthy_s: float = Field(
         default=60.0,

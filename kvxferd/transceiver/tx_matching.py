@@ -30,6 +30,7 @@ from kvxferd.transceiver.legs import TxLeg, abort_legs, drop_strangers, refusal
 from kvxferd.transceiver.plan import validate_block_ids
 from kvxferd.transceiver.sessions import Terminal, TxSession, full
 from kvxferd.transceiver.state import Reason, SessionState, Status
+from kvxferd.transceiver.tx_peer_share import PeerShare
 
 log = logging.getLogger("kvxferd.sender")
 
@@ -48,6 +49,9 @@ class Matching:
     refused: Callable[[str], None]
     log_limiter: LogLimiter
     max_requests: Callable[[], int]
+
+    def __post_init__(self) -> None:
+        self.shares = PeerShare(self.sessions)  # each peer's share of max_requests
 
     async def on_request_data(self, conn: PeerConnection, msg: RequestData) -> None:
         dst_layout = conn.layouts.get(msg.pool_id)
@@ -72,9 +76,18 @@ class Matching:
                 )
                 await self.refuse(conn, msg, Reason.OVERLOADED, message)
                 return
+            if not self.shares.room(peer := conn.peer.name, limit):
+                message = (
+                    f"the context daemon keeps {self.shares.kept_by(peer)} requests of "
+                    f"{peer} its engine has not sent, its share (half of "
+                    f"daemon.max_requests {limit})"
+                )
+                await self.refuse(conn, msg, Reason.OVERLOADED, message)
+                return
             # Generation-first: remember the request until the engine sends.
             s = TxSession(request_id=msg.request_id, engine=None)
             self.sessions[msg.request_id] = s
+            self.shares.note(peer, s)
         elif s.serve_peer and conn.peer.name != s.serve_peer:
             # The send names another daemon: whatever the request's state, not this one's.
             await self.refuse(conn, msg, *self._not_yours(s, TxLeg(conn, msg)))

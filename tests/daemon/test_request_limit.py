@@ -128,3 +128,45 @@ async def _reload_limit(d: DaemonProc, limit: int) -> None:
     )
     last = status(d)["config"]["last_reload"]
     assert last["result"] == "applied", last
+
+
+def test_one_receiving_daemon_gets_half_the_table_before_the_engine_sends(
+    cluster: LocalCluster,
+) -> None:
+    """Receives the context engine has not sent (generation-first) are kept for their peer
+    alone, as long as it keeps them posted: one generation daemon may hold half of
+    daemon.max_requests that way, and is refused `overloaded` beyond, naming its share.
+    The other half stays for the engine's own sends. Before, a daemon that posted and never
+    cancelled took the whole table, and the engine's sends were refused too."""
+    limit = 4
+    ctx = cluster.start_daemon("ctx", "context", **_cfg(60000, max_requests=limit))
+    gen = cluster.start_daemon("gen", "generation", **_cfg(60000))
+
+    async def scenario() -> None:
+        async with opened(ctx) as c, opened(gen) as g:
+            posted = {}
+            for i in range(limit // 2):
+                posted[f"posted-{i}"] = await g.recv(f"posted-{i}", TOKENS, ctx.peer_address)
+            await until(
+                lambda: status(ctx)["sessions"]["send"] == {"ready": limit // 2},
+                what="the context daemon to keep the first receives",
+            )
+            await g.recv("beyond-share", TOKENS, ctx.peer_address)
+            o = await g.client.wait("beyond-share", timeout_s=WAIT_S)
+            assert (o.status, o.reason) == ("failed", "peer_failed"), o
+            assert "its share (half of daemon.max_requests 4)" in o.message, o
+            assert refused_total(ctx, "overloaded") == 1.0
+            # The engine's own sends still find room, up to the limit.
+            for i in range(limit // 2):
+                await c.send(f"own-{i}", TOKENS)
+            assert (await refused_send(c, "own-too-many")).code == "too_many_requests"
+            # The kept receives are served when the engine sends them.
+            for rid, blocks in posted.items():
+                await c.send(rid, TOKENS)
+                o = await g.client.wait(rid, timeout_s=WAIT_S)
+                assert o.status == "done", o
+                assert g.verify(rid, blocks, TOKENS).ok
+            for i in range(limit // 2):
+                assert await c.client.cancel(f"own-{i}") == "cancelled"
+
+    asyncio.run(scenario())

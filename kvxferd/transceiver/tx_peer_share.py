@@ -1,0 +1,61 @@
+"""How many requests one generation daemon may have a context daemon keep before the
+context engine sent them (generation-first sessions): half of daemon.max_requests.
+
+Such a session is made by the peer alone and lives as long as its receive (or its
+connection) does. Without a share, one receiving daemon that posts and never cancels (a
+leak, a bug, a compromised host holding the shared secret) fills the whole table: every
+other daemon's receive is then refused `overloaded`, and our own engine's sends
+`too_many_requests`. With it, that daemon is refused first.
+
+Counted without touching the request path: each such session is noted under its peer's
+name when made; the notes of sessions that have since been sent by the engine or ended
+are dropped only when a peer reaches its share, and at most once a second per peer (a
+peer at its share must not make each of its refused requests scan its notes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvxferd.transceiver.sessions import TxSession
+
+# How often a peer at its share has its notes pruned.
+_PRUNE_EVERY_S = 1.0
+
+
+class PeerShare:
+    def __init__(
+        self, sessions: dict[str, TxSession], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._sessions = sessions
+        self._clock = clock
+        self._noted: dict[str, dict[str, TxSession]] = {}  # peer -> request id -> session
+        self._pruned_at: dict[str, float] = {}
+
+    @staticmethod
+    def share(max_requests: int) -> int:
+        """A peer's share of `max_requests` (0: no limit, no share)."""
+        return max(1, max_requests // 2) if max_requests > 0 else 0
+
+    def room(self, peer: str, max_requests: int) -> bool:
+        """Whether `peer` may have one more generation-first session kept."""
+        share = self.share(max_requests)
+        noted = self._noted.get(peer)
+        if not share or noted is None or len(noted) < share:
+            return True
+        now = self._clock()
+        if now - self._pruned_at.get(peer, -_PRUNE_EVERY_S) >= _PRUNE_EVERY_S:
+            self._pruned_at[peer] = now
+            for rid, s in list(noted.items()):
+                if self._sessions.get(rid) is not s or s.engine is not None:
+                    del noted[rid]
+        return len(noted) < share
+
+    def note(self, peer: str, s: TxSession) -> None:
+        """`s` was made for `peer`'s RequestData, before our engine sent it."""
+        self._noted.setdefault(peer, {})[s.request_id] = s
+
+    def kept_by(self, peer: str) -> int:
+        """Generation-first sessions noted for `peer` (some may have ended since)."""
+        return len(self._noted.get(peer, {}))
