@@ -8,14 +8,16 @@ other daemon's receive is then refused `overloaded`, and our own engine's sends
 `too_many_requests`. With it, that daemon is refused first.
 
 Counted without touching the request path: each such session is noted under its peer's
-name when made; the notes of sessions that have since been sent by the engine or ended
-are dropped only when a peer reaches its share, and at most once a second per peer (a
-peer at its share must not make each of its refused requests scan its notes).
+name when made, by a weak reference (a session that ended and was forgotten leaves the
+notes by itself, and keeps no memory alive); the notes of sessions our engine has since
+sent are dropped only when a peer reaches its share, and at most once a second per peer
+(a peer at its share must not make each of its refused requests scan its notes).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 from kvxferd.transceiver.sessions import TxSession
@@ -30,7 +32,8 @@ class PeerShare:
     ) -> None:
         self._sessions = sessions
         self._clock = clock
-        self._noted: dict[str, dict[str, TxSession]] = {}  # peer -> request id -> session
+        # peer -> request id -> session
+        self._noted: dict[str, weakref.WeakValueDictionary[str, TxSession]] = {}
         self._pruned_at: dict[str, float] = {}
 
     @staticmethod
@@ -54,7 +57,10 @@ class PeerShare:
 
     def note(self, peer: str, s: TxSession) -> None:
         """`s` was made for `peer`'s RequestData, before our engine sent it."""
-        self._noted.setdefault(peer, {})[s.request_id] = s
+        noted = self._noted.get(peer)
+        if noted is None:
+            noted = self._noted[peer] = weakref.WeakValueDictionary()
+        noted[s.request_id] = s
 
     def kept_by(self, peer: str) -> int:
         """Generation-first sessions noted for `peer` (some may have ended since)."""

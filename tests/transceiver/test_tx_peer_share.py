@@ -47,3 +47,17 @@ def test_ended_or_sent_sessions_leave_the_share_at_the_next_prune() -> None:
     assert not share.room("gen-a", 8)
     clock.now += 1.0
     assert share.room("gen-a", 8) and share.kept_by("gen-a") == 1
+
+
+def test_a_forgotten_session_leaves_the_notes_and_no_memory_behind() -> None:
+    """Noted by a weak reference: the notes hold no session alive (before, a share of
+    32,768 would have kept that many ended sessions, ~3 KiB each, until a prune)."""
+    import gc
+
+    sessions: dict[str, TxSession] = {}
+    share = PeerShare(sessions, Clock())
+    for i in range(3):
+        _made(share, sessions, "gen-a", f"a{i}")
+    del sessions["a1"]
+    gc.collect()
+    assert share.kept_by("gen-a") == 2
