@@ -118,6 +118,8 @@ _INSTALL_HINT = (
 
 # How long a listener waits for an incoming endpoint's hello.
 HELLO_TIMEOUT_S = 10.0
+# Endpoints in their hellos at once (two descriptors each).
+UCX_MAX_GREETING = 256
 
 # Probing for an awaited message: the first polls only yield to the loop,
 # later ones sleep up to this long (asyncio sleeps at millisecond resolution).
@@ -215,8 +217,12 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         self._drainer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # Endpoints that have not finished their hellos: capped as the peer channel's
-        # connections are (ucxx's listener tells no remote address: one overall cap).
-        self._greeting = PreauthGate("UCX endpoint(s)", max_per_source=None)
+        # connections are, but higher (ucxx's listener tells no remote address, so one
+        # overall cap, and with per-pair keys a hello may wait 5 s for the peer's Info:
+        # a reconnect wave of a large cluster overlaps longer).
+        self._greeting = PreauthGate(
+            "UCX endpoint(s)", max_connections=UCX_MAX_GREETING, max_per_source=None
+        )
         self._refusals = LogLimiter(interval_s=10.0, burst=8)
         # Hello sends and receives that outlived their wait (_bounded): never cancelled.
         self._stranded: set[asyncio.Future[Any]] = set()

@@ -148,6 +148,7 @@ class Sender:
             s.serve_peer = peer
             s.auto_release = auto_release
             self._matching.choose_receivers(s)
+            self._matching.shares.sent(s)
             # The timeout is read once, at the first send: a reload applies to requests
             # accepted after it (docs/operations.md).
             timeout_s = self.timeouts.timeout_s

@@ -9,9 +9,10 @@ other daemon's receive is then refused `overloaded`, and our own engine's sends
 
 Counted without touching the request path: each such session is noted under its peer's
 name when made, by a weak reference (a session that ended and was forgotten leaves the
-notes by itself, and keeps no memory alive); the notes of sessions our engine has since
-sent are dropped only when a peer reaches its share, and at most once a second per peer
-(a peer at its share must not make each of its refused requests scan its notes).
+notes by itself, and keeps no memory alive), and leaves them when our engine sends it;
+what is left of sessions that ended but are still kept (not released yet) is dropped
+only when a peer reaches its share, at most once a second per peer (a peer at its share
+must not make each of its refused requests scan its notes).
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class PeerShare:
         if noted is None:
             noted = self._noted[peer] = weakref.WeakValueDictionary()
         noted[s.request_id] = s
+
+    def sent(self, s: TxSession) -> None:
+        """Our engine sent `s`: it is no longer kept for its peer alone. Without this a
+        peer at its share would wait for the next prune (a second) while its requests
+        were being served, refused meanwhile."""
+        for noted in self._noted.values():
+            if noted.get(s.request_id) is s:
+                del noted[s.request_id]
+                return
 
     def kept_by(self, peer: str) -> int:
         """Generation-first sessions noted for `peer` (some may have ended since)."""

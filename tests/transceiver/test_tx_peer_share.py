@@ -61,3 +61,15 @@ def test_a_forgotten_session_leaves_the_notes_and_no_memory_behind() -> None:
     del sessions["a1"]
     gc.collect()
     assert share.kept_by("gen-a") == 2
+
+
+def test_a_session_our_engine_sends_leaves_its_peers_share_at_once() -> None:
+    """No prune needed (and none due within the second): the peer may ask again."""
+    sessions: dict[str, TxSession] = {}
+    share = PeerShare(sessions, Clock())
+    made = [_made(share, sessions, "gen-a", f"a{i}") for i in range(4)]
+    assert not share.room("gen-a", 8)
+    share.sent(made[0])
+    assert share.room("gen-a", 8) and share.kept_by("gen-a") == 3
+    share.sent(TxSession(request_id="a1", engine=None))  # another session of that id
+    assert share.kept_by("gen-a") == 3

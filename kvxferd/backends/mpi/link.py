@@ -202,7 +202,9 @@ class Links:
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Before anything is read: over the caps, the connection is closed at once (each
-        # holds a descriptor and a task for up to HELLO_TIMEOUT_S).
+        # holds a descriptor and a task for up to HELLO_TIMEOUT_S). It counts until its
+        # hello is read, not while it waits for MPI's one accept at a time: a reconnect
+        # wave of more than 16 daemons behind one address (a NAT) would be refused.
         peername = writer.get_extra_info("peername")
         source = str(peername[0]) if peername else "unknown"
         leave = self._greeting.enter(source, f"{source}:{peername[1]}" if peername else source)
@@ -213,12 +215,17 @@ class Links:
         assert task is not None
         self._handshakes.add(task)
         try:
-            await self._accept(reader, writer)
+            await self._accept(reader, writer, leave)
         finally:
             leave()
             self._handshakes.discard(task)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        hello_read: Callable[[], None] = lambda: None,
+    ) -> None:
         """Listener side of the rendezvous: hello, MPI accept, register, ready."""
         rt = await self._runtime()
         MPI = rt.MPI
@@ -230,6 +237,7 @@ class Links:
             raw_key, nonce_c = await asyncio.wait_for(
                 wire.read_frame(reader, wire.HELLO, ("key", "nonce")), HELLO_TIMEOUT_S
             )
+            hello_read()
             key = raw_key.decode()
             # Before any MPI work: a client naming a daemon we hold no key for gets none. One
             # naming a known daemon is refused only on its proof, after MPI's accept (under
