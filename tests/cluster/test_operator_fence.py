@@ -96,8 +96,10 @@ def test_a_context_daemon_gone_for_good_is_fenced_by_the_operator(cluster: Clust
     assert fenced and sum(fenced.values()) > 0, "no hold waited for the killed daemon"
     killed = {f"{r.label} context engine" for r in rnd.routes if r.ctx is ctx1}
     # Only the killed daemon's own engines failed: the generation engines got their held
-    # blocks back and deregistered their pools.
-    assert {e.split(" exited")[0] for e in out.engine_errors} == killed, out.engine_errors
+    # blocks back and deregistered their pools. Not necessarily all of them: one whose
+    # route had sent everything before the kill exits cleanly (seen once in CI).
+    failed_engines = {e.split(" exited")[0] for e in out.engine_errors}
+    assert failed_engines and failed_engines <= killed, out.engine_errors
     assert not out.wrong and not out.lost, summary
     assert out.verified + sum(out.failed.values()) == rnd.total, summary
     assert out.failed and set(out.failed) <= KILLED_REASONS, summary
