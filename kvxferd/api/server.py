@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
@@ -193,8 +192,7 @@ class ApiServer:
         self.engines: set[EngineConnection] = set()
         # Open connections and closed ones not settled yet, by number (ConnectionState).
         self._by_number: dict[int, EngineConnection] = {}
-        self._numbers = itertools.count(1)
-        self._last_number = 0
+        self._last_number = 0  # the last number given out (they count up from 1)
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.on_engine_count: Callable[[int], Awaitable[None]] | None = None
         self.on_outcome: Callable[[Outcome], None] | None = None
@@ -452,7 +450,7 @@ class ApiServer:
                 )
                 await writer.drain()
                 return
-            self._last_number = next(self._numbers)
+            self._last_number += 1
             engine = EngineConnection(writer, hello.engine or "engine", self._last_number)
             engine.peer = cred
             engine.on_outcome = self.on_outcome

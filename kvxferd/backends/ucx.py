@@ -306,13 +306,14 @@ class UcxTransport(TaggedTransport[int]):  # tags by wire tag: see recv
         except Exception as exc:
             # Before the peer channel vouched for it: the key is whatever was sent. Anyone
             # can repeat this at will: at most 8 lines per 10 s, counting the rest.
-            if (suppressed := self._refusals.allow("refused")) is not None:
-                log.warning(
-                    "UCX: refused an incoming endpoint (peer %s): %s%s",
-                    shown(key),
-                    shown(str(exc) or type(exc).__name__, TEXT_LIMIT),
-                    f" ({suppressed} more refused since the last such line)" if suppressed else "",
-                )
+            self._refusals.log(
+                log,
+                logging.WARNING,
+                "refused",
+                "UCX: refused an incoming endpoint (peer %s): %s",
+                shown(key),
+                shown(str(exc) or type(exc).__name__, TEXT_LIMIT),
+            )
             if key is not None:
                 self._unregister(key, ep)
             self._abort(ep)

@@ -38,8 +38,9 @@ class LiveCollector:
             "their hellos, by reason (preauth_limit, preauth_per_source_limit).",
             labels=["reason"],
         )
+        counts = d.listener_refused()
         for reason in ("preauth_limit", "preauth_per_source_limit"):
-            refused.add_metric([reason], d.listener_refused().get(reason, 0))
+            refused.add_metric([reason], counts.get(reason, 0))
         yield refused
         in_flight = GaugeMetricFamily(
             "kvxferd_requests_in_flight",

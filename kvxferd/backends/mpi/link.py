@@ -282,13 +282,14 @@ class Links:
                 else type(exc).__name__
             )
             # Anyone can repeat this at will: at most 8 lines per 10 s, counting the rest.
-            if (suppressed := self._refusals.allow("refused")) is not None:
-                log.warning(
-                    "MPI: refused an incoming connection (peer %s): %s%s",
-                    shown(key),
-                    shown(why, TEXT_LIMIT),
-                    f" ({suppressed} more refused since the last such line)" if suppressed else "",
-                )
+            self._refusals.log(
+                log,
+                logging.WARNING,
+                "refused",
+                "MPI: refused an incoming connection (peer %s): %s",
+                shown(key),
+                shown(why, TEXT_LIMIT),
+            )
             if key is not None and key in self.peers:
                 self.drop_links(self.peers[key], f"rendezvous failed: {exc}", writer)
             if comm is not None:

@@ -453,7 +453,9 @@ class Transfers:
 
 
 def _in_background(connect: Callable[[], Client]) -> concurrent.futures.Future[Client]:
-    """`connect()` on a thread of its own; the future of its client."""
+    """`connect()` on a thread of its own; the future of its client. A daemon thread, not
+    a ThreadPoolExecutor's: those are joined at exit, and a dial to a stopped daemon
+    would hold vLLM's exit for its 20 s."""
     out: concurrent.futures.Future[Client] = concurrent.futures.Future()
 
     def dial() -> None:
