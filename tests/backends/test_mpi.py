@@ -32,6 +32,7 @@ from twosided_harness import MpiChild as Child
 
 from kvxferd.backends.mpi.keepalive import STALL_S
 from kvxferd.backends.mpi.transport import DRAIN_S
+from kvxferd.backends.mpi.wire import ACK, HELLO, frame
 
 if (_untestable := Child.untestable()) is not None:
     pytest.skip(_untestable, allow_module_level=True)
@@ -285,8 +286,6 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
     listener's MPI_Comm_accept is released (it would spin forever), and the
     listener still takes real peers. The throwaway process that releases the
     accept leaves no /dev/shm file behind (it exits without MPI_Finalize)."""
-    from kvxferd.backends.mpi.wire import ACK, HELLO, frame
-
     rx = Child("gen")
     try:
         before = _mpich_shm_files()
@@ -309,6 +308,132 @@ def test_a_connector_that_vanishes_mid_rendezvous_leaves_no_accept_spinning() ->
         finally:
             tx.stop()
     finally:
+        rx.stop()
+
+
+def frame_hello(name: bytes) -> bytes:
+    return frame(HELLO, name, b"nonce of 16 byte")
+
+
+def _ghost_hello(host: str, port: int, name: bytes) -> socket.socket:
+    """A stranger from 127.0.0.2 that says hello to the MPI listener (and reads nothing)."""
+    s = socket.create_connection((host, port), timeout=60, source_address=("127.0.0.2", 0))
+    s.sendall(frame_hello(name))
+    return s
+
+
+def _take_ack(s: socket.socket) -> None:
+    """Wait for the listener's ACK (the accept turn came), then leave without connecting."""
+    head = s.recv(7, socket.MSG_WAITALL)
+    assert head[:4] == b"KVXM" and head[5] == ACK, head
+    s.close()
+
+
+def test_a_stranger_holding_the_mpi_port_does_not_stop_the_daemon() -> None:
+    """A stranger says hello, takes the MPI port, and neither connects nor closes. While
+    an MPI_Comm_accept waits, every other MPI call of the process waits (MPICH), and the
+    listener's timeout ran on the event loop: the daemon's next MPI call (its tick) stopped
+    the loop for good, engine API and all. Now the loop makes no MPI call while the accept
+    waits (it answers, the accept still waiting), and the accept is released without
+    the loop after ACCEPT_WINDOW_S; then the live link carries a message."""
+    from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S
+
+    rx, tx = Child("gen"), Child("ctx")
+    try:
+        address = rx.ok("start")["address"]
+        host, port = address.rsplit(":", 1)
+        link_carries_a_message(tx, rx, address, tag=1)
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(frame_hello(b"ghost/1"))
+            head = s.recv(7, socket.MSG_WAITALL)
+            assert head[5] == ACK, head
+            # Three answers in a row that saw the accept waiting: the loop went on
+            # (each waits past several ticks of 5 ms). Before, none came.
+            for _ in range(3):
+                answer = rx.answer_within(rx.submit("info"), 30)
+                assert answer is not None, "the daemon stopped while the accept waited"
+                assert answer["accepting"] == 1, answer
+            # The accept ends after its window, the stranger still there.
+            wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the accept released")
+            while s.recv(4096):  # the rest of the ACK, then the listener's close
+                pass
+        assert f"did not complete MPI_Comm_connect within {ACCEPT_WINDOW_S:g} s" in (
+            rx.stderr_text()
+        )
+        link_carries_a_message(tx, rx, address, tag=2)
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_abandoned_rendezvous_take_turns_and_a_real_peer_is_not_queued_behind_them() -> None:
+    """Strangers that say hello, take the MPI port and leave: each leaves an
+    MPI_Comm_accept that a throwaway process must release. The accept turn was handed on
+    at once, so the next stranger's accept ran beside the one being released (four
+    strangers looping kept up to five accepts and five releasing processes alive; MPICH
+    may take the process down when two accepts overlap). Now an abandoned accept keeps
+    the turn until released: one accept at a time. And the turn goes
+    round the source addresses: a real peer that queued behind eight strangers from one
+    address is served after at most one of them (first come, first served, it came last).
+    And an address that abandoned rendezvous waits before its next one is taken."""
+    rx, tx = Child("gen"), Child("ctx")
+    ghosts: list[socket.socket] = []
+    try:
+        address = rx.ok("start")["address"]
+        host, port = address.rsplit(":", 1)
+        first = _ghost_hello(host, int(port), b"ghost/0")
+        wait_until(lambda: rx.ok("info")["accepting"] == 1, 20, "the first stranger's accept")
+        ghosts = [_ghost_hello(host, int(port), b"ghost/%d" % i) for i in range(1, 9)]
+        wait_until(lambda: rx.ok("info")["accept_waiting"] == 8, 20, "the strangers queued")
+        connect = tx.submit("connect", peer=rx.key, address=address)
+        wait_until(lambda: rx.ok("info")["accept_waiting"] == 9, 20, "the real peer queued")
+        _take_ack(first)
+        served: list[str] = []
+        linked: dict[str, object] | None = None
+        left = list(enumerate(ghosts, 1))
+        peak_accepting = peak_releasing = 0
+        deadline = time.monotonic() + 120
+        while left or "peer" not in served:
+            assert time.monotonic() < deadline, served
+            info = rx.ok("info")
+            peak_accepting = max(peak_accepting, info["accepting"])
+            peak_releasing = max(peak_releasing, info["releasing"])
+            if linked is None:
+                linked = tx.answer_within(connect, 0)
+                if linked is not None:
+                    served.append("peer")
+            for i, g in list(left):
+                g.settimeout(0.02)
+                try:
+                    _take_ack(g)
+                except TimeoutError:
+                    continue
+                served.append(f"ghost/{i}")
+                left.remove((i, g))
+        assert linked is not None and linked["ok"], linked
+        # The peer's accept completes before its link is confirmed: a stranger served
+        # after it may already have its ACK by then.
+        assert served.index("peer") <= 2, served
+        # One accept at a time; a releasing process may still be exiting as the next
+        # release begins (the accept it ended is done), never more.
+        assert peak_accepting <= 1 and peak_releasing <= 2, (peak_accepting, peak_releasing)
+        wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the last release")
+        link_carries_a_message(tx, rx, address, tag=1)
+        # The strangers' address abandoned nine rendezvous: its next hello waits,
+        # although the turn is free, while a peer from elsewhere links.
+        ghosts.append(_ghost_hello(host, int(port), b"ghost/late"))
+        wait_until(lambda: rx.ok("info")["accept_waiting"] == 1, 20, "the late hello held")
+        other = Child("ctx2")
+        try:
+            link_carries_a_message(other, rx, address, tag=2)
+        finally:
+            other.stop()
+        info = rx.ok("info")
+        assert info["accept_waiting"] == 1 and info["accepting"] == 0, info
+    finally:
+        for g in ghosts:
+            g.close()
+        tx.stop()
         rx.stop()
 
 

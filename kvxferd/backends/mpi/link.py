@@ -58,8 +58,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -68,9 +66,11 @@ from typing import Any, TypeVar
 from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
 from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.backends.mpi import keepalive, wire
-from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
+from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S, AcceptTurns, PendingAccept
+from kvxferd.backends.mpi.bootstrap import Runtime
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
+from kvxferd.backends.mpi.quiet import DYNAMIC
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
@@ -85,23 +85,6 @@ HELLO_TIMEOUT_S = 10.0
 _LABEL = b"kvxferd-mpi-link"
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
-
-# Run (under mpiexec when there is one) to end an MPI_Comm_accept whose peer
-# never connected: connecting completes it. Exits without MPI_Finalize, so it
-# unlinks the /dev/shm file its MPI_Init made (a world of one), as the daemon
-# does; each release left 1 MiB there before.
-_ACCEPT_RELEASER = """
-import sys, mpi4py
-mpi4py.rc.finalize = False
-from mpi4py import MPI
-try:  # tidiness only: the Connect must happen whatever this does
-    from kvxferd.backends.mpi.bootstrap import unlink_world_shm
-    if MPI.COMM_WORLD.Get_size() == 1:
-        unlink_world_shm()
-except Exception:
-    pass
-MPI.COMM_SELF.Connect(sys.argv[1])
-"""
 
 T = TypeVar("T")
 
@@ -137,6 +120,12 @@ def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
+
+
+def _counted(call: Callable[[], T]) -> T:
+    """A dynamic-process call, counted while it waits (quiet.py)."""
+    with DYNAMIC.call():
+        return call()
 
 
 def _free_comm(fut: asyncio.Future[Any]) -> None:
@@ -177,7 +166,10 @@ class Links:
         # generation daemons at once did so every time. One of each at a time. Two
         # locks, not one: a process may accept while it connects, and with one lock two
         # daemons linking to each other at once would each wait for the other's.
-        self._accept_turn = asyncio.Lock()
+        # Accepts are handed out round the sources waiting, and one whose peer never
+        # connected keeps the turn until it is released (accepts.py).
+        self._accept_turns = AcceptTurns()
+        self._queue_refused = 0
         self._connect_turn = asyncio.Lock()
         # Connections that have not finished the rendezvous: capped as the peer channel's.
         self._greeting = PreauthGate("MPI rendezvous connection(s)")
@@ -185,9 +177,18 @@ class Links:
 
     # -- listening side ------------------------------------------------------
 
+    @property
+    def accept_waiting(self) -> int:
+        """Rendezvous that read their hello and wait for the accept turn."""
+        return self._accept_turns.waiting
+
     def listener_refused(self) -> dict[str, int]:
-        """Rendezvous connections closed before their hello, by reason (PreauthGate)."""
-        return dict(self._greeting.refused)
+        """Rendezvous connections refused, by reason: before their hello (PreauthGate),
+        or with too many waiting for the accept turn (accept_queue_limit)."""
+        refused = dict(self._greeting.refused)
+        if self._queue_refused:
+            refused["accept_queue_limit"] = self._queue_refused
+        return refused
 
     async def listen(self, host: str, port: int) -> str:
         """Listen for peers; returns "host:port" to advertise."""
@@ -215,7 +216,7 @@ class Links:
         assert task is not None
         self._handshakes.add(task)
         try:
-            await self._accept(reader, writer, leave)
+            await self._accept(reader, writer, leave, source)
         finally:
             leave()
             self._handshakes.discard(task)
@@ -225,13 +226,14 @@ class Links:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         hello_read: Callable[[], None] = lambda: None,
+        source: str = "unknown",
     ) -> None:
         """Listener side of the rendezvous: hello, MPI accept, register, ready."""
         rt = await self._runtime()
         MPI = rt.MPI
         key: str | None = None
         port: str | None = None
-        accepting: asyncio.Future[Any] | None = None
+        accepting: PendingAccept | None = None
         comm: Any = None
         try:
             raw_key, nonce_c = await asyncio.wait_for(
@@ -240,30 +242,58 @@ class Links:
             hello_read()
             key = raw_key.decode()
             # Before any MPI work: a client naming a daemon we hold no key for gets none. One
-            # naming a known daemon is refused only on its proof, after MPI's accept (under
-            # _accept_turn, up to HELLO_TIMEOUT_S), as with a shared secret.
+            # naming a known daemon is refused only on its proof, after MPI's accept (in
+            # its accept turn, up to ACCEPT_WINDOW_S), as with a shared secret.
             secret = await self._secrets.for_peer(key)
             nonce_l = secrets.token_bytes(NONCE_BYTES)
-            async with self._accept_turn:
+            if self._accept_turns.full():
+                self._queue_refused += 1
+                raise TransferError(
+                    f"{self._accept_turns.waiting} rendezvous already wait for MPI's "
+                    "one accept at a time"
+                )
+            hand_on = await self._accept_turns.take(source)
+            try:
+                if reader.at_eof() or writer.is_closing():
+                    # Gone while it waited: no port opened, no accept to release.
+                    raise TransferError("the peer closed the rendezvous before its turn")
+                await DYNAMIC.quiet()  # our own connect, if one waits (quiet.py)
                 port = MPI.Open_port()
-                accepting = in_thread(lambda: MPI.COMM_SELF.Accept(port), "kvxferd-mpi-accept")
-                writer.write(wire.frame(wire.ACK, self.key.encode(), port.encode(), nonce_l))
+                accepting = PendingAccept(rt, port, ACCEPT_WINDOW_S)
+                port = None  # closed by accepting, once its accept ended
+                writer.write(
+                    wire.frame(wire.ACK, self.key.encode(), accepting.port.encode(), nonce_l)
+                )
                 await writer.drain()
                 # The peer now connects; if its TCP side closes first, it never will.
                 closed = asyncio.ensure_future(reader.read(1))
                 done, _ = await asyncio.wait(
-                    {accepting, closed},
-                    timeout=HELLO_TIMEOUT_S,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    {accepting.future, closed}, return_when=asyncio.FIRST_COMPLETED
                 )
-                if accepting not in done:
-                    closed.cancel()
-                    raise TransferError("the peer did not complete MPI_Comm_connect")
                 if closed in done:
+                    if not closed.cancelled():
+                        closed.exception()  # a reset says the same as a close
                     raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
                 closed.cancel()
-                comm = accepting.result()
+                comm = accepting.future.result()
+                if comm is None:
+                    raise TransferError(
+                        f"the peer did not complete MPI_Comm_connect within {ACCEPT_WINDOW_S:g} s"
+                    )
+            except BaseException:
+                if accepting is not None and not accepting.future.done():
+                    # The turn stays with this accept until it has ended: a stranger's
+                    # hellos would each leave a releasing process behind, their
+                    # accepts side by side.
+                    accepting.release()
+                    accepting.future.add_done_callback(lambda _: hand_on())
+                    self._accept_turns.penalize(source)
+                else:
+                    hand_on()
+                raise
+            finally:
                 accepting = None
+            hand_on()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=True)
             await self._confirm(comm, rt, key, proofs)
@@ -271,6 +301,7 @@ class Links:
                 raise TransferError("transport closed")
             self._register(key, comm, reader, writer, rt)
             comm = None
+            self._accept_turns.forgive(source)
             writer.write(wire.frame(wire.READY))
             await writer.drain()
         except (Exception, asyncio.CancelledError) as exc:
@@ -299,57 +330,13 @@ class Links:
                 with contextlib.suppress(Exception):
                     comm.Free()
             writer.close()
-            if accepting is not None and port is not None:
-                self._release_accept(accepting, port, rt)
-            elif port is not None:
+            if port is not None:
                 with contextlib.suppress(Exception):
                     MPI.Close_port(port)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        with contextlib.suppress(Exception):
-            MPI.Close_port(port)
         log.info("MPI: peer %s connected to us", shown(key))
-
-    def _release_accept(self, accepting: asyncio.Future[Any], port: str, rt: Runtime) -> None:
-        """End an MPI_Comm_accept whose peer will never connect: it would spin forever.
-
-        MPI has no way to cancel it; a throwaway process connecting to the port
-        completes it. Its intercommunicator is freed, the port closed.
-        """
-        MPI = rt.MPI
-
-        def done(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                with contextlib.suppress(Exception):
-                    fut.result().Free()
-            with contextlib.suppress(Exception):
-                MPI.Close_port(port)
-
-        accepting.add_done_callback(done)
-        if accepting.done():
-            return
-        mpiexec = find_mpiexec()
-        cmd = [sys.executable, "-c", _ACCEPT_RELEASER, port]
-        if mpiexec is not None and rt.mode != "singleton":
-            cmd = [mpiexec, "-n", "1", *cmd]
-
-        def run() -> None:
-            try:
-                subprocess.run(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    timeout=120,
-                    start_new_session=True,
-                    check=False,
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("MPI: could not release an abandoned MPI_Comm_accept: %s", exc)
-
-        log.info("MPI: releasing an MPI_Comm_accept whose peer went away")
-        threading.Thread(target=run, name="kvxferd-mpi-release", daemon=True).start()
 
     # -- connecting side -----------------------------------------------------
 
@@ -407,7 +394,8 @@ class Links:
             await asyncio.wait_for(self._connect_turn.acquire(), remaining())
             try:
                 connecting = in_thread(
-                    lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect"
+                    lambda: _counted(lambda: MPI.COMM_SELF.Connect(port_name)),
+                    "kvxferd-mpi-connect",
                 )
                 done, _ = await asyncio.wait({connecting}, timeout=remaining())
                 if not done:

@@ -1,0 +1,291 @@
+"""MPI's one accept at a time, handed out fairly, and the release of an abandoned one.
+
+MPICH (5.0, UCX netmod) kills the process when two MPI_Comm_accept calls of one
+process overlap, so the rendezvous listener (link.py) accepts one peer at a time. Two
+things a stranger of the TCP port could do with that turn before:
+
+* Say hello, take the ACK (and its MPI port) and close. The listener's accept then
+  never completes and spins; a throwaway process connecting to the port ends it
+  (`release_accept`). The turn was handed on at once, so the next stranger's accept
+  ran beside the one being released: four strangers looping kept up to five accepts
+  and five releasing processes alive at once (python and mpiexec each), a process
+  spawned for every hello. The turn now stays with the abandoned accept until it has
+  ended, so there is one release at a time, and a stranger pays for its own.
+* Take the port and neither connect nor close: see PendingAccept, which ends such an
+  accept after ACCEPT_WINDOW_S without the event loop (which the accept stops).
+* Queue many connections for the turn. The turn went first come first served, so one
+  address with a hundred hellos queued kept a real peer waiting behind all of them.
+  Now the turn goes round the source addresses waiting (one each, in the order they
+  first queued), and at most MAX_WAITING connections may wait at once: beyond that
+  the newcomer is refused, counted as `accept_queue_limit`.
+* Loop: every abandoned rendezvous costs a release, and pauses the daemon's MPI work
+  while its accept waits (quiet.py). A source that left an accept to release waits
+  before its next rendezvous is taken, 1 s, then twice as long each time, up to 60 s;
+  a link made from it clears that. Daemons do not abandon rendezvous but when they die
+  in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
+from kvxferd.backends.mpi.quiet import DYNAMIC
+from kvxferd.errors import TransferError
+
+log = logging.getLogger("kvxferd.backends.mpi")
+
+# Connections that read their hello and wait for the accept turn: far above a reconnect
+# wave (one connection per peer daemon), and what bounds the descriptors and tasks a
+# stranger's queued hellos hold.
+MAX_WAITING = 256
+# How long a listener's accept waits for the peer's MPI_Comm_connect once the peer has the
+# port (a peer connects at once: ~10 ms here). The process's MPI work waits as long
+# (quiet.py), so this stays under keepalive.STALL_S: no peer sees this daemon stalled.
+ACCEPT_WINDOW_S = 3.0
+# A source whose rendezvous left an accept to release waits this long before its next
+# one is taken, doubling with each such rendezvous up to _PENALTY_MAX_S. A link made from
+# it clears the count, as does _PENALTY_MAX_S without another.
+_PENALTY_FIRST_S = 1.0
+_PENALTY_MAX_S = 60.0
+# Sources remembered at most; beyond, those whose wait is long over are forgotten.
+_PENALTY_SOURCES = 4096
+# The throwaway process that releases an accept is given this long; then, once it ended,
+# the accept this long to be seen completed before the turn is handed on regardless.
+_RELEASER_TIMEOUT_S = 120.0
+_SETTLE_S = 5.0
+
+# Run (under mpiexec when there is one) to end an MPI_Comm_accept whose peer
+# never connected: connecting completes it. Exits without MPI_Finalize, so it
+# unlinks the /dev/shm file its MPI_Init made (a world of one), as the daemon
+# does; each release left 1 MiB there before.
+_ACCEPT_RELEASER = """
+import sys, mpi4py
+mpi4py.rc.finalize = False
+from mpi4py import MPI
+try:  # tidiness only: the Connect must happen whatever this does
+    from kvxferd.backends.mpi.bootstrap import unlink_world_shm
+    if MPI.COMM_WORLD.Get_size() == 1:
+        unlink_world_shm()
+except Exception:
+    pass
+MPI.COMM_SELF.Connect(sys.argv[1])
+"""
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return call
+
+
+class AcceptTurns:
+    """One holder at a time; waiters served round the source addresses (see above).
+
+    `take(source)` waits for the turn and returns the call that hands it on (only the
+    first call counts). Runs on the event loop.
+    """
+
+    def __init__(self, max_waiting: int = MAX_WAITING) -> None:
+        self.max_waiting = max_waiting
+        self.held = False
+        self.waiting = 0
+        # By source, in rotation order: dicts keep insertion order, and a source served
+        # with more left goes to the back.
+        self._queues: dict[str, deque[asyncio.Future[None]]] = {}
+        # By source: (rendezvous abandoned in a row, monotonic time before which its
+        # next one waits).
+        self._penalties: dict[str, tuple[int, float]] = {}
+
+    def full(self) -> bool:
+        return self.waiting >= self.max_waiting
+
+    def penalize(self, source: str) -> None:
+        """`source` left an accept to release: its next rendezvous waits (see above)."""
+        now = time.monotonic()
+        count, until = self._penalties.pop(source, (0, now))
+        if now - until > _PENALTY_MAX_S:
+            count = 0
+        wait = min(_PENALTY_FIRST_S * 2**count, _PENALTY_MAX_S)
+        self._penalties[source] = (count + 1, now + wait)
+        if len(self._penalties) > _PENALTY_SOURCES:
+            over = [k for k, (_, t) in self._penalties.items() if now - t > _PENALTY_MAX_S]
+            for k in over or list(self._penalties)[: len(self._penalties) // 2]:
+                del self._penalties[k]
+
+    def forgive(self, source: str) -> None:
+        """A link was made from `source`."""
+        self._penalties.pop(source, None)
+
+    async def take(self, source: str) -> Callable[[], None]:
+        penalty = self._penalties.get(source)
+        if penalty is not None:
+            wait = penalty[1] - time.monotonic()
+            if wait > 0:
+                self.waiting += 1  # counted against MAX_WAITING meanwhile
+                try:
+                    await asyncio.sleep(wait)
+                finally:
+                    self.waiting -= 1
+        if not self.held:
+            self.held = True
+            return _once(self._hand_on)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(source, deque()).append(fut)
+        self.waiting += 1
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._hand_on()  # granted as its waiter was cancelled: pass it on
+            else:
+                self._forget(source, fut)
+            raise
+        return _once(self._hand_on)
+
+    def _forget(self, source: str, fut: asyncio.Future[None]) -> None:
+        queue = self._queues.get(source)
+        if queue is None or fut not in queue:
+            return
+        queue.remove(fut)
+        self.waiting -= 1
+        if not queue:
+            del self._queues[source]
+
+    def _hand_on(self) -> None:
+        while self._queues:
+            source = next(iter(self._queues))
+            queue = self._queues.pop(source)
+            fut = queue.popleft()
+            self.waiting -= 1
+            if queue:
+                self._queues[source] = queue
+            if not fut.done():
+                fut.set_result(None)  # still held: now by that waiter
+                return
+        self.held = False
+
+
+class PendingAccept:
+    """One MPI_Comm_accept on `port`, in its own thread, bounded without the event loop.
+
+    While an accept waits, every other MPI call of the process blocks (MPICH 5.0: a
+    main-thread MPI_Irecv made no progress for 60 s beside a waiting accept): the event
+    loop's next MPI call (a keepalive, a header test) stops the whole daemon. The
+    listener's own timeout ran on that loop, so a stranger that took the port and
+    neither connected nor closed stopped the daemon for good. A timer thread now
+    releases the accept `window_s` after it began; `release()` does it at once (the
+    peer closed its side). `future` (settled on the loop) gives the intercommunicator,
+    or None when the accept was released: the releasing process made it, and it is
+    freed here.
+    """
+
+    def __init__(self, rt: Runtime, port: str, window_s: float) -> None:
+        self._rt = rt
+        self.port = port
+        self._loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[Any] = self._loop.create_future()
+        self._lock = threading.Lock()
+        self._ended = False
+        self._released = False
+        threading.Thread(target=self._accept, name="kvxferd-mpi-accept", daemon=True).start()
+        timer = threading.Timer(window_s, self.release)
+        timer.daemon = True
+        timer.start()
+        self._timer = timer
+
+    def _accept(self) -> None:
+        comm: Any = None
+        error: BaseException | None = None
+        try:
+            with DYNAMIC.call():
+                comm = self._rt.MPI.COMM_SELF.Accept(self.port)
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            self._ended = True
+            released = self._released
+        self._timer.cancel()
+        if released and comm is not None:
+            with contextlib.suppress(Exception):
+                comm.Free()
+            comm = None
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            self._loop.call_soon_threadsafe(self._settle, comm, error)
+
+    def _settle(self, comm: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(Exception):
+            self._rt.MPI.Close_port(self.port)
+        if self.future.done():  # cancelled: nobody takes the intercommunicator
+            if comm is not None:
+                with contextlib.suppress(Exception):
+                    comm.Free()
+        elif error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(comm)
+
+    def release(self) -> None:
+        """End the accept now if it still waits (any thread; once)."""
+        with self._lock:
+            if self._ended or self._released:
+                return
+            self._released = True
+        _run_releaser(self._rt, self.port, self._given_up)
+
+    def _given_up(self) -> None:
+        # The releasing process ended; the accept's thread settles a moment after the
+        # Connect. If it has not by _SETTLE_S, the release failed.
+        def check() -> None:
+            if not self.future.done():
+                log.error(
+                    "MPI: an abandoned MPI_Comm_accept could not be released; it spins "
+                    "on, and the process's MPI calls wait behind it"
+                )
+                self.future.set_exception(TransferError("the MPI accept could not be released"))
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            self._loop.call_soon_threadsafe(self._loop.call_later, _SETTLE_S, check)
+
+
+def _run_releaser(rt: Runtime, port: str, ended: Callable[[], None]) -> None:
+    """Connect a throwaway process to `port`, which completes the accept waiting on it
+    (MPI has no way to cancel one); `ended` is called in its thread once the process
+    ended, however."""
+    mpiexec = find_mpiexec()
+    cmd = [sys.executable, "-c", _ACCEPT_RELEASER, port]
+    if mpiexec is not None and rt.mode != "singleton":
+        cmd = [mpiexec, "-n", "1", *cmd]
+
+    def run() -> None:
+        try:
+            subprocess.run(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=_RELEASER_TIMEOUT_S,
+                start_new_session=True,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("MPI: could not release an abandoned MPI_Comm_accept: %s", exc)
+        ended()
+
+    log.info("MPI: releasing an MPI_Comm_accept whose peer went away")
+    threading.Thread(target=run, name="kvxferd-mpi-release", daemon=True).start()

@@ -1,0 +1,156 @@
+"""The MPI listener's accept turn (kvxferd/backends/mpi/accepts.py), without MPI: who
+gets it next, what a cancelled waiter does to it, and what holds a source back. The
+listener itself, with real MPI and strangers, is in test_mpi.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvxferd.backends.mpi import accepts
+from kvxferd.backends.mpi.accepts import AcceptTurns
+
+
+async def _granted_in_order(turns: AcceptTurns, sources: list[str]) -> list[str]:
+    """Each of `sources` (labels "src:n") queues in this order behind a holder; each
+    hands the turn on as soon as it gets it. The labels in the order they got it."""
+    order: list[str] = []
+    holder = await turns.take("holder")
+
+    async def one(label: str) -> None:
+        hand_on = await turns.take(label.split(":")[0])
+        order.append(label)
+        hand_on()
+        hand_on()  # a second call does nothing
+
+    tasks = [asyncio.ensure_future(one(label)) for label in sources]
+    await asyncio.sleep(0)  # all queued
+    assert turns.waiting == len(sources)
+    holder()
+    await asyncio.gather(*tasks)
+    assert not turns.held and turns.waiting == 0
+    return order
+
+
+def test_the_turn_goes_round_the_sources() -> None:
+    """First come, first served put a peer behind every hello of a stranger that queued
+    first; now each source waiting gets one turn in its round."""
+    order = asyncio.run(
+        _granted_in_order(AcceptTurns(), ["a:1", "a:2", "a:3", "b:1", "c:1", "b:2"])
+    )
+    assert order == ["a:1", "b:1", "c:1", "a:2", "b:2", "a:3"]
+
+
+def test_a_cancelled_waiter_leaves_its_place_and_a_granted_one_passes_the_turn_on() -> None:
+    async def scenario() -> None:
+        turns = AcceptTurns()
+        holder = await turns.take("x")
+        first = asyncio.ensure_future(turns.take("a"))
+        second = asyncio.ensure_future(turns.take("b"))
+        third = asyncio.ensure_future(turns.take("c"))
+        await asyncio.sleep(0)
+        first.cancel()  # still waiting: it leaves the queue
+        await asyncio.sleep(0)
+        assert turns.waiting == 2
+        holder()  # granted to `second` ...
+        second.cancel()  # ... which is cancelled before it runs: `third` gets it
+        hand_on = await asyncio.wait_for(third, 5)
+        assert second.cancelled() and turns.held and turns.waiting == 0
+        hand_on()
+        assert not turns.held
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_is_said_so() -> None:
+    async def scenario() -> None:
+        turns = AcceptTurns(max_waiting=2)
+        holder = await turns.take("x")
+        waiters = [asyncio.ensure_future(turns.take("a")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert turns.full()
+        holder()
+        for w in waiters:
+            (await w)()
+        assert not turns.full() and not turns.held
+
+    asyncio.run(scenario())
+
+
+def test_a_source_that_abandoned_a_rendezvous_waits_and_a_link_clears_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After an abandoned rendezvous its source's next one waits (doubling each time),
+    while another source's goes first; a link made from it clears the wait."""
+    monkeypatch.setattr(accepts, "_PENALTY_FIRST_S", 0.2)
+
+    async def scenario() -> None:
+        turns = AcceptTurns()
+        turns.penalize("s")
+        assert turns._penalties["s"][0] == 1
+        turns.penalize("s")
+        assert turns._penalties["s"][0] == 2  # waits 0.4 s now
+        order: list[str] = []
+
+        async def one(source: str) -> None:
+            hand_on = await turns.take(source)
+            order.append(source)
+            hand_on()
+
+        held_back = asyncio.ensure_future(one("s"))
+        await asyncio.sleep(0)
+        assert turns.waiting == 1 and not turns.held  # waits although the turn is free
+        await one("t")
+        await held_back
+        assert order == ["t", "s"]
+        turns.forgive("s")
+        assert "s" not in turns._penalties
+
+    asyncio.run(scenario())
+
+
+def test_penalties_are_bounded_in_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(accepts, "_PENALTY_SOURCES", 8)
+    turns = AcceptTurns()
+    for i in range(100):
+        turns.penalize(f"10.0.0.{i}")
+    assert len(turns._penalties) <= 8
+    assert "10.0.0.99" in turns._penalties  # the newest stays
+
+
+def test_the_loop_waits_for_a_dynamic_call_to_end_and_gives_up_at_its_deadline() -> None:
+    """quiet.py: the event loop's MPI work waits while an accept or a connect waits in
+    another thread (MPICH holds every other MPI call meanwhile); a receive's wait ends
+    at its deadline, and an infinite one (uvloop has no infinite timer) at the call's end."""
+    import math
+    import threading
+
+    import uvloop
+
+    from kvxferd.backends.mpi.quiet import DynamicCalls
+
+    async def scenario() -> None:
+        calls = DynamicCalls()
+        release = threading.Event()
+        entered = threading.Event()
+
+        def accept() -> None:
+            with calls.call():
+                entered.set()
+                release.wait(30)
+
+        threading.Thread(target=accept, daemon=True).start()
+        assert await asyncio.to_thread(entered.wait, 30)
+        loop = asyncio.get_running_loop()
+        assert not await calls.quiet_by(loop.time() + 0.05)  # still under way
+        assert not await calls.quiet_by(loop.time() - 1)
+        waiter = asyncio.ensure_future(calls.quiet_by(math.inf))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        release.set()
+        assert await asyncio.wait_for(waiter, 30)
+        assert calls.busy == 0
+        await asyncio.wait_for(calls.quiet(), 1)  # at once when none is under way
+
+    uvloop.run(scenario())
