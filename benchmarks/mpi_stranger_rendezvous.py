@@ -1,0 +1,150 @@
+"""What strangers of the MPI rendezvous port cost a daemon's MPI transport (not issue 16).
+
+Two scenarios, each against a transport child of tests/backends/twosided_harness.py run
+from a checkout (this one, or `--base DIR` beside it, alternating):
+
+* `silent`: a peer is linked; a stranger says hello, takes the ACK (the MPI port) and
+  neither connects nor closes. How long the child's event loop went without answering
+  (an "info" every 0.1 s, each waited for up to 20 s), and whether a 1000-byte message
+  over the live link then arrives. Before 2026-12-08 the loop stopped for good at its
+  next MPI call (the accept holds MPICH's lock; the listener's timeout ran on the loop).
+* `loop`: four strangers say hello, take the ACK and close, again and again for
+  `--seconds`: the most MPI_Comm_accept threads and releasing processes alive at once
+  (MPICH may take the process down when two accepts overlap), and the rendezvous served.
+
+    .venv/bin/python benchmarks/mpi_stranger_rendezvous.py [--base DIR] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Run inside the checkout under test (its harness, its kvxferd).
+PROBE = textwrap.dedent(
+    """
+    import json, socket, struct, sys, threading, time
+    from pathlib import Path
+    sys.path.insert(0, "tests/backends")
+    from twosided_harness import MpiChild as Child, link_carries_a_message
+    from kvxferd.backends.mpi.wire import HELLO, frame
+    scenario, seconds = sys.argv[1], float(sys.argv[2])
+
+    def hello(host, port, name):
+        s = socket.create_connection((host, port), timeout=60)
+        s.sendall(frame(HELLO, name, b"nonce of 16 byte"))
+        head = s.recv(7, socket.MSG_WAITALL)
+        assert head[5] == 2, head
+        return s
+
+    def releasers():
+        # The throwaway processes that end abandoned accepts (python, not mpiexec).
+        n = 0
+        for p in Path("/proc").glob("[0-9]*"):
+            try:
+                argv = (p / "cmdline").read_bytes().split(bytes(1))
+            except OSError:
+                continue
+            if "python" in argv[0].decode(errors="replace") and any(
+                b"COMM_SELF.Connect(sys.argv[1])" in a for a in argv
+            ):
+                n += 1
+        return n
+
+    out = {}
+    rx, tx = Child("gen"), Child("ctx")
+    try:
+        address = rx.ok("start")["address"]
+        host, port = address.rsplit(":", 1)
+        if scenario == "silent":
+            link_carries_a_message(tx, rx, address, tag=1)
+            s = hello(host, int(port), b"ghost/1")
+            t0, worst, last = time.monotonic(), 0.0, time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                answer = rx.answer_within(rx.submit("info"), 20)
+                now = time.monotonic()
+                if answer is None:
+                    worst = max(worst, now - last)
+                    out["stopped"] = True
+                    break
+                worst, last = max(worst, now - last), now
+                time.sleep(0.1)
+            out["longest_silence_s"] = round(worst, 2)
+            send = tx.submit("send", peer=rx.key, tag=2, size=1000, seed=2)
+            t1 = time.monotonic()
+            res = rx.answer_within(
+                rx.submit("recv", peer=tx.key, tag=2, size=1000, deadline=20, seed=2), 40
+            )
+            out["message_after"] = bool(res and res.get("ok") and res.get("verified"))
+            out["message_s"] = round(time.monotonic() - t1, 2)
+            s.close()
+        else:
+            stop = time.monotonic() + seconds
+            served = [0]
+
+            def ghost(i):
+                while time.monotonic() < stop:
+                    try:
+                        hello(host, int(port), b"ghost/%d" % i).close()
+                        served[0] += 1
+                    except (OSError, AssertionError):
+                        time.sleep(0.01)
+
+            threads = [threading.Thread(target=ghost, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            peak_a = peak_r = 0
+            while time.monotonic() < stop:
+                info = rx.ok("info")
+                releasing = releasers()
+                peak_a = max(peak_a, info["accepting"])
+                peak_r = max(peak_r, releasing)
+                time.sleep(0.05)
+            for t in threads:
+                t.join(60)
+            out.update(peak_accepts=peak_a, peak_releasing=peak_r, served=served[0])
+            out["alive"] = rx.proc.poll() is None
+    finally:
+        tx.stop()
+        rx.stop()
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def run(tree: Path, scenario: str, seconds: float) -> dict[str, object]:
+    py = REPO / ".venv" / "bin" / "python"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run(
+        [str(py), "-c", PROBE, scenario, str(seconds)],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[7:]))
+    return {"error": (proc.stderr or proc.stdout)[-400:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", type=Path, help="another checkout, run beside this one")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--passes", type=int, default=1)
+    args = ap.parse_args()
+    trees = [("this", REPO)] + ([("base", args.base.resolve())] if args.base else [])
+    for n in range(args.passes):
+        for scenario in ("silent", "loop"):
+            for name, tree in trees:
+                res = run(tree, scenario, args.seconds)
+                print(f"pass {n + 1} {scenario:6} {name:4} {json.dumps(res)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
