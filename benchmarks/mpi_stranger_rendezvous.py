@@ -11,8 +11,12 @@ from a checkout (this one, or `--base DIR` beside it, alternating):
 * `loop`: four strangers say hello, take the ACK and close, again and again for
   `--seconds`: the most MPI_Comm_accept threads and releasing processes alive at once
   (MPICH may take the process down when two accepts overlap), and the rendezvous served.
+* `stalled`: a peer is linked; the child then dials a listener that was stopped
+  (SIGSTOP) just after it handed out its MPI port. When a message to the live peer
+  arrives, how long the child's loop went without answering, and when the dial failed.
 
     .venv/bin/python benchmarks/mpi_stranger_rendezvous.py [--base DIR] [--seconds 10]
+        [--scenarios silent loop stalled]
 """
 
 from __future__ import annotations
@@ -85,6 +89,61 @@ PROBE = textwrap.dedent(
             out["message_after"] = bool(res and res.get("ok") and res.get("verified"))
             out["message_s"] = round(time.monotonic() - t1, 2)
             s.close()
+        elif scenario == "stalled":
+            # tx linked to rx; then tx dials a listener stopped (SIGSTOP) just after it
+            # handed out its port: rx2's port, taken by a stranger, relayed by a fake.
+            import os, signal
+            from kvxferd.backends.mpi import wire
+            link_carries_a_message(tx, rx, address, tag=1)
+            rx2 = Child("gen2")
+            try:
+                h2, p2 = rx2.ok("start")["address"].rsplit(":", 1)
+                g = hello(h2, int(p2), b"ghost/1")
+                g.settimeout(30)
+                data = b""
+                while True:  # the rest of the ACK: key, port, nonce
+                    data += g.recv(4096)
+                    fields, pos = [], 0  # hello() read the frame's head
+                    while pos + 2 <= len(data):
+                        (n,) = struct.unpack("!H", data[pos:pos + 2])
+                        if pos + 2 + n > len(data):
+                            break
+                        fields.append(data[pos + 2:pos + 2 + n])
+                        pos += 2 + n
+                    if len(fields) == 3:
+                        break
+                port2 = fields[1]
+                os.kill(rx2.proc.pid, signal.SIGSTOP)
+                srv = socket.socket()
+                srv.bind(("127.0.0.1", 0))
+                srv.listen(1)
+
+                def fake():
+                    c, _ = srv.accept()
+                    c.recv(4096)
+                    c.sendall(wire.frame(wire.ACK, rx2.key.encode(), port2, b"n" * 16))
+                    time.sleep(120)
+
+                threading.Thread(target=fake, daemon=True).start()
+                t0 = time.monotonic()
+                fake_at = "127.0.0.1:%d" % srv.getsockname()[1]
+                conn = tx.submit("connect", peer=rx2.key, address=fake_at)
+                time.sleep(0.3)
+                send = tx.submit("send", peer=rx.key, tag=2, size=1000, seed=2)
+                recv = rx.submit("recv", peer=tx.key, tag=2, size=1000, deadline=60, seed=2)
+                worst, last, got = 0.0, time.monotonic(), None
+                while got is None and time.monotonic() - t0 < 70:
+                    answer = tx.answer_within(tx.submit("info"), 20)
+                    now = time.monotonic()
+                    worst, last = max(worst, now - last), now
+                    got = rx.answer_within(recv, 0.1)
+                out["message_s"] = None if got is None else round(time.monotonic() - t0, 1)
+                out["longest_silence_s"] = round(worst, 1)
+                res = tx.answer_within(conn, 60)
+                out["connect_failed_s"] = round(time.monotonic() - t0, 1) if res else None
+            finally:
+                os.kill(rx2.proc.pid, signal.SIGCONT)
+                rx2.stop()
         else:
             stop = time.monotonic() + seconds
             served = [0]
@@ -137,10 +196,11 @@ def main() -> None:
     ap.add_argument("--base", type=Path, help="another checkout, run beside this one")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--scenarios", nargs="+", default=["silent", "loop", "stalled"])
     args = ap.parse_args()
     trees = [("this", REPO)] + ([("base", args.base.resolve())] if args.base else [])
     for n in range(args.passes):
-        for scenario in ("silent", "loop"):
+        for scenario in args.scenarios:
             for name, tree in trees:
                 res = run(tree, scenario, args.seconds)
                 print(f"pass {n + 1} {scenario:6} {name:4} {json.dumps(res)}", flush=True)

@@ -58,9 +58,14 @@ _PM_ENV = ("PMI_FD", "PMI_PORT", "PMIX_NAMESPACE")
 # How long starting mpiexec and receiving its PMI connection may take.
 _BOOTSTRAP_TIMEOUT_S = 30.0
 # MPICH's own bound on MPI_Comm_connect (seconds), unless set: a connect
-# thread whose peer vanished mid-handshake ends instead of waiting 180 s.
+# thread whose peer vanished mid-handshake ends instead of waiting 180 s. Shorter
+# than the rendezvous timeouts of the callers (10 s and more), which hand the connect
+# turn on when they give up: with 30, a connect to a listener stopped just after it
+# handed out its port ran on for 20 s beside the next one, and MPICH may take the
+# process down when two connects overlap. A live listener accepts before it hands out
+# the port, and is reached in ~10 ms.
 _CONNECT_TIMEOUT_CVAR = "MPIR_CVAR_CH4_COMM_CONNECT_TIMEOUT"
-_CONNECT_TIMEOUT_DEFAULT = "30"
+_CONNECT_TIMEOUT_DEFAULT = "4"
 # Run by `mpiexec -n 1`: hand the PMI socket and the PMI variables to the
 # process listening on argv[1], then live until it closes the connection.
 _PMI_HELPER = """

@@ -175,7 +175,7 @@ class Housekeeping:
         rt = self._runtime()
         assert rt is not None  # a link exists, or something was parked on one
         if DYNAMIC.busy:
-            # Every MPI call would wait behind a link being made (quiet.py): the loop
+            # Every MPI call would wait behind an accept (quiet.py): the loop
             # would stop with it. Keepalives resume within ACCEPT_WINDOW_S, under STALL_S.
             return TICK_S
         now = time.monotonic()

@@ -70,7 +70,6 @@ from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S, AcceptTurns, PendingAc
 from kvxferd.backends.mpi.bootstrap import Runtime
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
-from kvxferd.backends.mpi.quiet import DYNAMIC
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
@@ -120,12 +119,6 @@ def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
-
-
-def _counted(call: Callable[[], T]) -> T:
-    """A dynamic-process call, counted while it waits (quiet.py)."""
-    with DYNAMIC.call():
-        return call()
 
 
 def _free_comm(fut: asyncio.Future[Any]) -> None:
@@ -257,7 +250,6 @@ class Links:
                 if reader.at_eof() or writer.is_closing():
                     # Gone while it waited: no port opened, no accept to release.
                     raise TransferError("the peer closed the rendezvous before its turn")
-                await DYNAMIC.quiet()  # our own connect, if one waits (quiet.py)
                 port = MPI.Open_port()
                 accepting = PendingAccept(rt, port, ACCEPT_WINDOW_S)
                 port = None  # closed by accepting, once its accept ended
@@ -394,8 +386,7 @@ class Links:
             await asyncio.wait_for(self._connect_turn.acquire(), remaining())
             try:
                 connecting = in_thread(
-                    lambda: _counted(lambda: MPI.COMM_SELF.Connect(port_name)),
-                    "kvxferd-mpi-connect",
+                    lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect"
                 )
                 done, _ = await asyncio.wait({connecting}, timeout=remaining())
                 if not done:
@@ -403,8 +394,9 @@ class Links:
                 comm = connecting.result()
                 connecting = None
             finally:
-                # An abandoned Connect still runs in its thread; MPICH bounds it
-                # (its connect timeout), so the next one may start beside it.
+                # An abandoned Connect still runs in its thread; MPICH ends it within
+                # its connect timeout (4 s, bootstrap.py), before the rendezvous timeouts
+                # of our callers (10 s and more), so the next one rarely starts beside it.
                 self._connect_turn.release()
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:

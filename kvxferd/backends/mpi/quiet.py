@@ -1,17 +1,18 @@
-"""The event loop stays out of MPI while a dynamic-process call waits.
+"""The event loop stays out of MPI while an MPI_Comm_accept waits.
 
 MPICH (5.0, UCX netmod) makes every MPI call of a process wait while an
-MPI_Comm_accept or MPI_Comm_connect of that process waits in another thread: a
-main-thread MPI_Irecv beside an accept whose peer never connected made no progress in
-60 s. The event loop's next MPI call (a keepalive, a header test, a send) then stopped
-the whole daemon, its engine API included, for as long as the accept or connect
-waited. The threads that make those calls count themselves here (`DYNAMIC`), and the
-loop's MPI work waits for them: the housekeeping tick skips its MPI part, a send or a
-receive awaits `quiet()` before it posts. An accept is bounded by ACCEPT_WINDOW_S
-(accepts.py), a connect by MPICH's connect timeout (bootstrap.py).
+MPI_Comm_accept of that process waits in another thread: a main-thread MPI_Irecv beside
+an accept whose peer never connected made no progress in 60 s. The event loop's next
+MPI call (a keepalive, a header test, a send) then stopped the whole daemon, its engine
+API included, for as long as the accept waited. The accept's thread counts itself here
+(`DYNAMIC`), and the loop's MPI work waits for it: the housekeeping tick skips its MPI
+part, a send or a receive awaits `quiet()` before it posts. An accept is bounded by
+ACCEPT_WINDOW_S (accepts.py). An MPI_Comm_connect does not hold the other calls (a
+connect to a stopped listener left a message over another link to arrive in 0.3 s), so
+it is not counted.
 
-A call that starts between the check and the loop's MPI call still makes that one call
-wait; the window is a few instructions wide.
+An accept that starts between the check and the loop's MPI call still makes that one
+call wait; the window is a few instructions wide.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 
 
 class DynamicCalls:
-    """How many MPI_Comm_accept / MPI_Comm_connect calls are under way, process-wide."""
+    """How many MPI_Comm_accept calls are under way, process-wide."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -49,7 +50,7 @@ class DynamicCalls:
                     loop.call_soon_threadsafe(_settle, fut)
 
     async def quiet(self) -> None:
-        """Return once no dynamic-process call is under way (at once when none is)."""
+        """Return once no accept is under way (at once when none is)."""
         while self.busy:
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[None] = loop.create_future()

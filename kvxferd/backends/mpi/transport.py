@@ -191,7 +191,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             raise ValueError(f"tag {tag} is not a 64-bit unsigned integer")
         rt = await self._runtime()
         MPI = rt.MPI
-        await DYNAMIC.quiet()  # MPI calls wait behind an accept or connect (quiet.py)
+        await DYNAMIC.quiet()  # MPI calls wait behind an accept (quiet.py)
         peer = self._links.peer(peer_key)
         link = peer.live_link()
         if link is None:
@@ -284,11 +284,11 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             if self._links.peers.get(peer.key) is not peer:
                 raise PeerLostError(f"MPI recv of tag {tag} from {peer.key}: peer removed")
             if DYNAMIC.busy and not await DYNAMIC.quiet_by(deadline):
-                # MPI calls wait behind an accept or connect (quiet.py): none before then.
+                # MPI calls wait behind an accept (quiet.py): none before then.
                 self._house.abandon(peer.key, tag)
                 raise TransferTimeoutError(
                     f"MPI recv of tag {tag} from {peer.key}: nothing within {timeout_s:g}s "
-                    "(MPI was held by a link being made)"
+                    "(MPI was held by an accept)"
                 )
             self._house.pump(peer, rt)
             queue = peer.pending.get(tag)
