@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -325,3 +326,38 @@ def test_strangers_on_the_mpi_listener_beyond_the_caps_are_closed_at_once(
         await serve_once(ctx, gen, "after-strangers")
 
     asyncio.run(scenario())
+
+
+def test_a_stranger_holding_the_mpi_port_leaves_the_daemon_serving(cluster: LocalCluster) -> None:
+    """A stranger takes the generation daemon's MPI port (hello, then the ACK) and stays.
+    MPICH holds every other MPI call of the daemon while that accept waits, and the
+    daemon's next MPI call (its tick, with a live MPI link) stopped its event loop for
+    good: status, metrics and the engine API with it. Now the status page answers while
+    the accept still waits (before the daemon logs that it gave the accept up), and once
+    it is released the pair moves a request over MPI."""
+    from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S
+    from kvxferd.backends.mpi.wire import ACK, HELLO, frame
+
+    ctx, gen, address = _staged_pair(cluster, "MPI")
+    asyncio.run(serve_once(ctx, gen, "before"))  # a live MPI link: the tick calls MPI
+    host, port = address.rsplit(":", 1)
+    gave_up = f"did not complete MPI_Comm_connect within {ACCEPT_WINDOW_S:g} s"
+    served_while_waiting = False
+    for attempt in range(3):  # a host too slow to answer within the window tries again
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(frame(HELLO, b"ghost/%d" % attempt, b"nonce of 16 byte"))
+            head = s.recv(7, socket.MSG_WAITALL)
+            assert head[5] == ACK, head
+            before = gen.log_text().count(gave_up)
+            assert status(gen)["role"] == "generation"
+            served_while_waiting = gen.log_text().count(gave_up) == before
+            asyncio.run(
+                until(
+                    lambda: gen.log_text().count(gave_up) > before,  # noqa: B023
+                    what="the stranger's accept given up",
+                )
+            )
+        if served_while_waiting:
+            break
+    assert served_while_waiting, gen.log_text()
+    asyncio.run(serve_once(ctx, gen, "after"))
