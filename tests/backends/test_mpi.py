@@ -357,10 +357,91 @@ def test_a_stranger_holding_the_mpi_port_does_not_stop_the_daemon() -> None:
             wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the accept released")
             while s.recv(4096):  # the rest of the ACK, then the listener's close
                 pass
+        # Its address now waits before its next rendezvous is taken, the turn free.
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(frame_hello(b"ghost/2"))
+            wait_until(lambda: rx.ok("info")["accept_waiting"] == 1, 20, "the next hello held")
+            assert rx.ok("info")["accepting"] == 0
         assert f"did not complete MPI_Comm_connect within {ACCEPT_WINDOW_S:g} s" in (
             rx.stderr_text()
         )
         link_carries_a_message(tx, rx, address, tag=2)
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_two_daemons_linking_to_each_other_at_once_both_link() -> None:
+    """Each side's accept waited for its own connect, which waited for the other side's
+    accept (an MPI_Comm_connect beside the process's own waiting accept never completes):
+    both gave up, and on 83a057c both processes died (SIGSEGV) in 2 of 3 runs. Now the
+    listener with the larger key refuses the crossing hello, and that side waits for the
+    other's link: three rounds, each linked both ways, a message across."""
+    a, b = Child("gen"), Child("ctx")
+    try:
+        a_at, b_at = a.ok("start")["address"], b.ok("start")["address"]
+        for round_ in range(3):
+            ca = a.submit("connect", peer=b.key, address=b_at, deadline=10.0)
+            cb = b.submit("connect", peer=a.key, address=a_at, deadline=10.0)
+            assert a.wait(ca, 60)["ok"] and b.wait(cb, 60)["ok"]
+            link_carries_a_message(a, b, b_at, tag=10 + round_)
+            a.ok("remove_peer", peer=b.key)
+            b.ok("remove_peer", peer=a.key)
+        assert a.proc.poll() is None and b.proc.poll() is None
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_connect_waits_for_our_own_accept_beside_it() -> None:
+    """A silent stranger holds tx's own listener (its accept waits) while tx links to rx.
+    A connect beside the process's own waiting accept never completes, and the connect
+    it left queued at rx's port crashed rx's next accept (SIGSEGV, 3 of 3 runs with the
+    first version of this change). Now tx's connect waits for that accept to be released
+    and then links."""
+    rx, tx = Child("gen"), Child("ctx")
+    try:
+        rx_at, tx_at = rx.ok("start")["address"], tx.ok("start")["address"]
+        host, port = tx_at.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(frame_hello(b"ghost/1"))
+            assert s.recv(7, socket.MSG_WAITALL)[5] == ACK
+            wait_until(lambda: tx.ok("info")["accepting"] == 1, 20, "tx's accept waiting")
+            link_carries_a_message(tx, rx, rx_at, tag=1)
+        assert rx.proc.poll() is None and tx.proc.poll() is None
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+@pytest.mark.parametrize("then", ["at_once", "after_it_gave_up"])
+def test_a_peer_connecting_after_the_window_leaves_the_listener_whole(then: str) -> None:
+    """A peer that takes the ACK and connects only after the accept window: its late
+    connect stayed queued at the port, whose name MPICH gives the next MPI_Open_port,
+    and the next rendezvous there failed, or, once the late connect had given up,
+    crashed the listener (SIGSEGV, 2 of 2). A released accept's port is retired now:
+    the next peer links, at once or after the late one gave up."""
+    from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S
+
+    rx, tx = Child("gen"), Child("ctx")
+    try:
+        address = rx.ok("start")["address"]
+        host, port = address.rsplit(":", 1)
+        slow = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("mpi_slow_peer.py")), host, port,
+             str(ACCEPT_WINDOW_S + 0.2)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert slow.stdout is not None and slow.stdout.readline().strip() == "ACK"
+            wait_until(lambda: rx.ok("info")["accepting"] == 0, 60, "the accept released")
+            if then == "after_it_gave_up":
+                slow.wait(60)
+            link_carries_a_message(tx, rx, address, tag=1)
+        finally:
+            slow.kill()
+            slow.wait()
+        assert rx.proc.poll() is None and tx.proc.poll() is None
     finally:
         tx.stop()
         rx.stop()

@@ -63,17 +63,24 @@ def test_a_cancelled_waiter_leaves_its_place_and_a_granted_one_passes_the_turn_o
     asyncio.run(scenario())
 
 
-def test_a_full_queue_is_said_so() -> None:
+def test_a_full_queue_is_said_so_overall_and_per_source() -> None:
+    """One address queued 256 hellos in 1.1 s and every other peer was refused: a source
+    may have MAX_WAITING_PER_SOURCE waiting, and all of them MAX_WAITING."""
+
     async def scenario() -> None:
-        turns = AcceptTurns(max_waiting=2)
+        turns = AcceptTurns(max_waiting=3, max_per_source=2)
         holder = await turns.take("x")
         waiters = [asyncio.ensure_future(turns.take("a")) for _ in range(2)]
         await asyncio.sleep(0)
-        assert turns.full()
+        assert "from a" in (turns.full("a") or "")
+        assert turns.full("b") is None
+        waiters.append(asyncio.ensure_future(turns.take("b")))
+        await asyncio.sleep(0)
+        assert "3 rendezvous already wait" in (turns.full("c") or "")
         holder()
-        for w in waiters:
+        for w in asyncio.as_completed(waiters, timeout=5):  # each passes the turn on
             (await w)()
-        assert not turns.full() and not turns.held
+        assert turns.full("a") is None and not turns.held and turns._waiting_from == {}
 
     asyncio.run(scenario())
 
@@ -119,38 +126,36 @@ def test_penalties_are_bounded_in_sources(monkeypatch: pytest.MonkeyPatch) -> No
     assert "10.0.0.99" in turns._penalties  # the newest stays
 
 
-def test_the_loop_waits_for_a_dynamic_call_to_end_and_gives_up_at_its_deadline() -> None:
-    """quiet.py: the event loop's MPI work waits while an accept or a connect waits in
-    another thread (MPICH holds every other MPI call meanwhile); a receive's wait ends
-    at its deadline, and an infinite one (uvloop has no infinite timer) at the call's end."""
+def test_the_loop_waits_for_the_gate_to_clear_and_gives_up_at_its_deadline() -> None:
+    """quiet.py: the event loop's MPI work waits while an accept waits (MPICH holds every
+    other MPI call meanwhile); a receive's wait ends at its deadline, an infinite one
+    (uvloop has no infinite timer) when the count is back to zero, and a cancelled
+    waiter leaves no trace."""
     import math
-    import threading
 
     import uvloop
 
-    from kvxferd.backends.mpi.quiet import DynamicCalls
+    from kvxferd.backends.mpi.quiet import Gate
 
     async def scenario() -> None:
-        calls = DynamicCalls()
-        release = threading.Event()
-        entered = threading.Event()
-
-        def accept() -> None:
-            with calls.call():
-                entered.set()
-                release.wait(30)
-
-        threading.Thread(target=accept, daemon=True).start()
-        assert await asyncio.to_thread(entered.wait, 30)
+        gate = Gate("test")
+        gate.enter()
         loop = asyncio.get_running_loop()
-        assert not await calls.quiet_by(loop.time() + 0.05)  # still under way
-        assert not await calls.quiet_by(loop.time() - 1)
-        waiter = asyncio.ensure_future(calls.quiet_by(math.inf))
+        assert not await gate.quiet_by(loop.time() + 0.05)  # still under way
+        assert not await gate.quiet_by(loop.time() - 1)
+        cancelled = asyncio.ensure_future(gate.quiet())
+        waiter = asyncio.ensure_future(gate.quiet_by(math.inf))
         await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        assert not waiter.done() and len(gate._waiters) == 1
+        gate.enter()
+        gate.leave()  # one still under way
+        await asyncio.sleep(0)
         assert not waiter.done()
-        release.set()
-        assert await asyncio.wait_for(waiter, 30)
-        assert calls.busy == 0
-        await asyncio.wait_for(calls.quiet(), 1)  # at once when none is under way
+        gate.leave()
+        assert await asyncio.wait_for(waiter, 5)
+        assert gate.count == 0 and gate._waiters == []
+        await asyncio.wait_for(gate.quiet(), 1)  # at once when none is under way
 
     uvloop.run(scenario())

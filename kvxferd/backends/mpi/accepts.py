@@ -16,8 +16,9 @@ things a stranger of the TCP port could do with that turn before:
 * Queue many connections for the turn. The turn went first come first served, so one
   address with a hundred hellos queued kept a real peer waiting behind all of them.
   Now the turn goes round the source addresses waiting (one each, in the order they
-  first queued), and at most MAX_WAITING connections may wait at once: beyond that
-  the newcomer is refused, counted as `accept_queue_limit`.
+  first queued), and at most MAX_WAITING connections may wait at once,
+  MAX_WAITING_PER_SOURCE from one address: beyond, the newcomer is refused, counted as
+  `accept_queue_limit`.
 * Loop: every abandoned rendezvous costs a release, and pauses the daemon's MPI work
   while its accept waits (quiet.py). A source that left an accept to release waits
   before its next rendezvous is taken, 1 s, then twice as long each time, up to 60 s;
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvxferd.backends.mpi.bootstrap import Runtime, find_mpiexec
-from kvxferd.backends.mpi.quiet import DYNAMIC
+from kvxferd.backends.mpi.quiet import ACCEPTS
 from kvxferd.errors import TransferError
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -48,6 +49,10 @@ log = logging.getLogger("kvxferd.backends.mpi")
 # wave (one connection per peer daemon), and what bounds the descriptors and tasks a
 # stranger's queued hellos hold.
 MAX_WAITING = 256
+# From one source address: twice the daemons of an 8-GPU host, as the peer channel's
+# PREAUTH_MAX_PER_SOURCE. Without it one address queued 256 hellos in 1.1 s and every
+# other peer was refused.
+MAX_WAITING_PER_SOURCE = 16
 # How long a listener's accept waits for the peer's MPI_Comm_connect once the peer has the
 # port (a peer connects at once: ~10 ms here). The process's MPI work waits as long
 # (quiet.py), so this stays under keepalive.STALL_S: no peer sees this daemon stalled.
@@ -101,10 +106,14 @@ class AcceptTurns:
     first call counts). Runs on the event loop.
     """
 
-    def __init__(self, max_waiting: int = MAX_WAITING) -> None:
+    def __init__(
+        self, max_waiting: int = MAX_WAITING, max_per_source: int = MAX_WAITING_PER_SOURCE
+    ) -> None:
         self.max_waiting = max_waiting
+        self.max_per_source = max_per_source
         self.held = False
         self.waiting = 0
+        self._waiting_from: dict[str, int] = {}
         # By source, in rotation order: dicts keep insertion order, and a source served
         # with more left goes to the back.
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
@@ -112,8 +121,13 @@ class AcceptTurns:
         # next one waits).
         self._penalties: dict[str, tuple[int, float]] = {}
 
-    def full(self) -> bool:
-        return self.waiting >= self.max_waiting
+    def full(self, source: str) -> str | None:
+        """Why a new rendezvous from `source` may not wait (None: it may)."""
+        if self.waiting >= self.max_waiting:
+            return f"{self.waiting} rendezvous already wait for MPI's one accept at a time"
+        if self._waiting_from.get(source, 0) >= self.max_per_source:
+            return f"{self.max_per_source} rendezvous from {source} already wait for the accept"
+        return None
 
     def penalize(self, source: str) -> None:
         """`source` left an accept to release: its next rendezvous waits (see above)."""
@@ -133,6 +147,17 @@ class AcceptTurns:
         self._penalties.pop(source, None)
 
     async def take(self, source: str) -> Callable[[], None]:
+        self._waiting_from[source] = self._waiting_from.get(source, 0) + 1
+        try:
+            return await self._take(source)
+        finally:
+            left = self._waiting_from[source] - 1
+            if left:
+                self._waiting_from[source] = left
+            else:
+                del self._waiting_from[source]
+
+    async def _take(self, source: str) -> Callable[[], None]:
         penalty = self._penalties.get(source)
         if penalty is not None:
             wait = penalty[1] - time.monotonic()
@@ -184,15 +209,20 @@ class AcceptTurns:
 class PendingAccept:
     """One MPI_Comm_accept on `port`, in its own thread, bounded without the event loop.
 
-    While an accept waits, every other MPI call of the process blocks (MPICH 5.0: a
-    main-thread MPI_Irecv made no progress for 60 s beside a waiting accept): the event
-    loop's next MPI call (a keepalive, a header test) stops the whole daemon. The
-    listener's own timeout ran on that loop, so a stranger that took the port and
+    While an accept waits, every other MPI call of the process blocks (quiet.py): the
+    listener's own timeout ran on the event loop, so a stranger that took the port and
     neither connected nor closed stopped the daemon for good. A timer thread now
     releases the accept `window_s` after it began; `release()` does it at once (the
     peer closed its side). `future` (settled on the loop) gives the intercommunicator,
     or None when the accept was released: the releasing process made it, and it is
-    freed here.
+    freed here. Made on the event loop, which counts it in ACCEPTS until its thread
+    ends.
+
+    A port whose accept was released is retired, not closed: MPICH hands the same name
+    to the next MPI_Open_port, and a connect that came late to it (the real peer's, or
+    the releasing process's when the real peer won) stayed queued there and matched the
+    next accept on that name, or crashed it (SIGSEGV). A retired port takes no accept
+    again; its late connects end at MPICH's connect timeout.
     """
 
     def __init__(self, rt: Runtime, port: str, window_s: float) -> None:
@@ -203,35 +233,48 @@ class PendingAccept:
         self._lock = threading.Lock()
         self._ended = False
         self._released = False
-        threading.Thread(target=self._accept, name="kvxferd-mpi-accept", daemon=True).start()
-        timer = threading.Timer(window_s, self.release)
-        timer.daemon = True
-        timer.start()
-        self._timer = timer
+        self._timer = threading.Timer(window_s, self.release)
+        self._timer.daemon = True
+        ACCEPTS.enter()
+        try:
+            threading.Thread(target=self._accept, name="kvxferd-mpi-accept", daemon=True).start()
+        except BaseException:
+            ACCEPTS.leave()
+            raise
+        self._timer.start()
+
+    @property
+    def released(self) -> bool:
+        """Whether a releasing process was sent for it (its port is then retired)."""
+        return self._released
 
     def _accept(self) -> None:
         comm: Any = None
         error: BaseException | None = None
         try:
-            with DYNAMIC.call():
-                comm = self._rt.MPI.COMM_SELF.Accept(self.port)
+            comm = self._rt.MPI.COMM_SELF.Accept(self.port)
         except BaseException as exc:
             error = exc
-        with self._lock:
-            self._ended = True
-            released = self._released
-        self._timer.cancel()
-        if released and comm is not None:
-            with contextlib.suppress(Exception):
-                comm.Free()
-            comm = None
-        with contextlib.suppress(RuntimeError):  # the loop is gone
-            self._loop.call_soon_threadsafe(self._settle, comm, error)
+        finally:
+            with self._lock:
+                self._ended = True
+                released = self._released
+            self._timer.cancel()
+            if released and comm is not None:
+                with contextlib.suppress(Exception):
+                    comm.Free()
+                comm = None
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                self._loop.call_soon_threadsafe(self._settle, comm, error)
 
     def _settle(self, comm: Any, error: BaseException | None) -> None:
-        with contextlib.suppress(Exception):
-            self._rt.MPI.Close_port(self.port)
-        if self.future.done():  # cancelled: nobody takes the intercommunicator
+        ACCEPTS.leave()
+        if self._released:
+            _retire(self._rt, self.port)
+        else:
+            with contextlib.suppress(Exception):
+                self._rt.MPI.Close_port(self.port)
+        if self.future.done():  # given up (the release failed): nobody takes it
             if comm is not None:
                 with contextlib.suppress(Exception):
                     comm.Free()
@@ -246,11 +289,16 @@ class PendingAccept:
             if self._ended or self._released:
                 return
             self._released = True
-        _run_releaser(self._rt, self.port, self._given_up)
+        try:
+            _run_releaser(self._rt, self.port, self._given_up)
+        except Exception as exc:  # no thread: the accept spins on
+            log.error("MPI: could not start the release of an MPI_Comm_accept: %s", exc)
+            self._given_up()
 
     def _given_up(self) -> None:
         # The releasing process ended; the accept's thread settles a moment after the
-        # Connect. If it has not by _SETTLE_S, the release failed.
+        # Connect. If it has not by _SETTLE_S, the release failed: the turn goes on (the
+        # next accept still waits for this one in ACCEPTS, and says why in the log).
         def check() -> None:
             if not self.future.done():
                 log.error(
@@ -261,6 +309,18 @@ class PendingAccept:
 
         with contextlib.suppress(RuntimeError):  # the loop is gone
             self._loop.call_soon_threadsafe(self._loop.call_later, _SETTLE_S, check)
+
+
+# Ports retired (above), oldest first: past _RETIRED_MAX the oldest is closed after all.
+_retired: deque[str] = deque()
+_RETIRED_MAX = 64
+
+
+def _retire(rt: Runtime, port: str) -> None:
+    _retired.append(port)
+    while len(_retired) > _RETIRED_MAX:
+        with contextlib.suppress(Exception):
+            rt.MPI.Close_port(_retired.popleft())
 
 
 def _run_releaser(rt: Runtime, port: str, ended: Callable[[], None]) -> None:

@@ -36,7 +36,7 @@ from kvxferd.backends.mpi import keepalive, wire
 from kvxferd.backends.mpi.bootstrap import Runtime
 from kvxferd.backends.mpi.link import Links
 from kvxferd.backends.mpi.link_state import Link, Peer
-from kvxferd.backends.mpi.quiet import DYNAMIC
+from kvxferd.backends.mpi.quiet import ACCEPTS
 from kvxferd.backends.tagbook import TagBook
 
 log = logging.getLogger("kvxferd.backends.mpi")
@@ -174,7 +174,7 @@ class Housekeeping:
         """One pass of the tick; how long to pause before the next, None to stop."""
         rt = self._runtime()
         assert rt is not None  # a link exists, or something was parked on one
-        if DYNAMIC.busy:
+        if ACCEPTS.count:
             # Every MPI call would wait behind an accept (quiet.py): the loop
             # would stop with it. Keepalives resume within ACCEPT_WINDOW_S, under STALL_S.
             return TICK_S

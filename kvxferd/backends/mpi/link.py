@@ -70,6 +70,7 @@ from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S, AcceptTurns, PendingAc
 from kvxferd.backends.mpi.bootstrap import Runtime
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
+from kvxferd.backends.mpi.quiet import ACCEPTS, CONNECTS
 from kvxferd.backends.twosided import connect_failures, connect_timeout
 from kvxferd.errors import PeerLostError, StartupError, TransferError
 from kvxferd.hostport import split_hostport
@@ -82,6 +83,8 @@ log = logging.getLogger("kvxferd.backends.mpi")
 HELLO_TIMEOUT_S = 10.0
 # What the proofs of the shared secret on an MPI link are bound to (link_proof.py).
 _LABEL = b"kvxferd-mpi-link"
+# The reason a listener refuses a hello from a peer it is linking to itself (Links._crossing).
+CROSSING = "crossing rendezvous: ours to you goes on"
 # A kvxferd peer sends one byte after the rendezvous; past this many it is not one.
 _MAX_AFTER_LINK = 4096
 
@@ -121,6 +124,15 @@ def in_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
     return fut
 
 
+class _Crossed(Exception):
+    """The listener refused our hello: its rendezvous to us goes on (Links._crossing)."""
+
+
+def _then(fn: Callable[[], None]) -> Callable[[object], None]:
+    """`fn` as a done callback (which is given the future)."""
+    return lambda _: fn()
+
+
 def _free_comm(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         with contextlib.suppress(Exception):
@@ -153,6 +165,7 @@ class Links:
         self.closed = False
         self._server: asyncio.base_events.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._later: set[asyncio.Future[None]] = set()  # deferred MPI_Cancel calls
         self._connecting: dict[str, asyncio.Future[None]] = {}
         # MPICH (5.0, UCX netmod) kills the process when two MPI_Comm_connect (or two
         # MPI_Comm_accept) calls of one process overlap: a context daemon linking to two
@@ -228,6 +241,8 @@ class Links:
         port: str | None = None
         accepting: PendingAccept | None = None
         comm: Any = None
+        hand_on: Callable[[], None] | None = None
+        loop = asyncio.get_running_loop()
         try:
             raw_key, nonce_c = await asyncio.wait_for(
                 wire.read_frame(reader, wire.HELLO, ("key", "nonce")), HELLO_TIMEOUT_S
@@ -239,55 +254,54 @@ class Links:
             # its accept turn, up to ACCEPT_WINDOW_S), as with a shared secret.
             secret = await self._secrets.for_peer(key)
             nonce_l = secrets.token_bytes(NONCE_BYTES)
-            if self._accept_turns.full():
+            if self._crossing(key):
+                writer.write(wire.frame(wire.REFUSED, CROSSING.encode()))
+                raise TransferError(CROSSING)
+            full = self._accept_turns.full(source)
+            if full is not None:
                 self._queue_refused += 1
-                raise TransferError(
-                    f"{self._accept_turns.waiting} rendezvous already wait for MPI's "
-                    "one accept at a time"
-                )
+                raise TransferError(full)
             hand_on = await self._accept_turns.take(source)
+            # A connecting rendezvous of ours first: its connect would never complete
+            # beside our accept (quiet.py). It ends within its deadline.
+            while CONNECTS.count:
+                if self._crossing(key):
+                    writer.write(wire.frame(wire.REFUSED, CROSSING.encode()))
+                    raise TransferError(CROSSING)
+                await CONNECTS.quiet_by(loop.time() + 0.05)
+            if reader.at_eof() or writer.is_closing():
+                # Gone while it waited: no port opened, no accept to release.
+                raise TransferError("the peer closed the rendezvous before its turn")
+            await ACCEPTS.quiet()  # one whose release failed: never two side by side
+            port = MPI.Open_port()
+            accepting = PendingAccept(rt, port, ACCEPT_WINDOW_S)
+            port = None  # closed (or retired) by accepting, once its accept ended
+            writer.write(wire.frame(wire.ACK, self.key.encode(), accepting.port.encode(), nonce_l))
+            await writer.drain()
+            # The peer now connects; if its TCP side closes first, it never will.
+            closed = asyncio.ensure_future(reader.read(1))
             try:
-                if reader.at_eof() or writer.is_closing():
-                    # Gone while it waited: no port opened, no accept to release.
-                    raise TransferError("the peer closed the rendezvous before its turn")
-                port = MPI.Open_port()
-                accepting = PendingAccept(rt, port, ACCEPT_WINDOW_S)
-                port = None  # closed by accepting, once its accept ended
-                writer.write(
-                    wire.frame(wire.ACK, self.key.encode(), accepting.port.encode(), nonce_l)
-                )
-                await writer.drain()
-                # The peer now connects; if its TCP side closes first, it never will.
-                closed = asyncio.ensure_future(reader.read(1))
                 done, _ = await asyncio.wait(
                     {accepting.future, closed}, return_when=asyncio.FIRST_COMPLETED
                 )
-                if closed in done:
-                    if not closed.cancelled():
-                        closed.exception()  # a reset says the same as a close
-                    raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
+            finally:
                 closed.cancel()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # retrieved: a reset says the same as a close
+            if accepting.future in done:
+                # Taken even when the peer closed as well: an intercommunicator is freed.
                 comm = accepting.future.result()
+                accepting = None
                 if comm is None:
+                    self._accept_turns.penalize(source)
                     raise TransferError(
                         f"the peer did not complete MPI_Comm_connect within {ACCEPT_WINDOW_S:g} s"
                     )
-            except BaseException:
-                if accepting is not None and not accepting.future.done():
-                    # The turn stays with this accept until it has ended: a stranger's
-                    # hellos would each leave a releasing process behind, their
-                    # accepts side by side.
-                    accepting.release()
-                    accepting.future.add_done_callback(lambda _: hand_on())
-                    self._accept_turns.penalize(source)
-                else:
-                    hand_on()
-                raise
-            finally:
-                accepting = None
-            hand_on()
+            if closed in done:
+                raise TransferError("the peer closed the rendezvous during MPI_Comm_connect")
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=True)
+            # In the turn still: a next accept would hold the proofs' MPI calls up.
             await self._confirm(comm, rt, key, proofs)
             if self.closed:
                 raise TransferError("transport closed")
@@ -325,9 +339,22 @@ class Links:
             if port is not None:
                 with contextlib.suppress(Exception):
                     MPI.Close_port(port)
+            if accepting is not None and hand_on is not None:
+                if not accepting.future.done():
+                    # The turn stays with this accept until it has ended: a stranger's
+                    # hellos would each leave a releasing process behind, their
+                    # accepts side by side.
+                    accepting.release()
+                    self._accept_turns.penalize(source)
+                accepting.future.add_done_callback(_free_comm)
+                accepting.future.add_done_callback(_then(hand_on))
+                hand_on = None
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        finally:
+            if hand_on is not None:
+                hand_on()
         log.info("MPI: peer %s connected to us", shown(key))
 
     # -- connecting side -----------------------------------------------------
@@ -355,8 +382,6 @@ class Links:
             fut.exception()  # retrieved, even when every caller gave up waiting
 
     async def _connect(self, rt: Runtime, peer_key: str, address: str, timeout_s: float) -> None:
-        MPI = rt.MPI
-        host, port = split_address(address)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
 
@@ -364,6 +389,63 @@ class Links:
             return max(deadline - loop.time(), 0.001)
 
         secret = await self._secrets.for_peer(peer_key, remaining())
+        # One connecting rendezvous at a time, from before its hello to its end: MPICH
+        # may take the process down when two connects overlap, and a connect made right
+        # after the ACK meets the listener's accept inside its window (accepts.py).
+        try:
+            await asyncio.wait_for(self._connect_turn.acquire(), remaining())
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise connect_timeout("MPI", peer_key, address, "rendezvous", timeout_s) from exc
+        counted = crossed = False
+        started: list[asyncio.Future[Any]] = []
+        try:
+            # None of our accepts may wait while we connect, nor start until we are done
+            # (quiet.py): the connect would never complete.
+            if not await ACCEPTS.quiet_by(deadline):
+                raise connect_timeout("MPI", peer_key, address, "rendezvous", timeout_s)
+            CONNECTS.enter()
+            counted = True
+            await self._dial(rt, peer_key, address, secret, deadline, timeout_s, started)
+        except _Crossed:
+            crossed = True
+        finally:
+
+            def end(_: object = None) -> None:
+                if counted:
+                    CONNECTS.leave()
+                self._connect_turn.release()
+
+            if started and not started[0].done():
+                # An abandoned MPI_Comm_connect runs on in its thread, MPICH ends it
+                # within its connect timeout (bootstrap.py): until then no accept, and
+                # no other connect, starts beside it.
+                started[0].add_done_callback(end)
+            else:
+                end()
+        if crossed:
+            # The peer is linking to us at the same time, and ours gave way: our accept
+            # of its rendezvous waited for this one to end (above).
+            await self._linked_from(peer_key, deadline)
+
+    async def _dial(
+        self,
+        rt: Runtime,
+        peer_key: str,
+        address: str,
+        secret: bytes,
+        deadline: float,
+        timeout_s: float,
+        started: list[asyncio.Future[Any]],
+    ) -> None:
+        """The connecting side's rendezvous (hello, ACK, MPI_Comm_connect, proofs, READY);
+        the connect's future is put in `started`."""
+        MPI = rt.MPI
+        host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+
+        def remaining() -> float:
+            return max(deadline - loop.time(), 0.001)
+
         with connect_failures("MPI", peer_key, address, timeout_s):
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), remaining()
@@ -373,9 +455,14 @@ class Links:
             nonce_c = secrets.token_bytes(NONCE_BYTES)
             writer.write(wire.frame(wire.HELLO, self.key.encode(), nonce_c))
             await writer.drain()
-            raw_key, raw_port, nonce_l = await asyncio.wait_for(
-                wire.read_frame(reader, wire.ACK, ("key", "port", "nonce")), remaining()
-            )
+            try:
+                raw_key, raw_port, nonce_l = await asyncio.wait_for(
+                    wire.read_frame(reader, wire.ACK, ("key", "port", "nonce")), remaining()
+                )
+            except wire.RefusedError as exc:
+                if CROSSING not in str(exc):
+                    raise
+                raise _Crossed() from None
             got = raw_key.decode()
             if got != peer_key:
                 raise PeerLostError(
@@ -383,21 +470,13 @@ class Links:
                     "address was reused)"
                 )
             port_name = raw_port.decode()
-            await asyncio.wait_for(self._connect_turn.acquire(), remaining())
-            try:
-                connecting = in_thread(
-                    lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect"
-                )
-                done, _ = await asyncio.wait({connecting}, timeout=remaining())
-                if not done:
-                    raise asyncio.TimeoutError()
-                comm = connecting.result()
-                connecting = None
-            finally:
-                # An abandoned Connect still runs in its thread; MPICH ends it within
-                # its connect timeout (4 s, bootstrap.py), before the rendezvous timeouts
-                # of our callers (10 s and more), so the next one rarely starts beside it.
-                self._connect_turn.release()
+            connecting = in_thread(lambda: MPI.COMM_SELF.Connect(port_name), "kvxferd-mpi-connect")
+            started.append(connecting)
+            done, _ = await asyncio.wait({connecting}, timeout=remaining())
+            if not done:
+                raise asyncio.TimeoutError()
+            comm = connecting.result()
+            connecting = None
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             try:
                 proofs = Proofs(_LABEL, secret, nonce_l, nonce_c, listening=False)
@@ -412,6 +491,8 @@ class Links:
             if connecting is not None:
                 # Finishes later (MPICH bounds it): free what it makes.
                 connecting.add_done_callback(_free_comm)
+            if isinstance(exc, _Crossed):
+                raise
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
                 raise connect_timeout("MPI", peer_key, address, "rendezvous", timeout_s) from exc
             if isinstance(exc, asyncio.IncompleteReadError | ConnectionError):
@@ -429,6 +510,27 @@ class Links:
                 comm.Free()
             raise TransferError(f"MPI transport {self.key} is closed")
         self._register(peer_key, comm, reader, writer, rt)
+
+    async def _linked_from(self, peer_key: str, deadline: float) -> None:
+        """Wait for the link `peer_key` makes to us (its rendezvous and ours crossed)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            peer = self.peers.get(peer_key)
+            if peer is not None and peer.live_link() is not None:
+                return
+            if loop.time() >= deadline or self.closed:
+                raise TransferError(
+                    f"MPI connect to {peer_key}: it was linking to us at the same time, "
+                    "and its link did not come"
+                )
+            await asyncio.sleep(0.01)
+
+    def _crossing(self, key: str) -> bool:
+        """Our rendezvous to `key` is under way beside its rendezvous to us, and ours
+        goes on (the larger key's): its hello is refused, and it waits for our link.
+        Without this, each side's accept waited for its own connect, which waited for
+        the other's accept, until both gave up."""
+        return key in self._connecting and self.key > key
 
     async def _confirm(
         self,
@@ -525,8 +627,24 @@ class Links:
                 # own buffer; either way nobody waits for it (housekeeping.py's
                 # pump completes it and reads nothing).
                 link.header_cancelled = True
-                with contextlib.suppress(Exception):
-                    link.header_req.Cancel()
+                self._cancel_when_quiet(link.header_req)
+
+    def _cancel_when_quiet(self, req: Any) -> None:
+        """MPI_Cancel `req` now, or once no accept waits (quiet.py): beside one the call
+        would hold the event loop up (remove_peer did, 3.2 s)."""
+        if not ACCEPTS.count:
+            with contextlib.suppress(Exception):
+                req.Cancel()
+            return
+
+        async def later() -> None:
+            await ACCEPTS.quiet()
+            with contextlib.suppress(Exception):  # completed meanwhile: nothing to cancel
+                req.Cancel()
+
+        task = asyncio.ensure_future(later())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
 
     def peer(self, peer_key: str) -> Peer:
         peer = self.peers.get(peer_key)

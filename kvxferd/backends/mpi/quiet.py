@@ -1,18 +1,24 @@
-"""The event loop stays out of MPI while an MPI_Comm_accept waits.
+"""Which MPI dynamic-process calls may run beside what, kept on the event loop.
 
-MPICH (5.0, UCX netmod) makes every MPI call of a process wait while an
-MPI_Comm_accept of that process waits in another thread: a main-thread MPI_Irecv beside
-an accept whose peer never connected made no progress in 60 s. The event loop's next
-MPI call (a keepalive, a header test, a send) then stopped the whole daemon, its engine
-API included, for as long as the accept waited. The accept's thread counts itself here
-(`DYNAMIC`), and the loop's MPI work waits for it: the housekeeping tick skips its MPI
-part, a send or a receive awaits `quiet()` before it posts. An accept is bounded by
-ACCEPT_WINDOW_S (accepts.py). An MPI_Comm_connect does not hold the other calls (a
-connect to a stopped listener left a message over another link to arrive in 0.3 s), so
-it is not counted.
+Measured with MPICH 5.0 (UCX netmod) here:
 
-An accept that starts between the check and the loop's MPI call still makes that one
-call wait; the window is a few instructions wide.
+* While an MPI_Comm_accept waits, every other MPI call of the process waits too: a
+  main-thread MPI_Irecv beside an accept whose peer never connected made no progress in
+  60 s. The event loop's next MPI call (a keepalive, a header test, a send) stopped the
+  whole daemon, its engine API included, for as long as the accept waited. So the loop
+  makes no MPI call while `ACCEPTS` counts one: the housekeeping tick skips its MPI part,
+  a send or a receive awaits `ACCEPTS.quiet()` before it posts.
+* An MPI_Comm_connect made while the process's own accept waits never completes (not
+  even at MPICH's connect timeout), and the connect left queued at the peer's port
+  matched a later accept there, or crashed it (SIGSEGV). So a rendezvous as the
+  connecting side (`CONNECTS`, from its hello until its connect ends) waits for no
+  accept, and an accept waits for no connecting rendezvous (link.py).
+* A waiting MPI_Comm_connect holds up no other call (a message over another link
+  arrived in 0.3 s beside a connect to a stopped listener).
+
+Both counts are entered on the event loop before the thread is started, and left on
+the loop once the thread has ended, so a check and the start that follows it are one
+step of the loop: nothing can start in between.
 """
 
 from __future__ import annotations
@@ -20,63 +26,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import threading
-from collections.abc import Iterator
 
 
-class DynamicCalls:
-    """How many MPI_Comm_accept calls are under way, process-wide."""
+class Gate:
+    """How many calls of one kind are under way in this process, and waiting for none."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.busy = 0  # read without the lock: an int, written under it
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self._waiters: list[asyncio.Future[None]] = []
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """Around the blocking call, in its own thread."""
-        with self._lock:
-            self.busy += 1
-        try:
-            yield None
-        finally:
-            with self._lock:
-                self.busy -= 1
-                waiters = self._waiters if self.busy == 0 else []
-                if waiters:
-                    self._waiters = []
-            for loop, fut in waiters:
-                with contextlib.suppress(RuntimeError):  # that loop is gone
-                    loop.call_soon_threadsafe(_settle, fut)
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            waiters, self._waiters = self._waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def quiet(self) -> None:
-        """Return once no accept is under way (at once when none is)."""
-        while self.busy:
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[None] = loop.create_future()
-            with self._lock:
-                if not self.busy:
-                    return
-                self._waiters.append((loop, fut))
-            await fut
+        """Return once none is under way (at once when none is)."""
+        while self.count:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if not fut.done() or fut.cancelled():
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(fut)
 
     async def quiet_by(self, deadline: float) -> bool:
         """`quiet()`, giving up at `deadline` (the loop's clock); whether it is quiet."""
-        if self.busy:
+        if self.count:
             timeout = deadline - asyncio.get_running_loop().time()
             if timeout <= 0:
                 return False
             if math.isinf(timeout):  # uvloop takes no infinite timer
                 await self.quiet()
             else:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                     await asyncio.wait_for(self.quiet(), timeout)
-        return not self.busy
+        return not self.count
 
 
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-DYNAMIC = DynamicCalls()
+ACCEPTS = Gate("MPI_Comm_accept")
+CONNECTS = Gate("connecting rendezvous")

@@ -70,7 +70,7 @@ from kvxferd.backends.mpi.housekeeping import Housekeeping
 from kvxferd.backends.mpi.link import Links
 from kvxferd.backends.mpi.link_state import Link, Peer
 from kvxferd.backends.mpi.progress import Progress
-from kvxferd.backends.mpi.quiet import DYNAMIC
+from kvxferd.backends.mpi.quiet import ACCEPTS
 from kvxferd.backends.tagbook import TaggedTransport
 from kvxferd.errors import PeerLostError, StartupError, TransferError, TransferTimeoutError
 
@@ -191,7 +191,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             raise ValueError(f"tag {tag} is not a 64-bit unsigned integer")
         rt = await self._runtime()
         MPI = rt.MPI
-        await DYNAMIC.quiet()  # MPI calls wait behind an accept (quiet.py)
+        await ACCEPTS.quiet()  # MPI calls wait behind an accept (quiet.py)
         peer = self._links.peer(peer_key)
         link = peer.live_link()
         if link is None:
@@ -283,7 +283,7 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
         while True:
             if self._links.peers.get(peer.key) is not peer:
                 raise PeerLostError(f"MPI recv of tag {tag} from {peer.key}: peer removed")
-            if DYNAMIC.busy and not await DYNAMIC.quiet_by(deadline):
+            if ACCEPTS.count and not await ACCEPTS.quiet_by(deadline):
                 # MPI calls wait behind an accept (quiet.py): none before then.
                 self._house.abandon(peer.key, tag)
                 raise TransferTimeoutError(
