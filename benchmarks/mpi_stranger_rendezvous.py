@@ -14,9 +14,11 @@ from a checkout (this one, or `--base DIR` beside it, alternating):
 * `stalled`: a peer is linked; the child then dials a listener that was stopped
   (SIGSTOP) just after it handed out its MPI port. When a message to the live peer
   arrives, how long the child's loop went without answering, and when the dial failed.
+* `mutual`: two transports link to each other at once, three rounds: which linked both
+  ways, and whether a process died.
 
     .venv/bin/python benchmarks/mpi_stranger_rendezvous.py [--base DIR] [--seconds 10]
-        [--scenarios silent loop stalled]
+        [--scenarios silent loop stalled mutual]
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ PROBE = textwrap.dedent(
             out["message_after"] = bool(res and res.get("ok") and res.get("verified"))
             out["message_s"] = round(time.monotonic() - t1, 2)
             s.close()
+        elif scenario == "mutual":
+            # Two transports linking to each other at once, three rounds.
+            a_at, b_at = address, tx.ok("start")["address"]
+            rounds = []
+            for n in range(3):
+                ca = rx.submit("connect", peer=tx.key, address=b_at, deadline=10.0)
+                cb = tx.submit("connect", peer=rx.key, address=a_at, deadline=10.0)
+                ra, rb = rx.answer_within(ca, 60), tx.answer_within(cb, 60)
+                alive = rx.proc.poll() is None and tx.proc.poll() is None
+                rounds.append(bool(ra and ra["ok"] and rb and rb["ok"]) if alive else "died")
+                if not alive:
+                    break
+                for c, other in ((rx, tx), (tx, rx)):
+                    c.answer_within(c.submit("remove_peer", peer=other.key), 20)
+            out["rounds"] = rounds
         elif scenario == "stalled":
             # tx linked to rx; then tx dials a listener stopped (SIGSTOP) just after it
             # handed out its port: rx2's port, taken by a stranger, relayed by a fake.
@@ -196,7 +213,7 @@ def main() -> None:
     ap.add_argument("--base", type=Path, help="another checkout, run beside this one")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--passes", type=int, default=1)
-    ap.add_argument("--scenarios", nargs="+", default=["silent", "loop", "stalled"])
+    ap.add_argument("--scenarios", nargs="+", default=["silent", "loop", "stalled", "mutual"])
     args = ap.parse_args()
     trees = [("this", REPO)] + ([("base", args.base.resolve())] if args.base else [])
     for n in range(args.passes):
