@@ -159,3 +159,65 @@ def test_the_loop_waits_for_the_gate_to_clear_and_gives_up_at_its_deadline() -> 
         await asyncio.wait_for(gate.quiet(), 1)  # at once when none is under way
 
     uvloop.run(scenario())
+
+
+def test_a_waiter_gets_in_between_back_to_back_accepts() -> None:
+    """Strangers from many addresses abandon rendezvous back to back: each accept is
+    released and the turn goes to the next at once. Gate.quiet_by woke through
+    wait_for's extra task, a pass after the next accept had started, and a receive with
+    20 s left failed in 0.16 s (an outgoing connect in 0.2 s). It now wakes in the same
+    pass as the gate's leave(), before the next holder runs."""
+    from kvxferd.backends.mpi.quiet import Gate
+
+    async def scenario() -> None:
+        accepts, turns = Gate("accepts"), AcceptTurns()
+        loop = asyncio.get_running_loop()
+        started = 0
+
+        async def stranger(source: str) -> None:
+            nonlocal started
+            hand_on = await turns.take(source)
+            await accepts.quiet()
+            accepts.enter()  # PendingAccept
+            started += 1
+            ended: asyncio.Future[None] = loop.create_future()
+
+            def released() -> None:  # the accept's thread ended: PendingAccept._settle
+                accepts.leave()
+                ended.set_result(None)
+
+            loop.call_later(0.05, released)
+            ended.add_done_callback(lambda _: hand_on())  # link.py's except path
+
+        strangers = [asyncio.ensure_future(stranger(f"10.0.0.{i}")) for i in range(20)]
+        await asyncio.sleep(0.01)
+        assert accepts.count == 1
+        assert await accepts.quiet_by(loop.time() + 5)  # got in, long before the deadline
+        assert started < 5, started
+        await asyncio.gather(*strangers)
+
+    asyncio.run(scenario())
+
+
+def test_released_ports_are_retired_never_closed_and_a_full_list_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MPICH hands out the lowest free port name: closing the oldest retired port gave
+    its name, and the late connect queued on it, to the next accept (SIGSEGV, reproduced
+    with the cap at 1). Retired ports stay open; past the cap no new port is opened."""
+    closed: list[str] = []
+
+    class _MPI:
+        @staticmethod
+        def Close_port(port: str) -> None:
+            closed.append(port)
+
+    class _Runtime:
+        MPI = _MPI
+
+    monkeypatch.setattr(accepts, "_retired", [])
+    monkeypatch.setattr(accepts, "_RETIRED_MAX", 3)
+    for n in range(3):
+        assert not accepts.retired_full()
+        accepts._retire(_Runtime(), f"tag#{n}")  # type: ignore[arg-type]
+    assert accepts.retired_full() and closed == []

@@ -106,6 +106,7 @@ def _mpi_info(transport: Any) -> dict[str, Any]:
         "accepting": sum(t.name == "kvxferd-mpi-accept" for t in threading.enumerate()),
         "releasing": sum(t.name == "kvxferd-mpi-release" for t in threading.enumerate()),
         "accept_waiting": transport._links.accept_waiting,
+        "penalized": sorted(transport._links._accept_turns._penalties),
         "pmi_env": sorted(k for k in os.environ if k.startswith("PMI_")),
         "requests_in_progress": transport.requests_in_progress(),
         "stalled": transport.stalled_peers(),

@@ -241,7 +241,11 @@ class PendingAccept:
         except BaseException:
             ACCEPTS.leave()
             raise
-        self._timer.start()
+        try:
+            self._timer.start()
+        except RuntimeError as exc:  # no thread for the window: released at once
+            log.error("MPI: no timer for an MPI_Comm_accept's window (%s): releasing it", exc)
+            self.release()
 
     @property
     def released(self) -> bool:
@@ -269,7 +273,8 @@ class PendingAccept:
 
     def _settle(self, comm: Any, error: BaseException | None) -> None:
         ACCEPTS.leave()
-        if self._released:
+        if self._released or error is not None:
+            # An accept that failed may have a connect queued on its port as well.
             _retire(self._rt, self.port)
         else:
             with contextlib.suppress(Exception):
@@ -311,16 +316,33 @@ class PendingAccept:
             self._loop.call_soon_threadsafe(self._loop.call_later, _SETTLE_S, check)
 
 
-# Ports retired (above), oldest first: past _RETIRED_MAX the oldest is closed after all.
-_retired: deque[str] = deque()
-_RETIRED_MAX = 64
+# Ports retired (above). MPICH hands out the lowest free name, so closing the oldest
+# retired port made its name the next one again, with its late connect still queued: the
+# crash came back after 64 (reproduced with the cap at 1). They are never closed; MPICH
+# allows a process 2048 open ports, and past _RETIRED_MAX the listener takes no new
+# rendezvous (RETIRED_FULL) until the daemon restarts.
+_retired: list[str] = []
+_RETIRED_MAX = 1536
+RETIRED_FULL = (
+    f"{_RETIRED_MAX} MPI ports were retired after abandoned rendezvous; no more are opened "
+    "until this daemon restarts (firewall the MPI rendezvous port: docs/operations.md)"
+)
+
+
+def retired_full() -> bool:
+    return len(_retired) >= _RETIRED_MAX
 
 
 def _retire(rt: Runtime, port: str) -> None:
+    if not _retired:
+        log.warning(
+            "MPI: a rendezvous was abandoned; its port is retired, not closed (at most "
+            "%d, then no new MPI links until restart)",
+            _RETIRED_MAX,
+        )
     _retired.append(port)
-    while len(_retired) > _RETIRED_MAX:
-        with contextlib.suppress(Exception):
-            rt.MPI.Close_port(_retired.popleft())
+    if retired_full():
+        log.error("MPI: %s", RETIRED_FULL)
 
 
 def _run_releaser(rt: Runtime, port: str, ended: Callable[[], None]) -> None:

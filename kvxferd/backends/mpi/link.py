@@ -66,7 +66,13 @@ from typing import Any, TypeVar
 from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
 from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.backends.mpi import keepalive, wire
-from kvxferd.backends.mpi.accepts import ACCEPT_WINDOW_S, AcceptTurns, PendingAccept
+from kvxferd.backends.mpi.accepts import (
+    ACCEPT_WINDOW_S,
+    RETIRED_FULL,
+    AcceptTurns,
+    PendingAccept,
+    retired_full,
+)
 from kvxferd.backends.mpi.bootstrap import Runtime
 from kvxferd.backends.mpi.identity import IDENTITY_TIMEOUT_S, swap_identities
 from kvxferd.backends.mpi.link_state import Link, Peer
@@ -255,7 +261,7 @@ class Links:
             secret = await self._secrets.for_peer(key)
             nonce_l = secrets.token_bytes(NONCE_BYTES)
             if self._crossing(key):
-                writer.write(wire.frame(wire.REFUSED, CROSSING.encode()))
+                writer.write(wire.frame(wire.REFUSED, self._crossing_reason()))
                 raise TransferError(CROSSING)
             full = self._accept_turns.full(source)
             if full is not None:
@@ -264,15 +270,19 @@ class Links:
             hand_on = await self._accept_turns.take(source)
             # A connecting rendezvous of ours first: its connect would never complete
             # beside our accept (quiet.py). It ends within its deadline.
-            while CONNECTS.count:
+            # And none of our accepts (one whose release failed): never two side by side.
+            # Both checked after every pause, so none starts in between.
+            while CONNECTS.count or ACCEPTS.count:
                 if self._crossing(key):
-                    writer.write(wire.frame(wire.REFUSED, CROSSING.encode()))
+                    writer.write(wire.frame(wire.REFUSED, self._crossing_reason()))
                     raise TransferError(CROSSING)
-                await CONNECTS.quiet_by(loop.time() + 0.05)
+                gate = CONNECTS if CONNECTS.count else ACCEPTS
+                await gate.quiet_by(loop.time() + 0.05)
             if reader.at_eof() or writer.is_closing():
                 # Gone while it waited: no port opened, no accept to release.
                 raise TransferError("the peer closed the rendezvous before its turn")
-            await ACCEPTS.quiet()  # one whose release failed: never two side by side
+            if retired_full():
+                raise TransferError(RETIRED_FULL)
             port = MPI.Open_port()
             accepting = PendingAccept(rt, port, ACCEPT_WINDOW_S)
             port = None  # closed (or retired) by accepting, once its accept ended
@@ -462,6 +472,13 @@ class Links:
             except wire.RefusedError as exc:
                 if CROSSING not in str(exc):
                     raise
+                if not str(exc).endswith(f"{CROSSING} ({peer_key})"):
+                    # Another incarnation than the one we dial (it restarted): it is
+                    # linking to us, but that is not the link asked for.
+                    raise PeerLostError(
+                        f"MPI: {address} is not {peer_key} (the peer restarted or the "
+                        f"address was reused): {exc}"
+                    ) from None
                 raise _Crossed() from None
             got = raw_key.decode()
             if got != peer_key:
@@ -524,6 +541,11 @@ class Links:
                     "and its link did not come"
                 )
             await asyncio.sleep(0.01)
+
+    def _crossing_reason(self) -> bytes:
+        """The REFUSED of a crossing hello, naming us: the other side checks that we are
+        the daemon it dials (a restarted one is not)."""
+        return f"{CROSSING} ({self.key})".encode()[: wire.MAX_FIELD]
 
     def _crossing(self, key: str) -> bool:
         """Our rendezvous to `key` is under way beside its rendezvous to us, and ours

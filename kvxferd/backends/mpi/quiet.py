@@ -24,7 +24,6 @@ step of the loop: nothing can start in between.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 
 
@@ -44,33 +43,38 @@ class Gate:
         if self.count == 0:
             waiters, self._waiters = self._waiters, []
             for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+                _settle(fut)
 
     async def quiet(self) -> None:
         """Return once none is under way (at once when none is)."""
+        await self.quiet_by(math.inf)
+
+    async def quiet_by(self, deadline: float) -> bool:
+        """Wait until none is under way, giving up at `deadline` (the loop's clock);
+        whether none is. It waits on its own future, woken by `leave()` in the same pass
+        of the loop as the callbacks that may start the next call (a listener's turn
+        handed on): through wait_for's extra task it woke a pass later, found the next
+        accept started, and a receive with 20 s left failed in 0.16 s."""
+        loop = asyncio.get_running_loop()
         while self.count:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if loop.time() >= deadline:
+                return False
+            fut: asyncio.Future[None] = loop.create_future()
             self._waiters.append(fut)
+            timer = None if math.isinf(deadline) else loop.call_at(deadline, _settle, fut)
             try:
                 await fut
             finally:
-                if not fut.done() or fut.cancelled():
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(fut)
+                if timer is not None:
+                    timer.cancel()
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+        return True
 
-    async def quiet_by(self, deadline: float) -> bool:
-        """`quiet()`, giving up at `deadline` (the loop's clock); whether it is quiet."""
-        if self.count:
-            timeout = deadline - asyncio.get_running_loop().time()
-            if timeout <= 0:
-                return False
-            if math.isinf(timeout):  # uvloop takes no infinite timer
-                await self.quiet()
-            else:
-                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-                    await asyncio.wait_for(self.quiet(), timeout)
-        return not self.count
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 ACCEPTS = Gate("MPI_Comm_accept")
