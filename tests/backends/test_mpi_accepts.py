@@ -1,4 +1,4 @@
-"""The MPI listener's accept turn (kvxferd/backends/mpi/accepts.py), without MPI: who
+"""The MPI listener's accept turn (kvxferd/backends/mpi/accept_turns.py), without MPI: who
 gets it next, what a cancelled waiter does to it, and what holds a source back. The
 listener itself, with real MPI and strangers, is in test_mpi.py."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from kvxferd.backends.mpi import accepts
-from kvxferd.backends.mpi.accepts import AcceptTurns
+from kvxferd.backends.mpi import accept_turns, accepts
+from kvxferd.backends.mpi.accept_turns import AcceptTurns
 
 
 async def _granted_in_order(turns: AcceptTurns, sources: list[str]) -> list[str]:
@@ -90,7 +90,7 @@ def test_a_source_that_abandoned_a_rendezvous_waits_and_a_link_clears_it(
 ) -> None:
     """After an abandoned rendezvous its source's next one waits (doubling each time),
     while another source's goes first; a link made from it clears the wait."""
-    monkeypatch.setattr(accepts, "_PENALTY_FIRST_S", 0.2)
+    monkeypatch.setattr(accept_turns, "_PENALTY_FIRST_S", 0.2)
 
     async def scenario() -> None:
         turns = AcceptTurns()
@@ -118,7 +118,7 @@ def test_a_source_that_abandoned_a_rendezvous_waits_and_a_link_clears_it(
 
 
 def test_penalties_are_bounded_in_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(accepts, "_PENALTY_SOURCES", 8)
+    monkeypatch.setattr(accept_turns, "_PENALTY_SOURCES", 8)
     turns = AcceptTurns()
     for i in range(100):
         turns.penalize(f"10.0.0.{i}")
@@ -219,5 +219,5 @@ def test_released_ports_are_retired_never_closed_and_a_full_list_says_so(
     monkeypatch.setattr(accepts, "_RETIRED_MAX", 3)
     for n in range(3):
         assert not accepts.retired_full()
-        accepts._retire(_Runtime(), f"tag#{n}")  # type: ignore[arg-type]
+        accepts._retire(f"tag#{n}")
     assert accepts.retired_full() and closed == []

@@ -66,10 +66,10 @@ from typing import Any, TypeVar
 from kvxferd.backends.link_proof import NONCE_BYTES, Proofs
 from kvxferd.backends.link_secrets import LinkSecrets
 from kvxferd.backends.mpi import keepalive, wire
+from kvxferd.backends.mpi.accept_turns import AcceptTurns
 from kvxferd.backends.mpi.accepts import (
     ACCEPT_WINDOW_S,
     RETIRED_FULL,
-    AcceptTurns,
     PendingAccept,
     retired_full,
 )
@@ -175,11 +175,10 @@ class Links:
         self._connecting: dict[str, asyncio.Future[None]] = {}
         # MPICH (5.0, UCX netmod) kills the process when two MPI_Comm_connect (or two
         # MPI_Comm_accept) calls of one process overlap: a context daemon linking to two
-        # generation daemons at once did so every time. One of each at a time. Two
-        # locks, not one: a process may accept while it connects, and with one lock two
-        # daemons linking to each other at once would each wait for the other's.
-        # Accepts are handed out round the sources waiting, and one whose peer never
-        # connected keeps the turn until it is released (accepts.py).
+        # generation daemons at once did so every time. One of each at a time: accepts
+        # handed out round the sources waiting (accept_turns.py), connecting rendezvous
+        # one after another; and an accept never beside a connecting rendezvous
+        # (quiet.py), with crossing ones settled by key (_crossing).
         self._accept_turns = AcceptTurns()
         self._queue_refused = 0
         self._connect_turn = asyncio.Lock()

@@ -191,7 +191,8 @@ class MpiTransport(TaggedTransport[tuple[str, int]]):  # tags by (peer key, tag)
             raise ValueError(f"tag {tag} is not a 64-bit unsigned integer")
         rt = await self._runtime()
         MPI = rt.MPI
-        await ACCEPTS.quiet()  # MPI calls wait behind an accept (quiet.py)
+        if ACCEPTS.count:  # MPI calls wait behind an accept (quiet.py)
+            await ACCEPTS.quiet()
         peer = self._links.peer(peer_key)
         link = peer.live_link()
         if link is None:
