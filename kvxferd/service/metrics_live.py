@@ -35,12 +35,16 @@ class LiveCollector:
         refused = CounterMetricFamily(
             "kvxferd_transport_connections_refused",
             "Connections to the staged transport's own listener (UCX, MPI) closed before "
-            "their hellos, by reason (preauth_limit, preauth_per_source_limit).",
+            "their hellos, by reason (preauth_limit, preauth_per_source_limit; MPI: "
+            "accept_queue_limit, too many waiting for its one accept at a time).",
             labels=["reason"],
         )
-        counts = d.listener_refused()
-        for reason in ("preauth_limit", "preauth_per_source_limit"):
-            refused.add_metric([reason], counts.get(reason, 0))
+        # The two every listener has, at 0 until one happens; and whatever else the
+        # transport counts (the MPI listener's accept_queue_limit was counted and never
+        # shown).
+        counts = {"preauth_limit": 0, "preauth_per_source_limit": 0, **d.listener_refused()}
+        for reason, count in counts.items():
+            refused.add_metric([reason], count)
         yield refused
         in_flight = GaugeMetricFamily(
             "kvxferd_requests_in_flight",

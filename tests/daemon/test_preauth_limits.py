@@ -361,3 +361,49 @@ def test_a_stranger_holding_the_mpi_port_leaves_the_daemon_serving(cluster: Loca
             break
     assert served_while_waiting, gen.log_text()
     asyncio.run(serve_once(ctx, gen, "after"))
+
+
+def test_rendezvous_beyond_those_waiting_for_the_mpi_accept_are_refused_and_counted(
+    cluster: LocalCluster,
+) -> None:
+    """A stranger holds the MPI accept (hello, ACK, silence) while 16 more hellos from one
+    address wait for it: the next from that address is refused, and /metrics counts it as
+    accept_queue_limit (counted by the listener, it never reached /metrics before). Then
+    the pair moves a request over MPI."""
+    from kvxferd.backends.mpi.accept_turns import MAX_WAITING_PER_SOURCE
+    from kvxferd.backends.mpi.wire import ACK, HELLO, frame
+
+    ctx, gen, address = _staged_pair(cluster, "MPI")
+    host, port = address.rsplit(":", 1)
+    refused = "kvxferd_transport_connections_refused_total"
+
+    async def hello(source: str, name: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        writer.write(frame(HELLO, name, b"nonce of 16 byte"))
+        await writer.drain()
+        return reader, writer
+
+    async def scenario() -> None:
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            reader, writer = await hello("127.0.0.2", b"ghost/holder")
+            writers.append(writer)
+            assert (await asyncio.wait_for(reader.readexactly(7), 10))[5] == ACK
+            for n in range(MAX_WAITING_PER_SOURCE):
+                writers.append((await hello("127.0.0.3", b"ghost/%d" % n))[1])
+            # One more from that address until the listener has read the others' hellos
+            # (before, the pre-hello cap refuses it instead): then it waits no more.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while not metric(gen, refused, 0, reason="accept_queue_limit"):
+                assert loop.time() < deadline, gen.log_text()
+                reader, writer = await hello("127.0.0.3", b"ghost/extra")
+                writers.append(writer)
+                assert await closed_by_daemon(reader, 5.0), "the extra hello was kept"
+            assert "rendezvous from 127.0.0.3 already wait" in gen.log_text()
+        finally:
+            for w in writers:
+                w.close()
+
+    asyncio.run(scenario())
+    asyncio.run(serve_once(ctx, gen, "after-strangers"))
